@@ -1,0 +1,249 @@
+"""The MoEBlock IR: one Mixture-of-Experts block, described by numbers only.
+
+Dimension letters, used everywhere in moetune:
+    E  routed experts            k  experts per token (top-k)
+    D  hidden size               F  expert intermediate size
+    T  tokens in a call          m_e rows routed to expert e (Σ m_e = T·k)
+
+Weights are read in the model's own layout (see `WeightLayout`); nothing here holds a tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .errors import IRError
+from .symbolic import ExpertRows, SymInt
+
+DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+ActivationKind = Literal["swiglu", "clamped_swiglu"]
+RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_grouped_topk"]
+WeightApplication = Literal["output", "input"]
+
+
+@dataclass(frozen=True)
+class Activation:
+    """How the gate and up halves combine into the F-wide hidden row.
+
+    swiglu          h = silu(g) · u
+    clamped_swiglu  g = min(g, limit); u = clamp(u, ±limit); h = (u + 1) · g · σ(alpha·g)   (GPT-OSS)
+    """
+
+    kind: ActivationKind = "swiglu"
+    alpha: float | None = None
+    limit: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind == "swiglu":
+            if self.alpha is not None or self.limit is not None:
+                raise IRError("Activation", "alpha/limit", (self.alpha, self.limit), "swiglu takes neither")
+        elif self.kind == "clamped_swiglu":
+            if self.alpha is None or self.limit is None or self.limit <= 0:
+                raise IRError("Activation", "alpha/limit", (self.alpha, self.limit),
+                              "clamped_swiglu needs alpha and a positive limit")
+        else:
+            raise IRError("Activation", "kind", self.kind, "supported: swiglu, clamped_swiglu")
+
+    def __str__(self) -> str:
+        if self.kind == "swiglu":
+            return "swiglu"
+        return f"clamped_swiglu(alpha={self.alpha:g}, limit={self.limit:g})"
+
+
+@dataclass(frozen=True)
+class Router:
+    """The routing function, logits [T, E] → (top-k ids [T, k], weights [T, k]).
+
+    softmax_topk          p = softmax(logits); top-k of p; renormalise the k values iff `renormalize`
+    topk_softmax          top-k of logits; softmax over the k values
+    sigmoid_grouped_topk  s = σ(logits); c = s + score_bias; keep `topk_group` of `n_group` groups
+                          (group score: sum of the top-2 of c); top-k of c; weights gathered from s,
+                          renormalised iff `renormalize` (+1e-20), times `scaling`   (DeepSeek-V3)
+
+    `logit_bias`: the router linear has a bias (GPT-OSS). `weights_dtype`: the dtype the experts
+    receive the routing weights in ("model" means the hidden-state dtype).
+    """
+
+    kind: RouterKind
+    renormalize: bool = False
+    logit_bias: bool = False
+    score_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
+    compute_dtype: Literal["float32", "model"] = "float32"
+    weights_dtype: Literal["float32", "model"] = "model"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk"):
+            raise IRError("Router", "kind", self.kind,
+                          "supported: softmax_topk, topk_softmax, sigmoid_grouped_topk")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise IRError("Router", "topk_group", (self.topk_group, self.n_group), "need 1 ≤ topk_group ≤ n_group")
+        if self.kind != "sigmoid_grouped_topk" and (self.score_bias or self.n_group != 1):
+            raise IRError("Router", "score_bias/n_group", (self.score_bias, self.n_group),
+                          f"only sigmoid_grouped_topk has score bias or groups, not {self.kind}")
+        if self.scaling <= 0:
+            raise IRError("Router", "scaling", self.scaling, "must be positive")
+
+    def __str__(self) -> str:
+        s = self.kind
+        if self.kind != "topk_softmax":
+            s += f"(renorm={self.renormalize}"
+            if self.kind == "sigmoid_grouped_topk":
+                s += f", score_bias={self.score_bias}, groups={self.topk_group}/{self.n_group}, scale={self.scaling:g}"
+            s += ")"
+        if self.logit_bias:
+            s += "+logit_bias"
+        return s
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """Where the expert weights live, as transformers 5 stores them in memory.
+
+    standard    gate_up_proj [E, 2F, D] (gate rows 0..F-1, up rows F..2F-1), down_proj [E, D, F]; y = x·Wᵀ
+    transposed  gate_up_proj [E, D, 2F], down_proj [E, F, D]; y = x·W
+    interleaved gate = even columns/rows of the 2F axis, up = odd ones (GPT-OSS); else gate | up halves
+    has_bias    gate_up_proj_bias [E, 2F], down_proj_bias [E, D]
+    """
+
+    transposed: bool = False
+    interleaved: bool = False
+    has_bias: bool = False
+
+    def gate_up_shape(self, E: int, D: int, F: int) -> tuple[int, int, int]:
+        return (E, D, 2 * F) if self.transposed else (E, 2 * F, D)
+
+    def down_shape(self, E: int, D: int, F: int) -> tuple[int, int, int]:
+        return (E, F, D) if self.transposed else (E, D, F)
+
+    @property
+    def is_standard(self) -> bool:
+        return not (self.transposed or self.interleaved or self.has_bias)
+
+    def __str__(self) -> str:
+        parts = ["transposed" if self.transposed else "standard"]
+        if self.interleaved:
+            parts.append("interleaved")
+        if self.has_bias:
+            parts.append("bias")
+        return "+".join(parts)
+
+
+@dataclass(frozen=True)
+class SharedExperts:
+    """Dense experts every token goes through, added to the routed output.
+
+    `gated`: scaled by σ(x·w_gate) (Qwen2-MoE style). `inside_block`: False when the shared MLP sits
+    in the decoder layer rather than in the block (Granite-MoE-Shared), so it is outside the hook.
+    """
+
+    F: int
+    gated: bool = False
+    inside_block: bool = True
+
+    def __post_init__(self) -> None:
+        if self.F <= 0:
+            raise IRError("SharedExperts", "F", self.F, "must be positive")
+
+
+@dataclass(frozen=True)
+class MoEBlock:
+    """One MoE block with symbolic token count `T` and symbolic expert rows `rows`."""
+
+    E: int
+    k: int
+    D: int
+    F: int
+    activation: Activation = field(default_factory=Activation)
+    router: Router = field(default_factory=lambda: Router("softmax_topk", renormalize=True))
+    weight_application: WeightApplication = "output"
+    shared: SharedExperts | None = None
+    layout: WeightLayout = field(default_factory=WeightLayout)
+    weight_dtype: str = "bfloat16"
+    routing_weight_dtype: str = "bfloat16"
+    T_max: int = 4096
+    name: str = ""  # where it came from (a preset name or a module path); not part of the signature
+
+    def __post_init__(self) -> None:
+        verify(self)
+
+    # symbolic shapes
+    @property
+    def T(self) -> SymInt:
+        return SymInt("T", 1, self.T_max)
+
+    @property
+    def rows(self) -> ExpertRows:
+        return ExpertRows(self.T, self.E, self.k)
+
+    def replace(self, **changes) -> MoEBlock:
+        return dataclasses.replace(self, **changes)
+
+    # sizes
+    @property
+    def weight_bytes_per_expert(self) -> int:
+        b = 3 * self.D * self.F * DTYPE_BYTES[self.weight_dtype]
+        if self.layout.has_bias:
+            b += (2 * self.F + self.D) * DTYPE_BYTES[self.weight_dtype]
+        return b
+
+    def signature(self) -> str:
+        """Canonical text of everything a kernel's result and speed depend on (dispatch key)."""
+        act = self.activation
+        act_s = act.kind if act.kind == "swiglu" else f"{act.kind}:{act.alpha!r}:{act.limit!r}"
+        return (f"moe/v1 E={self.E} k={self.k} D={self.D} F={self.F} act={act_s} "
+                f"apply={self.weight_application} layout={self.layout} "
+                f"w={self.weight_dtype} rw={self.routing_weight_dtype}")
+
+    def signature_hash(self) -> str:
+        return hashlib.sha256(self.signature().encode()).hexdigest()[:16]
+
+    def __str__(self) -> str:
+        lines = [
+            f"MoEBlock {self.name or '(unnamed)'}  [{self.signature_hash()}]",
+            f"  E={self.E} k={self.k} D={self.D} F={self.F}  T∈[1,{self.T_max}]  {self.rows}",
+            f"  activation: {self.activation}",
+            f"  router: {self.router}  (routing weights {self.routing_weight_dtype}, "
+            f"applied to the expert {self.weight_application})",
+            f"  weights: {self.weight_dtype}, layout {self.layout}  "
+            f"gate_up {list(self.layout.gate_up_shape(self.E, self.D, self.F))} "
+            f"down {list(self.layout.down_shape(self.E, self.D, self.F))}",
+        ]
+        if self.shared is not None:
+            where = "in block" if self.shared.inside_block else "in decoder layer, outside the block"
+            lines.append(f"  shared experts: F={self.shared.F} gated={self.shared.gated} ({where})")
+        return "\n".join(lines)
+
+
+def verify(block: MoEBlock) -> MoEBlock:
+    """Check a MoEBlock's invariants; raise IRError naming the field and the values."""
+    node = f"MoEBlock({block.name or block.E})"
+    for f_name in ("E", "k", "D", "F", "T_max"):
+        v = getattr(block, f_name)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise IRError(node, f_name, v, "must be a positive int")
+    if block.k > block.E:
+        raise IRError(node, "k", block.k, f"top-k larger than E = {block.E}")
+    r = block.router
+    if r.kind == "sigmoid_grouped_topk":
+        if block.E % r.n_group:
+            raise IRError(node, "router.n_group", r.n_group, f"does not divide E = {block.E}")
+        if block.k > r.topk_group * (block.E // r.n_group):
+            raise IRError(node, "router.topk_group", r.topk_group,
+                          f"keeps {r.topk_group * (block.E // r.n_group)} experts, fewer than k = {block.k}")
+    for f_name in ("weight_dtype", "routing_weight_dtype"):
+        v = getattr(block, f_name)
+        if v not in DTYPES:
+            raise IRError(node, f_name, v, f"supported: {', '.join(DTYPES)}")
+    if block.weight_application not in ("output", "input"):
+        raise IRError(node, "weight_application", block.weight_application, "must be 'output' or 'input'")
+    if not isinstance(block.activation, Activation):
+        raise IRError(node, "activation", block.activation, "must be an Activation")
+    return block
