@@ -53,3 +53,35 @@ class ExpertTensors:
 
 
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ExpertTensors], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ParamSpace:
+    """A backend's tunable parameters for one schedule kind: field name → allowed values.
+
+    `params_type` is the backend's frozen parameter dataclass; its `__post_init__` may refuse a
+    combination (raise UnsupportedSchedule with the reason), which the search scores as infeasible.
+    """
+
+    params_type: type
+    choices: tuple[tuple[str, tuple], ...]
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.choices)
+
+    def make(self, **values):
+        return self.params_type(**values)
+
+    def size(self) -> int:
+        n = 1
+        for _, vals in self.choices:
+            n *= len(vals)
+        return n
+
+    def grid(self):
+        """Every combination, in order (refused ones included: `make` raises for those)."""
+        import itertools
+
+        names = self.names()
+        for combo in itertools.product(*(vals for _, vals in self.choices)):
+            yield dict(zip(names, combo, strict=True))

@@ -1,0 +1,51 @@
+"""The contract every backend implements, and the registry the runtime and the search read.
+
+    class Backend(Protocol):
+        name: str                                   # "torch" | "triton" | "pallas"
+        def available(self) -> str | None            # None when usable here, else the reason
+        def kinds(self, block) -> dict[kind, str | None]   # schedule kind → None or refusal reason
+        def space(self, block, kind) -> ParamSpace   # the kernel's tunables for that kind
+        def default(self, block, kind, tokens) -> Schedule    # tested heuristic params for that kind
+        def build(self, block, schedule) -> ExpertsFn         # or raise UnsupportedSchedule(reason)
+        def cost(self, block, schedule, tokens) -> tuple[float, float]   # (flops, bytes) it moves
+
+Backends register themselves with `register(backend)` when their package is imported;
+`get(name)` imports the package on first use, so importing moetune pulls in no Triton or JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol
+
+from ..ir import MoEBlock, Schedule, UnsupportedSchedule
+from .common import ExpertsFn, ParamSpace
+
+_REGISTRY: dict[str, Backend] = {}
+_MODULES = {"torch": "moetune.codegen.torch", "triton": "moetune.codegen.triton", "pallas": "moetune.codegen.pallas"}
+
+
+class Backend(Protocol):
+    name: str
+
+    def available(self) -> str | None: ...
+    def kinds(self, block: MoEBlock) -> dict[str, str | None]: ...
+    def space(self, block: MoEBlock, kind: str) -> ParamSpace: ...
+    def default(self, block: MoEBlock, kind: str, tokens: int) -> Schedule: ...
+    def build(self, block: MoEBlock, schedule: Schedule) -> ExpertsFn: ...
+    def cost(self, block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]: ...
+
+
+def register(backend: Backend) -> Backend:
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def get(name: str) -> Backend:
+    if name not in _REGISTRY:
+        if name not in _MODULES:
+            raise UnsupportedSchedule(f"unknown backend {name!r}; known: {', '.join(_MODULES)}")
+        importlib.import_module(_MODULES[name])
+    if name not in _REGISTRY:
+        raise UnsupportedSchedule(f"backend {name!r} did not register itself on import")
+    return _REGISTRY[name]
