@@ -1,0 +1,80 @@
+"""The `moetune` command.
+
+Each subcommand's work lives beside the code it drives; this file only parses arguments and
+hands them to `run(args)` of the named module (imported on use, so `moetune presets` pulls in
+neither Optuna nor Triton).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .ir.errors import MoetuneError
+
+
+def _source(p: argparse.ArgumentParser, required: bool = True) -> None:
+    g = p.add_mutually_exclusive_group(required=required)
+    g.add_argument("--preset", help="a shipped preset (see `moetune presets`)")
+    g.add_argument("--config", help="a HuggingFace config.json")
+    g.add_argument("--model-dir", help="a HuggingFace model folder (its config.json is read)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="moetune", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("presets", help="list the shipped presets of real models")
+    p.set_defaults(module="moetune.ir.presets")
+
+    p = sub.add_parser("explain", help="print the MoE block IR of a preset, config or model folder")
+    _source(p)
+    p.add_argument("--passes", action="store_true", help="also print the IR after every pass")
+    p.add_argument("--target", default="h200", help="hardware target for the passes' floors")
+    p.add_argument("--trace", help="a routing trace from `moetune record` for the statistics")
+    p.add_argument("--tokens", default="1-4096", help="token range LO-HI")
+    p.set_defaults(module="moetune.ir.explain")
+
+    p = sub.add_parser("record", help="record each MoE layer's routing on the given inputs")
+    p.add_argument("--model-dir", help="a HuggingFace model folder")
+    p.add_argument("--tiny", help="a tiny offline model family (tests, demos)")
+    p.add_argument("--prompts", help="a text file, one prompt per line (needs a tokenizer in --model-dir)")
+    p.add_argument("--steps", type=int, default=8, help="decode steps to record after the prompt")
+    p.add_argument("-o", "--output", required=True, help="trace file to write")
+    p.set_defaults(module="moetune.passes.trace")
+
+    p = sub.add_parser("tune", help="tune a dispatch table for a preset or config on this machine")
+    _source(p)
+    p.add_argument("--tokens", default="1-1024")
+    p.add_argument("--trace")
+    p.add_argument("--budget", default="10m", help="wall-clock budget, e.g. 90s, 10m")
+    p.add_argument("--cache", default=None, help="dispatch table file (default: cache/<target>.sqlite)")
+    p.add_argument("--storage", default=None, help="Optuna storage URL or journal file shared by workers")
+    p.add_argument("--backend", default=None, help="torch | triton (default: the best available here)")
+    p.add_argument("--dtype", default=None, help="weight dtype (default: the preset's)")
+    p.set_defaults(module="moetune.search.cli")
+
+    p = sub.add_parser("show", help="list a dispatch table's contents")
+    p.add_argument("path")
+    p.set_defaults(module="moetune.runtime.table", action="show")
+
+    p = sub.add_parser("merge", help="merge dispatch tables, keeping the faster entry of each key")
+    p.add_argument("inputs", nargs="+")
+    p.add_argument("-o", "--output", required=True)
+    p.set_defaults(module="moetune.runtime.table", action="merge")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        mod = importlib.import_module(args.module)
+        return int(mod.run(args) or 0)
+    except MoetuneError as e:
+        print(f"moetune {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
