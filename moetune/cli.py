@@ -25,6 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="moetune", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
 
+    p = sub.add_parser("demo", help="the main job: tune a CPU table, compile a tiny model with it, compare")
+    p.add_argument("--family", default="qwen3_moe", help="tiny transformers family (see moetune.tiny)")
+    p.add_argument("--budget", default="60s", help="tuning budget for the CPU table")
+    p.add_argument("--cache", default=None, help="dispatch table to write (default: cache/cpu-demo.sqlite)")
+    p.set_defaults(module="moetune.demo")
+
     p = sub.add_parser("presets", help="list the shipped presets of real models")
     p.set_defaults(module="moetune.ir.presets")
 
