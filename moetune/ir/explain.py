@@ -1,0 +1,84 @@
+"""`moetune.explain(model)` and `moetune explain`: what capture found, block by block.
+
+For a model: each MoE block's path, its IR, or the reason it was left as it is. For the CLI:
+the block of a preset, a config.json or a model folder (no weights are read), optionally with
+the IR after every pass of the pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .block import MoEBlock
+from .config import block_from_config, load_config
+from .errors import CaptureError
+from .presets import preset
+
+if TYPE_CHECKING:  # torch is imported only when a model is explained, not for presets or configs
+    import torch
+
+    from .capture import Captured
+
+
+def format_captured(found: list[Captured]) -> str:
+    """The text `explain` prints: a summary line, then each block's IR or reason."""
+    n_ok = sum(c.ok for c in found)
+    lines = [f"{len(found)} MoE block(s) found, {n_ok} captured, {len(found) - n_ok} left as is"]
+    for c in found:
+        if c.ok:
+            lines.append(f"\n{c.path}: {c.block_class} captured")
+            lines.append(str(c.block))
+        else:
+            lines.append(f"\n{c.path}: {c.block_class} NOT captured")
+            lines.append(f"  reason: {c.reason}")
+    return "\n".join(lines)
+
+
+def explain(model: torch.nn.Module, *, print_: bool = True, check: bool = True) -> list[Captured]:
+    """Capture `model` (changing nothing) and print each block found; returns the `Captured` list."""
+    from .capture import capture
+
+    found = capture(model, check=check)
+    if print_:
+        print(format_captured(found) if found else "no MoE block found (no module has an `experts` child)")
+    return found
+
+
+def _tokens(spec: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = spec.partition("-")
+        lo_i, hi_i = int(lo), int(hi or lo)
+    except ValueError:
+        raise CaptureError(f"--tokens {spec!r}: expected LO-HI, e.g. 1-4096") from None
+    if not 1 <= lo_i <= hi_i:
+        raise CaptureError(f"--tokens {spec!r}: need 1 ≤ LO ≤ HI")
+    return lo_i, hi_i
+
+
+def block_from_args(args: argparse.Namespace) -> MoEBlock:
+    """The MoEBlock named by --preset, --config or --model-dir (no weights are read)."""
+    T_max = _tokens(getattr(args, "tokens", None) or "1-4096")[1]
+    if getattr(args, "preset", None):
+        return preset(args.preset, dtype=getattr(args, "dtype", None)).replace(T_max=T_max)
+    path = args.config or args.model_dir
+    name = str(Path(path) / "config.json") if getattr(args, "model_dir", None) else str(path)
+    return block_from_config(load_config(path), name=name, dtype=getattr(args, "dtype", None), T_max=T_max)
+
+
+def run(args: argparse.Namespace) -> int:
+    block = block_from_args(args)
+    print(block)
+    if not getattr(args, "passes", False):
+        return 0
+    if importlib.util.find_spec("moetune.passes.pipeline") is None:
+        print("\n--passes: the pass pipeline (moetune.passes.pipeline) is not part of this build yet; "
+              "only the captured IR is shown")
+        return 0
+    from ..passes.pipeline import run_pipeline
+
+    for pass_name, ir in run_pipeline(block, target=args.target, trace=args.trace, tokens=_tokens(args.tokens)):
+        print(f"\n== after {pass_name}\n{ir}")
+    return 0
