@@ -1,5 +1,10 @@
-"""torch backend: the float32 reference and the CPU schedule variants."""
+"""torch backend: the float32 reference and the CPU schedule variants (registered as "torch")."""
 
+from ..backend import register
+from .backend import BACKEND, TorchBackend
 from .reference import apply_activation, experts_reference, split_gate_up
+from .tolerance import tolerances
 
-__all__ = ["apply_activation", "experts_reference", "split_gate_up"]
+register(BACKEND)
+
+__all__ = ["BACKEND", "TorchBackend", "apply_activation", "experts_reference", "split_gate_up", "tolerances"]

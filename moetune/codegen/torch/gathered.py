@@ -1,0 +1,91 @@
+"""stream_gemv: one gathered GEMV per (token, expert) pair, no sort, no padding rows.
+
+    for each chunk of `chunk` pairs (in [T, k] order):
+        Wgu = gate_up[e_c]  [c, D, 2F] view-gathered copy       (index_select: the workspace)
+        gu  = bmm(x_c [c, 1, D], Wgu)                          (+ gate_up_bias[e_c])
+        y_c = bmm(act(gu) [c, 1, F], down[e_c] [c, F, D])       (+ down_bias[e_c])
+    combine: y.view(T, k, D).sum(1) in float32
+
+This is the decode regime's schedule: with one row per active expert there is nothing to batch,
+and every selected expert's weights are touched once. On CPU the price is the gather: it copies
+chunk × (3·D·F) weights per step, so a block whose chunk of copies exceeds GATHER_WORKSPACE_BYTES is
+refused with the reason (lower `chunk`). The chunk loop runs over T·k, a host-side shape: no sync.
+Sentinel ids are clamped for the gather and their rows zeroed in the combine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...ir import MoEBlock, UnsupportedSchedule
+from ..common import ExpertsFn, ExpertTensors, ParamSpace
+from ._common import (
+    activate,
+    activation_bytes,
+    check_chunk,
+    combine_pairs,
+    empty_out,
+    ffn_flops,
+    gather_refusal,
+    input_rows,
+    kn,
+    pairs,
+    weight_dtype,
+)
+
+
+@dataclass(frozen=True)
+class GatheredParams:
+    """chunk: (token, expert) pairs per gathered bmm; workspace = chunk × one expert's weights."""
+
+    chunk: int = 32
+
+    def __post_init__(self) -> None:
+        check_chunk("GatheredParams", self.chunk)
+
+
+SPACE = ParamSpace(GatheredParams, (("chunk", (4, 16, 64, 256)),))
+
+
+def gathered_expert_rows(block: MoEBlock, w: ExpertTensors, xs: torch.Tensor, e: torch.Tensor,
+                         chunk: int) -> torch.Tensor:
+    """Rows xs [n, D] with expert ids e [n] (all in [0, E)) → y [n, D], chunk pairs per bmm."""
+    gu_kn, dn_kn = kn(block, w.gate_up), kn(block, w.down)  # [E, D, 2F], [E, F, D] views
+    out = []
+    for s in range(0, xs.shape[0], chunk):
+        e_c = e[s:s + chunk]  # [c]
+        gu = torch.bmm(xs[s:s + chunk].unsqueeze(1), gu_kn.index_select(0, e_c)).squeeze(1)  # [c, 2F]
+        if w.gate_up_bias is not None:
+            gu = gu + w.gate_up_bias.index_select(0, e_c)
+        h = activate(block, gu)  # [c, F]
+        y = torch.bmm(h.unsqueeze(1), dn_kn.index_select(0, e_c)).squeeze(1)  # [c, D]
+        if w.down_bias is not None:
+            y = y + w.down_bias.index_select(0, e_c)
+        out.append(y)
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def build(block: MoEBlock, params: GatheredParams) -> ExpertsFn:
+    why = gather_refusal(block, params.chunk)
+    if why:
+        raise UnsupportedSchedule(why)
+    chunk = params.chunk
+
+    def gathered(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
+        T, k = ids.shape
+        if T == 0:
+            return empty_out(x)
+        p = pairs(block, ids, weights)
+        xs = input_rows(block, x, p.tok, p.weight, weight_dtype(w))  # [S, D]
+        y = gathered_expert_rows(block, w, xs, p.expert.clamp(max=block.E - 1), chunk)  # [S, D]
+        return combine_pairs(block, T, k, y, p, x.dtype)
+
+    return gathered
+
+
+def cost(block: MoEBlock, params: GatheredParams, tokens: int) -> tuple[float, float]:
+    """(flops, bytes): every pair reads its expert's weights, writes the copy and reads it again."""
+    S = tokens * block.k
+    return ffn_flops(block, S), 3.0 * S * block.weight_bytes_per_expert + activation_bytes(block, tokens)

@@ -1,0 +1,74 @@
+"""grouped_gemm, sorted: sort the (token, expert) pairs by expert, one GEMM per active expert.
+
+    order = argsort(expert ids)            pairs of one expert become contiguous rows
+    for e with m_e > 0:  y[rows_e] = down[e] · act(gate_up[e] · x[rows_e])     two torch.mm
+    combine (unsort_sum | index_add) in float32
+
+The loop over active experts runs on the host: it reads the per-expert counts (`tolist()`). On
+CPU there is no device to synchronise with, so this costs nothing beyond the Python loop; on a GPU
+it would be a device-to-host sync, which is why the GPU backends and the `grouped_mm` variant do
+not do it. Work is ∝ distinct experts × weights + T·k rows: each active expert's weights are read
+once, at any number of rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...ir import MoEBlock
+from ..common import ExpertsFn, ExpertTensors, ParamSpace
+from ._common import (
+    COMBINES,
+    GroupedGemmParams,
+    activation_bytes,
+    combine_sorted,
+    empty_out,
+    expected_distinct,
+    expert_ffn,
+    ffn_flops,
+    input_rows,
+    pairs,
+    sort_pairs,
+    weight_dtype,
+)
+
+SPACE = ParamSpace(GroupedGemmParams, (("impl", ("sorted_gemm",)), ("combine", COMBINES)))
+
+
+def sorted_expert_rows(block: MoEBlock, w: ExpertTensors, xs_s: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Expert-sorted rows xs_s [n, D] with counts[e] rows of expert e → y_s [n, D] (rows past the
+    active experts, i.e. sentinels, are zero)."""
+    y_s = xs_s.new_zeros(xs_s.shape)  # [n, D]
+    start = 0
+    for e, m in enumerate(counts):
+        if m:
+            y_s[start:start + m] = expert_ffn(block, w, e, xs_s[start:start + m])  # [m_e, D]
+            start += m
+    return y_s
+
+
+def build(block: MoEBlock, params: GroupedGemmParams) -> ExpertsFn:
+    combine = params.combine
+
+    def sorted_gemm(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
+        T, k = ids.shape
+        if T == 0:
+            return empty_out(x)
+        p = pairs(block, ids, weights)
+        order, _, counts = sort_pairs(p, block.E)  # [S], [S], [E+1]
+        xs_s = input_rows(block, x, p.tok.index_select(0, order), p.weight.index_select(0, order),
+                          weight_dtype(w))  # [S, D]
+        y_s = sorted_expert_rows(block, w, xs_s, counts[: block.E].tolist())  # [S, D]  (host loop)
+        return combine_sorted(combine, block, T, k, y_s, order, p, x.dtype)
+
+    return sorted_gemm
+
+
+def cost(block: MoEBlock, params: GroupedGemmParams, tokens: int) -> tuple[float, float]:
+    """(flops, bytes): T·k rows of FFN; each distinct expert's weights read once."""
+    S = tokens * block.k
+    distinct = expected_distinct(block.E, block.k, tokens)
+    b = distinct * block.weight_bytes_per_expert + activation_bytes(block, tokens)
+    if params.combine == "unsort_sum":
+        b += 2 * S * block.D * 4  # the float32 un-permute
+    return ffn_flops(block, S), b + S * 16  # + int64 ids and order
