@@ -1,0 +1,126 @@
+"""The target description table and the roofline floor of an MoE expert block.
+
+One row per hardware target. `bandwidth` and `peak_flops` are the figures floors are quoted at
+(the datasheet where there is one, ../shared/notes/gpu.md: "quote the floor at the datasheet
+figures"); `measured_*` are the ceilings measured on the machine, kept beside them and never mixed
+in. `vector_flops` is the non-matrix-unit rate (fp32 CUDA cores on a GPU): the limit of a
+streaming GEMV, which does its multiply-adds there.
+
+Floor of one call of the expert block at T tokens (the router is not part of it):
+
+    bytes = distinct_experts · 3·D·F · bytes_per_weight        (every selected expert read once)
+          + 2 · T·D · bytes_per_activation                     (x in, y out)
+          + T·k · (8 + bytes_per_routing_weight)               (int64 ids, routing weights)
+    flops = 2 · 3 · T·k · D·F
+    time  = max(bytes / bandwidth, flops / peak_flops)
+
+`distinct_experts` is the routing statistics model's expectation at T (uniform routing unless a
+measured `RoutingStats` is given). `floor(block, target, tokens, stats=None)` is the one function
+the passes, the search and the benchmarks use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import DTYPE_BYTES, IRError, MoEBlock, Roofline, RoutingStats
+from .stats import uniform
+
+ROUTING_ID_BYTES = 8  # transformers hands the experts int64 top-k ids
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    kind: str  # "gpu" | "tpu" | "cpu"
+    bandwidth: float  # B/s, memory the expert weights live in (HBM; DRAM on a CPU)
+    peak_flops: float  # flop/s, dense bf16 on the matrix units (fp32 on a CPU)
+    vector_flops: float | None = None  # flop/s off the matrix units (GPU fp32 CUDA cores)
+    measured_bandwidth: float | None = None
+    measured_flops: float | None = None
+    memory_bytes: float | None = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for f_name in ("bandwidth", "peak_flops"):
+            v = getattr(self, f_name)
+            if not v > 0:
+                raise IRError(f"Target({self.name})", f_name, v, "must be positive")
+
+    @property
+    def ridge(self) -> float:
+        """flop per byte where the floor turns from memory- to compute-bound."""
+        return self.peak_flops / self.bandwidth
+
+    def gemv_max_rows(self, weight_dtype: str, default: int = 8) -> int:
+        """Rows per expert up to which a weight-streaming GEMV (no matrix units) stays memory-bound.
+
+        Each row does 2 flop per weight element of `bytes` bytes: memory-bound while
+        rows · 2 / bytes ≤ vector_flops / bandwidth. Targets without a separate vector rate (TPU:
+        the GEMV runs on the MXU anyway; CPU) use `default`.
+        """
+        if self.vector_flops is None:
+            return default
+        rows = int(self.vector_flops / self.bandwidth * DTYPE_BYTES[weight_dtype] / 2)
+        return max(2, rows)
+
+
+TARGETS: dict[str, Target] = {
+    t.name: t
+    for t in (
+        Target("h200", "gpu", bandwidth=4.8e12, peak_flops=989e12, vector_flops=67e12,
+               measured_bandwidth=4.28e12, measured_flops=750e12, memory_bytes=141e9,
+               source="NVIDIA H200 SXM datasheet (bf16 dense, fp32 67 TFLOP/s as H100 SXM); measured "
+                      "2026-11-29: HBM read 4.28-4.44 TB/s (Triton, 4 GiB), bf16 matmul 8192^3 "
+                      "750-800 TFLOP/s (../shared/notes/gpu.md, low ends kept)"),
+        Target("tpu-v5e", "tpu", bandwidth=819e9, peak_flops=197e12, memory_bytes=16 * 2**30,
+               source="Google Cloud TPU v5e docs: 197 TFLOP/s bf16, 819 GB/s HBM, 16 GiB; not measured"),
+        Target("tpu-v6e", "tpu", bandwidth=1640e9, peak_flops=918e12, memory_bytes=32 * 2**30,
+               source="Google Cloud TPU v6e (Trillium) docs: 918 TFLOP/s bf16, 1640 GB/s HBM, 32 GiB; "
+                      "not measured"),
+        Target("tpu-v7", "tpu", bandwidth=7.37e12, peak_flops=2307e12, memory_bytes=192 * 2**30,
+               source="Google Cloud TPU7x (Ironwood) docs: 2307 TFLOP/s bf16 (4614 fp8), 7.37 TB/s "
+                      "HBM, 192 GiB; not measured"),
+        # No datasheet figures: the floor uses the measured ones (python -m moetune.passes.measure_cpu,
+        # 2026-11-29, 2-core Intel Xeon CI machine, best of three runs: stream add 6.3 / 7.2 / 9.3 GB/s,
+        # fp32 mm 2048^3 179 / 245 / 225 GFLOP/s with 2 threads; shared machine, noisy).
+        Target("cpu", "cpu", bandwidth=9.28e9, peak_flops=244.5e9, measured_bandwidth=9.28e9,
+               measured_flops=244.5e9,
+               source="measured 2026-11-29 on the 2-core CI machine by moetune.passes.measure_cpu "
+                      "(numpy stream add, torch fp32 mm); no datasheet"),
+    )
+}
+ALIASES = {"tpu-v7x": "tpu-v7", "ironwood": "tpu-v7", "trillium": "tpu-v6e", "v5e": "tpu-v5e",
+           "v6e": "tpu-v6e", "v7": "tpu-v7"}
+
+
+def get_target(target: str | Target) -> Target:
+    if isinstance(target, Target):
+        return target
+    name = ALIASES.get(target, target)
+    if name not in TARGETS:
+        raise IRError("target", "name", target, f"known: {', '.join(TARGETS)}")
+    return TARGETS[name]
+
+
+def floor(block: MoEBlock, target: str | Target, tokens: int, stats: RoutingStats | None = None) -> Roofline:
+    """The roofline floor of `block`'s routed experts at `tokens` tokens on `target`.
+
+    `stats`: the expected expert-batch shape at `tokens` (its `distinct_experts` is used); uniform
+    routing when None.
+    """
+    t = get_target(target)
+    if not isinstance(tokens, int) or tokens < 1:
+        raise IRError("floor", "tokens", tokens, "need an int ≥ 1")
+    if stats is None:
+        stats = uniform(block.E, block.k).stats(tokens)
+    elif stats.tokens != tokens:
+        raise IRError("floor", "stats.tokens", stats.tokens,
+                      f"stats are for another token count than {tokens}")
+    act = DTYPE_BYTES[block.weight_dtype]
+    nbytes = (stats.distinct_experts * block.weight_bytes_per_expert
+              + 2 * tokens * block.D * act
+              + tokens * block.k * (ROUTING_ID_BYTES + DTYPE_BYTES[block.routing_weight_dtype]))
+    flops = 2.0 * 3 * tokens * block.k * block.D * block.F
+    return Roofline(target=t.name, tokens=tokens, bytes=float(nbytes), flops=flops,
+                    bandwidth=t.bandwidth, peak_flops=t.peak_flops)

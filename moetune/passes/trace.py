@@ -1,0 +1,308 @@
+"""Routing traces: each MoE layer's top-k expert ids, step by step, recorded from a real model.
+
+File format (version 1): a NumPy `.npz` archive (zip of `.npy` arrays, read with
+allow_pickle=False), arrays
+
+    format       str   "moetune-trace"         (anything else: not a trace file)
+    version      int   1
+    E, k         int   experts, experts per token
+    layers       str   [L]      the experts modules' paths, e.g. "model.layers.3.mlp.experts"
+    step_tokens  int64 [S]      tokens T of each recorded forward call (Σ = N)
+    step_phase   int8  [S]      0 prefill (prompt), 1 decode
+    ids          int16|int32 [L, N, k]  top-k ids, token rows of the steps one after the other
+    meta         str   JSON object: model class, source, date, …
+
+`Trace.load` checks every array's presence, dtype and shape and names the file in its error
+(`TraceError`) for a truncated, foreign or inconsistent file.
+
+`record(model, inputs, steps)` runs a prompt forward and `steps` greedy decode steps with forward
+pre-hooks on the experts modules (found by moetune.ir.capture when it is there, else by the
+`has_gate`/`is_transposed` attributes that transformers' experts hook sets), which see
+`(hidden_states [T, D], top_k_index [T, k], top_k_weights [T, k])`.
+
+`moetune record --tiny FAMILY` builds a tiny random model with tests/tiny_models.py: imported as
+`tiny_models` when it is on sys.path, else loaded from the source checkout beside the package
+(…/tests/tiny_models.py). It is a demo and test aid; an installed package without the checkout
+says so. moetune ships no model builder of its own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..ir.errors import MoetuneError
+
+FORMAT = "moetune-trace"
+VERSION = 1
+PHASES = {"prefill": 0, "decode": 1}
+
+
+class TraceError(MoetuneError):
+    """A trace file is missing, truncated, of another format or version, or inconsistent; names it."""
+
+
+@dataclass(frozen=True, eq=False)
+class Trace:
+    E: int
+    k: int
+    layers: tuple[str, ...]
+    step_tokens: np.ndarray  # [S]
+    step_phase: np.ndarray  # [S] 0 prefill, 1 decode
+    ids: np.ndarray  # [L, N, k]
+    meta: dict = field(default_factory=dict)
+    name: str = "trace"
+
+    def __post_init__(self) -> None:
+        _check(self, self.name)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.ids.shape[1])
+
+    @property
+    def steps(self) -> int:
+        return int(self.step_tokens.shape[0])
+
+    def pools(self, phase: str = "all") -> list[np.ndarray]:
+        """Per layer, the token rows [N', k] of the steps of `phase` ("all", "prefill", "decode")."""
+        if phase == "all":
+            return [self.ids[i] for i in range(len(self.layers))]
+        if phase not in PHASES:
+            raise TraceError(f"{self.name}: phase {phase!r}; known: all, prefill, decode")
+        keep = np.repeat(self.step_phase == PHASES[phase], self.step_tokens)  # [N]
+        if not keep.any():
+            raise TraceError(f"{self.name}: no {phase} steps in the trace")
+        return [self.ids[i][keep] for i in range(len(self.layers))]
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        if path.suffix != ".npz":
+            path = path.with_name(path.name + ".npz")  # np.savez would add it anyway
+        dtype = np.int16 if self.E <= np.iinfo(np.int16).max else np.int32
+        np.savez_compressed(
+            path, format=np.array(FORMAT), version=np.array(VERSION), E=np.array(self.E),
+            k=np.array(self.k), layers=np.array(self.layers, dtype=str),
+            step_tokens=self.step_tokens.astype(np.int64), step_phase=self.step_phase.astype(np.int8),
+            ids=self.ids.astype(dtype), meta=np.array(json.dumps(self.meta)))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Trace:
+        path = Path(path)
+        if not path.is_file():
+            raise TraceError(f"trace file {path}: not found")
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                arrays = {name: z[name] for name in z.files}
+        except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
+            raise TraceError(f"trace file {path}: not a readable .npz archive (truncated or foreign file): "
+                             f"{type(e).__name__}: {e}") from None
+        if not isinstance(arrays, dict) or str(arrays.get("format", "")) != FORMAT:
+            raise TraceError(f"trace file {path}: not a moetune trace (no format={FORMAT!r} entry)")
+        need = ("version", "E", "k", "layers", "step_tokens", "step_phase", "ids", "meta")
+        missing = [n for n in need if n not in arrays]
+        if missing:
+            raise TraceError(f"trace file {path}: missing arrays {missing}")
+        if int(arrays["version"]) != VERSION:
+            raise TraceError(f"trace file {path}: version {int(arrays['version'])}, "
+                             f"this moetune reads {VERSION}")
+        try:
+            meta = json.loads(str(arrays["meta"]))
+        except json.JSONDecodeError as e:
+            raise TraceError(f"trace file {path}: meta is not JSON: {e}") from None
+        return cls(E=int(arrays["E"]), k=int(arrays["k"]), layers=tuple(str(s) for s in arrays["layers"]),
+                   step_tokens=arrays["step_tokens"], step_phase=arrays["step_phase"],
+                   ids=arrays["ids"], meta=meta, name=str(path))
+
+
+def _check(t: Trace, where: str) -> None:
+    def bad(why: str) -> TraceError:
+        return TraceError(f"trace {where}: {why}")
+
+    if not (isinstance(t.E, int) and isinstance(t.k, int) and 1 <= t.k <= t.E):
+        raise bad(f"E = {t.E}, k = {t.k}: need 1 ≤ k ≤ E")
+    if t.ids.ndim != 3 or t.ids.shape[0] != len(t.layers) or t.ids.shape[2] != t.k:
+        raise bad(f"ids shape {t.ids.shape}, need [L = {len(t.layers)}, N, k = {t.k}]")
+    if not np.issubdtype(t.ids.dtype, np.integer):
+        raise bad(f"ids dtype {t.ids.dtype}, need an integer type")
+    if t.step_tokens.ndim != 1 or t.step_tokens.shape != t.step_phase.shape:
+        raise bad(f"step_tokens {t.step_tokens.shape} / step_phase {t.step_phase.shape}: need [S] each")
+    if (t.step_tokens < 1).any() or int(t.step_tokens.sum()) != t.ids.shape[1]:
+        raise bad(f"step token counts sum to {int(t.step_tokens.sum())}, ids hold {t.ids.shape[1]} tokens")
+    if not np.isin(t.step_phase, list(PHASES.values())).all():
+        raise bad("step_phase values outside {0 prefill, 1 decode}")
+    if t.ids.size and (t.ids.min() < 0 or t.ids.max() >= t.E):
+        raise bad(f"expert ids span [{t.ids.min()}, {t.ids.max()}], outside [0, E = {t.E})")
+    if t.ids.size and t.k > 1:
+        s = np.sort(t.ids, axis=-1)
+        if (s[..., 1:] == s[..., :-1]).any():
+            raise bad("a token lists the same expert twice among its top-k")
+
+
+# ---------------------------------------------------------------- recording
+
+
+def experts_modules(model) -> list[tuple[str, object]]:
+    """(path, experts module) of each hooked MoE layer, in model order."""
+    try:
+        from ..ir.capture import capture  # lands with the capture work; attributes until then
+    except ImportError:
+        capture = None
+    if capture is not None:
+        found = [(c.path, c.experts) for c in capture(model) if getattr(c, "experts", None) is not None]
+        return [(p if p.endswith("experts") else f"{p}.experts", m) for p, m in found]
+    return [(n, m) for n, m in model.named_modules()
+            if hasattr(m, "has_gate") and hasattr(m, "is_transposed")]
+
+
+def _num_experts(mod) -> int:
+    n = getattr(mod, "num_experts", None)
+    if isinstance(n, int):
+        return n
+    w = next(p for name, p in mod.named_parameters() if "gate_up" in name or "up_proj" in name)
+    return int(w.shape[0])
+
+
+def record(model, inputs, steps: int = 8, attention_mask=None, name: str = "trace") -> Trace:
+    """Run `inputs` (token ids [B, S]) through `model`, then `steps` greedy decode steps; trace routing.
+
+    Step 0 is the prompt forward (T = B·S, phase prefill), then one step per decode (T = B).
+    """
+    import torch
+
+    found = experts_modules(model)
+    if not found:
+        raise TraceError(f"{type(model).__name__}: no hooked MoE experts module to trace "
+                         "(unhooked families such as Llama4 and DBRX are not traced)")
+    Es = {_num_experts(m) for _, m in found}
+    if len(Es) != 1:
+        raise TraceError(f"{type(model).__name__}: experts modules disagree on E: {sorted(Es)}")
+    per_layer: list[list[np.ndarray]] = [[] for _ in found]
+
+    def hook_for(i: int):
+        def hook(mod, args, kwargs):
+            idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            per_layer[i].append(idx.detach().to("cpu", torch.int64).numpy().reshape(-1, idx.shape[-1]))
+        return hook
+
+    handles = [m.register_forward_pre_hook(hook_for(i), with_kwargs=True) for i, (_, m) in enumerate(found)]
+    step_tokens, step_phase = [], []
+    try:
+        with torch.no_grad():
+            ids = torch.as_tensor(inputs)  # [B, S]
+            if ids.ndim == 1:
+                ids = ids[None]
+            mask = torch.as_tensor(attention_mask) if attention_mask is not None else torch.ones_like(ids)
+            # mask [B, S]
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            step_tokens.append(ids.numel())
+            step_phase.append(PHASES["prefill"])
+            for _ in range(steps):
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+                mask = torch.cat([mask, torch.ones_like(nxt)], 1)  # [B, S+1]
+                # transformers ≥ 5.2x names the KV cache `cache`; older releases `past_key_values`
+                kv = ({"cache": out["cache"]} if "cache" in out
+                      else {"past_key_values": out["past_key_values"]})
+                out = model(input_ids=nxt, attention_mask=mask, use_cache=True, **kv)
+                step_tokens.append(nxt.numel())
+                step_phase.append(PHASES["decode"])
+    finally:
+        for h in handles:
+            h.remove()
+    calls = {len(c) for c in per_layer}
+    if calls != {len(step_tokens)}:
+        raise TraceError(f"{type(model).__name__}: experts hooks fired {sorted(calls)} times for "
+                         f"{len(step_tokens)} forward calls (layers skipped?)")
+    k = per_layer[0][0].shape[1]
+    arr = np.stack([np.concatenate(c) for c in per_layer])  # [L, N, k]
+    meta = {"model": type(model).__name__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "batch": int(ids.shape[0]), "prompt_len": int(ids.shape[1]), "decode_steps": steps}
+    return Trace(E=Es.pop(), k=int(k), layers=tuple(p for p, _ in found),
+                 step_tokens=np.array(step_tokens, np.int64), step_phase=np.array(step_phase, np.int8),
+                 ids=arr, meta=meta, name=name)
+
+
+def synthetic_trace(E: int, k: int, tokens: int = 4096, layers: int = 1, zipf: float = 1.0,
+                    step: int = 64, seed: int = 0) -> Trace:
+    """A Zipf-skewed trace: per layer a random ranking of the experts, weight ∝ 1/rank^zipf.
+
+    Each token takes k distinct experts by weighted sampling without replacement (Gumbel top-k);
+    `zipf=0` is uniform routing. Steps of `step` tokens, all marked decode.
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(layers):
+        logw = -zipf * np.log(np.arange(1, E + 1))[rng.permutation(E)]  # [E]
+        g = rng.gumbel(size=(tokens, E)) + logw  # [N, E]
+        out.append(np.argpartition(-g, k - 1, axis=1)[:, :k])  # [N, k]
+    steps = [step] * (tokens // step) + ([tokens % step] if tokens % step else [])
+    return Trace(E=E, k=k, layers=tuple(f"synthetic.{i}" for i in range(layers)),
+                 step_tokens=np.array(steps, np.int64), step_phase=np.ones(len(steps), np.int8),
+                 ids=np.stack(out), meta={"source": "synthetic", "zipf": zipf, "seed": seed},
+                 name=f"synthetic(E={E}, k={k}, zipf={zipf:g})")
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def tiny_model(family: str):
+    """A tiny random model of `family` from tests/tiny_models.py (see the module docstring)."""
+    try:
+        mod = importlib.import_module("tiny_models")
+    except ImportError:
+        src = Path(__file__).resolve().parents[2] / "tests" / "tiny_models.py"
+        if not src.is_file():
+            raise TraceError(f"--tiny needs tests/tiny_models.py from the moetune source checkout; "
+                             f"not found at {src}") from None
+        spec = importlib.util.spec_from_file_location("tiny_models", src)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    if family not in mod.FAMILIES:
+        raise TraceError(f"--tiny {family}: unknown family; known: {', '.join(mod.FAMILIES)}")
+    return mod.build(family)
+
+
+def run(args) -> int:
+    import torch
+
+    if bool(args.tiny) == bool(args.model_dir):
+        raise TraceError("moetune record: give exactly one of --model-dir or --tiny")
+    mask = None
+    if args.tiny:
+        model = tiny_model(args.tiny)
+        if args.prompts:
+            raise TraceError("--prompts needs a tokenizer: use --model-dir (a --tiny model has none)")
+        g = torch.Generator().manual_seed(0)
+        inputs = torch.randint(0, model.config.vocab_size, (4, 8), generator=g)  # [B, S]
+        label = f"tiny:{args.tiny}"
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
+        label = str(args.model_dir)
+        if args.prompts:
+            prompts = [ln.strip() for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
+            if not prompts:
+                raise TraceError(f"--prompts {args.prompts}: no non-empty line")
+            tok = AutoTokenizer.from_pretrained(args.model_dir, padding_side="left")
+            if tok.pad_token is None:
+                tok.pad_token = tok.eos_token
+            enc = tok(prompts, return_tensors="pt", padding=True)
+            inputs, mask = enc["input_ids"], enc["attention_mask"]  # [B, S]
+        else:
+            g = torch.Generator().manual_seed(0)
+            inputs = torch.randint(0, model.config.vocab_size, (4, 16), generator=g)  # [B, S]
+    trace = record(model, inputs, steps=args.steps, attention_mask=mask, name=label)
+    trace.meta["source"] = label
+    path = trace.save(args.output)
+    print(f"wrote {path}: {len(trace.layers)} MoE layers, E={trace.E} k={trace.k}, "
+          f"{trace.steps} steps, {trace.tokens} tokens")
+    return 0
