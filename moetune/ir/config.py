@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .block import DTYPES, Activation, MoEBlock, Router, SharedExperts, WeightLayout
-from .errors import CaptureError
+from .errors import CaptureError, IRError
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,10 @@ def block_from_config(cfg: dict, name: str = "", dtype: str | None = None, *, T_
     if wdt not in DTYPES:
         raise CaptureError(f"{src}: dtype {wdt!r} is not supported; supported: {', '.join(DTYPES)}")
     layout = WeightLayout(transposed=True, interleaved=True, has_bias=True) if fam.gpt_oss else WeightLayout()
-    return MoEBlock(E=E, k=k, D=D, F=F, activation=activation, router=router, shared=shared, layout=layout,
-                    weight_dtype=wdt, routing_weight_dtype="float32" if fam.routing_fp32 else wdt,
-                    T_max=T_max, name=name)
+    try:
+        return MoEBlock(E=E, k=k, D=D, F=F, activation=activation, router=router, shared=shared,
+                        layout=layout,
+                        weight_dtype=wdt, routing_weight_dtype="float32" if fam.routing_fp32 else wdt,
+                        T_max=T_max, name=name)
+    except IRError as e:
+        raise CaptureError(f"{src}: {e}") from None

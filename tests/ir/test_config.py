@@ -1,0 +1,91 @@
+"""MoEBlock from config.json: agrees with capture on every tiny family; bad configs give clear errors."""
+
+import json
+
+import pytest
+
+from moetune.ir import CaptureError, MoEBlock
+from moetune.ir.capture import capture
+from moetune.ir.config import block_from_config, load_config
+
+HOOKED = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3", "olmoe", "gpt_oss",
+          "granitemoe", "granitemoeshared"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", HOOKED)
+def test_config_matches_capture(tiny, family, dtype):
+    model = tiny(family, dtype)
+    cfg = json.loads(json.dumps(model.config.to_dict()))  # what config.json holds
+    for c in capture(model):
+        assert c.ok, c.reason
+        assert block_from_config(cfg, name=c.path) == c.block
+
+
+def test_vlm_config_reads_text_config(tiny):
+    model = tiny("qwen3_5_moe", "bfloat16")
+    text = model.config.to_dict()
+    vlm = {"model_type": "qwen3_5_moe", "dtype": "bfloat16", "text_config": {**text, "dtype": None}}
+    want = capture(model)[0].block
+    assert block_from_config(vlm, name=want.name) == want
+
+
+def test_dtype_override_and_default():
+    cfg = {"model_type": "olmoe", "hidden_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+           "intermediate_size": 24}
+    assert block_from_config(cfg).weight_dtype == "bfloat16"
+    b = block_from_config({**cfg, "torch_dtype": "float16"})
+    assert (b.weight_dtype, b.routing_weight_dtype) == ("float16", "float16")
+    assert block_from_config(cfg, dtype="float32").weight_dtype == "float32"
+
+
+def _qwen3(**drop_or_set):
+    cfg = {"model_type": "qwen3_moe", "hidden_size": 64, "num_experts": 16, "num_experts_per_tok": 4,
+           "moe_intermediate_size": 40, "hidden_act": "silu"}
+    for key, v in drop_or_set.items():
+        if v is None:
+            cfg.pop(key)
+        else:
+            cfg[key] = v
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "cfg, words",
+    [
+        (_qwen3(num_experts=None), ["config 'my.json'", "missing MoE field", "'num_experts'", "qwen3_moe"]),
+        (_qwen3(num_experts_per_tok=None), ["missing MoE field", "'num_experts_per_tok'"]),
+        (_qwen3(hidden_size=None), ["'hidden_size'"]),
+        (_qwen3(moe_intermediate_size=None), ["'moe_intermediate_size'"]),
+        (_qwen3(num_experts=0), ["'num_experts' = 0", "positive integer"]),
+        (_qwen3(hidden_act="gelu"), ["'hidden_act' = 'gelu'", "not supported"]),
+        (_qwen3(model_type="bert"), ["unknown model_type 'bert'", "qwen3_moe"]),
+        (_qwen3(model_type=None), ["no field 'model_type'"]),
+        (_qwen3(model_type="llama4_text"), ["llama4_text", "not supported"]),
+        (_qwen3(model_type="dbrx"), ["DBRX"]),
+        (_qwen3(dtype="float64"), ["float64"]),
+        (_qwen3(num_experts_per_tok=17), ["top-k larger than E"]),
+        ({"model_type": "deepseek_v3", "hidden_size": 64, "n_routed_experts": 16, "num_experts_per_tok": 4,
+          "moe_intermediate_size": 40, "scoring_func": "softmax"}, ["scoring_func='softmax'"]),
+    ],
+)
+def test_bad_configs(cfg, words):
+    with pytest.raises(CaptureError) as err:
+        block_from_config(cfg, name="my.json")
+    assert "my.json" in str(err.value)
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_load_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(_qwen3()))
+    assert load_config(tmp_path) == _qwen3() == load_config(tmp_path / "config.json")
+    assert isinstance(block_from_config(load_config(tmp_path)), MoEBlock)
+    with pytest.raises(CaptureError, match="does not exist"):
+        load_config(tmp_path / "nope")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(CaptureError, match="bad.json is not readable JSON"):
+        load_config(tmp_path / "bad.json")
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(CaptureError, match="expected an object"):
+        load_config(tmp_path / "list.json")
