@@ -1,0 +1,245 @@
+"""The objective: build a candidate, check it against the float32 reference, then time it.
+
+Correct before fast (STYLE §10): every candidate is checked on fresh random inputs (new x and routing,
+never zeros) at the bucket's token counts before it is timed. A candidate that computes a wrong or
+non-finite answer, that the backend refuses, or that runs out of a known resource scores `inf` and
+keeps its reason; it never stops the study. Any other exception is a bug in a kernel: it is re-raised
+as CandidateError with a copy-pasteable repro, unless `keep_going` (then it scores `inf` with the repro
+as its reason). `strict` re-raises every failure, refusals and resource errors included (STYLE §9).
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..codegen.backend import Backend
+from ..codegen.common import ExpertsFn, ExpertTensors
+from ..codegen.torch import experts_reference
+from ..ir import MoEBlock, MoetuneError, Schedule, UnsupportedSchedule
+from .timing import Case, Timer, Timing
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CandidateError(MoetuneError):
+    """A candidate failed in a way the search does not know how to score; carries a repro."""
+
+    def __init__(self, schedule: Schedule, stage: str, error: BaseException, repro: str):
+        self.schedule, self.stage, self.error, self.repro = schedule, stage, error, repro
+        super().__init__(f"candidate {schedule.describe()} failed to {stage}: {type(error).__name__}: {error}\n"
+                         f"repro:\n{textwrap.indent(repro, '    ')}")
+
+
+def tolerance(dtype: str) -> float:
+    """Largest accepted ‖out − ref‖ / ‖ref‖ against the float32 reference, by the block's weight dtype."""
+    return {"float32": 1e-4, "float16": 5e-3, "bfloat16": 1e-2}[dtype]
+
+
+# ------------------------------------------------------------------------------------------- inputs
+
+RoutingSampler = Callable[[int, torch.Generator], torch.Tensor]  # (T, gen) → ids [T, k] int64 (CPU)
+
+
+def uniform_sampler(block: MoEBlock) -> RoutingSampler:
+    """k distinct experts per token, uniformly at random."""
+
+    def sample(T: int, gen: torch.Generator) -> torch.Tensor:
+        return torch.rand(T, block.E, generator=gen).argsort(dim=1)[:, : block.k]  # [T, k]
+
+    return sample
+
+
+def trace_sampler(block: MoEBlock, rows: torch.Tensor) -> RoutingSampler:
+    """Tokens drawn at random from recorded routings `rows` [N, k] (real co-occurrence of experts)."""
+    rows = torch.as_tensor(rows, dtype=torch.int64)
+    if rows.ndim != 2 or rows.shape[1] != block.k or rows.numel() == 0:
+        raise UnsupportedSchedule(f"routing trace rows {tuple(rows.shape)} do not fit top-{block.k} of "
+                                  f"{block.name or block.signature_hash()}")
+    if int(rows.max()) >= block.E:
+        raise UnsupportedSchedule(f"routing trace names expert {int(rows.max())}, block has E = {block.E}")
+
+    def sample(T: int, gen: torch.Generator) -> torch.Tensor:
+        return rows[torch.randint(0, rows.shape[0], (T,), generator=gen)]  # [T, k]
+
+    return sample
+
+
+def expert_tensors(block: MoEBlock, device: str | torch.device = "cpu", seed: int = 0) -> ExpertTensors:
+    """Random weights in the block's layout and dtype: N(0, 1/D) for gate/up, N(0, 1/F) for down."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dt = TORCH_DTYPES[block.weight_dtype]
+    lay = block.layout
+
+    def randn(shape, std):
+        return (torch.randn(shape, generator=gen) * std).to(dtype=dt, device=device)
+
+    gu = randn(lay.gate_up_shape(block.E, block.D, block.F), block.D ** -0.5)  # [E, 2F, D] or [E, D, 2F]
+    dn = randn(lay.down_shape(block.E, block.D, block.F), block.F ** -0.5)  # [E, D, F] or [E, F, D]
+    gub = randn((block.E, 2 * block.F), 0.1) if lay.has_bias else None  # [E, 2F]
+    dnb = randn((block.E, block.D), 0.1) if lay.has_bias else None  # [E, D]
+    return ExpertTensors(gu, dn, gub, dnb)
+
+
+def make_cases(block: MoEBlock, w: ExpertTensors, tokens: int, n: int, gen: torch.Generator,
+               sampler: RoutingSampler | None = None) -> list[Case]:
+    """`n` cases of `tokens` tokens: x ~ N(0, 1), routing from `sampler`, softmax-like positive weights."""
+    sampler = sampler or uniform_sampler(block)
+    device = w.gate_up.device
+    dt = TORCH_DTYPES[block.weight_dtype]
+    rw = TORCH_DTYPES[block.routing_weight_dtype]
+    cases = []
+    for _ in range(n):
+        x = torch.randn(tokens, block.D, generator=gen).to(dtype=dt, device=device)  # [T, D]
+        ids = sampler(tokens, gen).to(device)  # [T, k]
+        wts = torch.softmax(torch.randn(tokens, block.k, generator=gen), dim=1).to(dtype=rw, device=device)  # [T, k]
+        cases.append(Case(x, ids, wts, w))
+    return cases
+
+
+def reference(block: MoEBlock, case: Case, max_bytes: int = 1 << 30) -> torch.Tensor:
+    """experts_reference in chunks of tokens, so its gathered fp32 weights stay under `max_bytes`."""
+    per_token = block.k * 3 * block.D * block.F * 4
+    chunk = max(1, max_bytes // per_token)
+    outs = [experts_reference(block, case.x[i:i + chunk], case.ids[i:i + chunk], case.weights[i:i + chunk], case.w)
+            for i in range(0, case.tokens, chunk)]
+    return torch.cat(outs)  # [T, D] float32
+
+
+# ------------------------------------------------------------------------------------------ outcome
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The score of one candidate: `time_s` is inf unless `status` is "ok"."""
+
+    schedule: Schedule
+    status: str  # ok | wrong | nonfinite | refused | resource | build_failed | launch_failed
+    time_s: float = math.inf
+    reason: str = ""
+    rel_err: float | None = None
+    build_s: float = 0.0
+    timing: Timing | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass
+class Built:
+    schedule: Schedule
+    fn: ExpertsFn | None = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+    trace: str = field(default="", repr=False)
+
+
+def _known(e: BaseException) -> str | None:
+    """The status of a failure the search knows how to score, or None for an unknown one."""
+    if isinstance(e, UnsupportedSchedule):
+        return "refused"
+    if isinstance(e, MemoryError | torch.OutOfMemoryError) or type(e).__name__ in ("OutOfResources",
+                                                                                   "OutOfMemoryError"):
+        return "resource"
+    return None
+
+
+def repro(block: MoEBlock, schedule: Schedule, tokens: int, device: str) -> str:
+    """Python that rebuilds and runs the candidate on random inputs."""
+    p = schedule.params
+    imp = "" if p is None else f"from {type(p).__module__} import {type(p).__name__}\n"
+    return (
+        "import torch\n"
+        "from moetune.ir import *\n"
+        "from moetune.codegen.backend import get\n"
+        "from moetune.search.objective import expert_tensors, make_cases\n"
+        f"{imp}"
+        f"block = {block!r}\n"
+        f"schedule = {schedule!r}\n"
+        f"w = expert_tensors(block, {device!r})\n"
+        f"case = make_cases(block, w, {tokens}, 1, torch.Generator().manual_seed(0))[0]\n"
+        f"fn = get({schedule.backend!r}).build(block, schedule)\n"
+        "out = fn(case.x, case.ids, case.weights, case.w)\n"
+    )
+
+
+class Objective:
+    """Scores candidates of one bucket: build → check at `check_tokens` → time on `timing_cases`."""
+
+    def __init__(self, block: MoEBlock, backend: Backend, timer: Timer, timing_cases: Sequence[Case],
+                 check_tokens: Sequence[int], *, sampler: RoutingSampler | None = None, seed: int = 0,
+                 strict: bool = False, keep_going: bool = False):
+        self.block, self.backend, self.timer = block, backend, timer
+        self.timing_cases = list(timing_cases)
+        self.w = self.timing_cases[0].w
+        self.device = str(self.w.gate_up.device)
+        self.check_tokens = tuple(sorted(set(check_tokens)))
+        self.sampler = sampler
+        self.strict, self.keep_going = strict, keep_going
+        self._gen = torch.Generator().manual_seed(seed + 7919)
+        self.tol = tolerance(block.weight_dtype)
+
+    # stage 1: build (thread-safe; run ahead of timing in a pool)
+    def build(self, schedule: Schedule) -> Built:
+        t0 = time.perf_counter()
+        try:
+            fn = self.backend.build(self.block, schedule)
+            return Built(schedule, fn, seconds=time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 - classified in evaluate()
+            return Built(schedule, None, e, time.perf_counter() - t0, traceback.format_exc())
+
+    def _fail(self, schedule: Schedule, stage: str, e: BaseException, build_s: float) -> Outcome:
+        status = _known(e)
+        if self.strict or (status is None and not self.keep_going):
+            raise CandidateError(schedule, stage, e, repro(self.block, schedule, self.check_tokens[0],
+                                                           self.device)) from e
+        if status is None:
+            status = f"{stage.split()[0]}_failed"
+            why = f"{type(e).__name__}: {e}\nrepro:\n{repro(self.block, schedule, self.check_tokens[0], self.device)}"
+        else:
+            why = f"{type(e).__name__}: {e}"
+        return Outcome(schedule, status, reason=why, build_s=build_s)
+
+    # stage 2 and 3: check, then time
+    def evaluate(self, schedule: Schedule, built: Built | None = None) -> Outcome:
+        built = built or self.build(schedule)
+        if built.error is not None:
+            return self._fail(schedule, "build", built.error, built.seconds)
+        fn = built.fn
+        worst = 0.0
+        for T in self.check_tokens:
+            case = make_cases(self.block, self.w, T, 1, self._gen, self.sampler)[0]
+            try:
+                with torch.inference_mode():
+                    out = fn(case.x, case.ids, case.weights, case.w)  # [T, D]
+            except Exception as e:  # noqa: BLE001
+                return self._fail(schedule, f"launch at T={T}", e, built.seconds)
+            if tuple(out.shape) != (T, self.block.D):
+                return Outcome(schedule, "wrong", reason=f"T={T}: output shape {tuple(out.shape)}, "
+                                                         f"expected {(T, self.block.D)}", build_s=built.seconds)
+            out = out.float()
+            if not bool(torch.isfinite(out).all()):
+                return Outcome(schedule, "nonfinite", reason=f"T={T}: output has NaN or inf", build_s=built.seconds)
+            ref = reference(self.block, case)
+            err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+            worst = max(worst, err)
+            if not err < self.tol:
+                return Outcome(schedule, "wrong", reason=f"T={T}: ‖out−ref‖/‖ref‖ = {err:.3g} ≥ {self.tol:g} "
+                                                         f"({self.block.weight_dtype})",
+                               rel_err=err, build_s=built.seconds)
+        try:
+            timing = self.timer(fn, self.timing_cases, schedule)
+        except Exception as e:  # noqa: BLE001
+            return self._fail(schedule, "launch while timing", e, built.seconds)
+        return Outcome(schedule, "ok", timing.median_s, rel_err=worst, build_s=built.seconds, timing=timing)
+
+    def time_fn(self, fn: ExpertsFn, schedule: Schedule | None = None) -> Timing:
+        """Time a function that is not a candidate (the baseline) on the same cases."""
+        return self.timer(fn, self.timing_cases, schedule)

@@ -1,0 +1,178 @@
+"""The search space of one bucket: the passes' candidate schedules × the backend's kernel parameters.
+
+The passes say which schedule kinds are worth trying in a bucket and with which IR-level knobs
+(`CandidateSpace`: kind, hybrid row thresholds, fusion); the backend says what its kernel for each
+kind can tune (`ParamSpace`: tiles, warps, stages, split-K). A `SearchSpace` crosses the two into a
+conditional Optuna space:
+
+    kind                      categorical over the kinds both sides accept
+    <kind>:row_threshold      hybrid only, thresholds ≤ the bucket's largest token count
+    <kind>:<param>            the backend's parameters of that kind
+
+and maps Optuna's parameter dicts to Schedules and back (to enqueue the default heuristics).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ..codegen.backend import Backend
+from ..codegen.common import ParamSpace
+from ..ir import Bucket, Fusion, MoEBlock, Schedule, UnsupportedSchedule
+
+_PRIMITIVE = (type(None), bool, int, float, str)
+
+
+@dataclass(frozen=True)
+class KindSpace:
+    """One schedule kind of a bucket: its IR knobs from the passes and its kernel's ParamSpace."""
+
+    kind: str
+    row_thresholds: tuple[int, ...]
+    fusion: Fusion
+    params: ParamSpace
+    rule: str = ""
+
+    def size(self) -> int:
+        return max(1, len(self.row_thresholds)) * self.params.size()
+
+    def choices(self) -> tuple[tuple[str, tuple], ...]:
+        """(Optuna name, values) in suggestion order."""
+        out = []
+        if self.row_thresholds:
+            out.append((f"{self.kind}:row_threshold", self.row_thresholds))
+        out += [(f"{self.kind}:{n}", vals) for n, vals in self.params.choices]
+        return tuple(out)
+
+
+def _encode(values: tuple) -> tuple:
+    """Optuna categoricals take None/bool/int/float/str; anything else is offered by its repr."""
+    return values if all(isinstance(v, _PRIMITIVE) for v in values) else tuple(repr(v) for v in values)
+
+
+def _decode(values: tuple, chosen):
+    if all(isinstance(v, _PRIMITIVE) for v in values):
+        return chosen
+    return values[[repr(v) for v in values].index(chosen)]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    block: MoEBlock
+    backend: str
+    bucket: tuple[int, int]
+    kinds: tuple[KindSpace, ...]
+    refusals: tuple[tuple[str, str], ...] = ()  # (kind, reason) left out of the space
+
+    def kind(self, name: str) -> KindSpace:
+        for ks in self.kinds:
+            if ks.kind == name:
+                return ks
+        raise UnsupportedSchedule(f"bucket {self.bucket}: kind {name!r} is not in the search space "
+                                  f"({', '.join(k.kind for k in self.kinds)})")
+
+    def size(self) -> int:
+        return sum(ks.size() for ks in self.kinds)
+
+    # Optuna side
+    def suggest(self, trial) -> Schedule:
+        """Sample one candidate with `trial` (an optuna Trial) and return it as a Schedule.
+
+        Raises UnsupportedSchedule when the backend's params class refuses the combination."""
+        kind = trial.suggest_categorical("kind", [ks.kind for ks in self.kinds])
+        ks = self.kind(kind)
+        values = {}
+        for name, vals in ks.choices():
+            values[name] = _decode(vals, trial.suggest_categorical(name, list(_encode(vals))))
+        return self._schedule(ks, values)
+
+    def schedule_of(self, params: dict) -> Schedule:
+        """A trial's parameter dict (as Optuna stores it) → Schedule."""
+        ks = self.kind(params["kind"])
+        return self._schedule(ks, {n: _decode(vals, params[n]) for n, vals in ks.choices()})
+
+    def params_of(self, schedule: Schedule) -> dict:
+        """Schedule → the parameter dict Optuna would have sampled for it (to enqueue it)."""
+        ks = self.kind(schedule.kind)
+        d: dict = {"kind": schedule.kind}
+        if ks.row_thresholds:
+            d[f"{ks.kind}:row_threshold"] = schedule.row_threshold
+        p = schedule.params
+        for n, _ in ks.params.choices:
+            d[f"{ks.kind}:{n}"] = getattr(p, n)
+        for name, vals in ks.choices():
+            if d[name] not in vals:
+                raise UnsupportedSchedule(f"bucket {self.bucket}: {schedule.describe()} has {name} = {d[name]!r}, "
+                                          f"outside the search space {vals}")
+            d[name] = _encode(vals)[vals.index(d[name])]
+        return d
+
+    def contains(self, schedule: Schedule) -> bool:
+        try:
+            self.params_of(schedule)
+            return True
+        except UnsupportedSchedule:
+            return False
+
+    def _schedule(self, ks: KindSpace, values: dict) -> Schedule:
+        rt = values.pop(f"{ks.kind}:row_threshold", None)
+        params = ks.params.make(**{n.split(":", 1)[1]: v for n, v in values.items()})
+        return Schedule(ks.kind, row_threshold=rt, fusion=ks.fusion, backend=self.backend, params=params)
+
+    def grid(self) -> Iterator[Schedule | UnsupportedSchedule]:
+        """Every point of the space in order; a combination the params class refuses yields the error."""
+        for ks in self.kinds:
+            names = [n for n, _ in ks.choices()]
+            for combo in itertools.product(*(vals for _, vals in ks.choices())):
+                try:
+                    yield self._schedule(ks, dict(zip(names, combo, strict=True)))
+                except UnsupportedSchedule as e:
+                    yield e
+
+    def describe(self) -> str:
+        parts = []
+        for ks in self.kinds:
+            dims = [f"{n.split(':', 1)[1]}∈{list(v)}" for n, v in ks.choices()]
+            parts.append(f"{ks.kind} ({ks.size()}: {', '.join(dims) or 'no knobs'})")
+        s = f"bucket [{self.bucket[0]},{self.bucket[1]}] {self.backend}: {self.size()} points: " + "; ".join(parts)
+        if self.refusals:
+            s += "  refused: " + "; ".join(f"{k}: {r}" for k, r in self.refusals)
+        return s
+
+
+def key(schedule: Schedule) -> str:
+    """A stable identity of a candidate (to avoid timing the same point twice)."""
+    p = schedule.params
+    pv = () if p is None else tuple((f.name, getattr(p, f.name)) for f in dataclasses.fields(p))
+    return repr((schedule.backend, schedule.kind, schedule.row_threshold, schedule.fusion, pv))
+
+
+def build_space(block: MoEBlock, backend: Backend, bucket: Bucket) -> SearchSpace:
+    """Cross the bucket's candidate spaces with the backend's kernels; refusals from either side are
+    kept with their reasons. Raises UnsupportedSchedule when nothing is left to try."""
+    accepted = backend.kinds(block)
+    kinds, refusals = [], [(r.kind, f"{r.rule}: {r.reason}") for r in bucket.refusals]
+    for cand in bucket.candidates:
+        why = accepted.get(cand.kind, f"backend {backend.name} has no {cand.kind} kernel")
+        if why is not None:
+            refusals.append((cand.kind, f"backend {backend.name}: {why}"))
+            continue
+        rts: tuple[int, ...] = ()
+        if cand.kind == "hybrid":
+            rts = tuple(r for r in cand.row_thresholds if 2 <= r <= bucket.hi)
+            if not rts:
+                refusals.append((cand.kind, f"no row threshold in {cand.row_thresholds} is reachable in "
+                                            f"{bucket.label} (need 2 ≤ R ≤ {bucket.hi})"))
+                continue
+        if any(ks.kind == cand.kind for ks in kinds):
+            refusals.append((cand.kind, f"rule {cand.rule}: duplicate candidate of kind {cand.kind}, first kept"))
+            continue
+        kinds.append(KindSpace(cand.kind, rts, cand.fusion, backend.space(block, cand.kind), cand.rule))
+    if not kinds:
+        reasons = "; ".join(f"{k}: {r}" for k, r in refusals) or "the passes proposed no candidate"
+        raise UnsupportedSchedule(f"bucket {bucket.label} of {block.name or block.signature_hash()}: "
+                                  f"nothing to tune on backend {backend.name} ({reasons})")
+    return SearchSpace(block, backend.name, (bucket.lo, bucket.hi), tuple(kinds), tuple(refusals))

@@ -1,0 +1,451 @@
+"""Studies: one Optuna study per (target, backend, block signature, bucket), winners into the table.
+
+    tune_block(block, "torch", "cpu", tokens=(1, 64), table=DispatchTable(path))   # every bucket
+    tune_bucket(block, backend, "cpu", bucket, inputs, timer, options)              # one bucket
+
+A bucket's study:
+1. The default heuristic schedules (the backend's `default` for every candidate kind, and the runtime's
+   choice among them) are enqueued first, so the study starts from what a model gets untuned.
+2. TPE (multivariate, grouped for the conditional kind → parameters space, constant liar) asks a batch
+   of candidates; they are built in parallel on the CPU cores (a thread pool over `build`), then each
+   is checked against the float32 reference and timed one after the other (objective.py).
+3. It stops when the best is within `margin` of the bucket's floor, when `patience` trials in a row
+   bring no improvement, when every point of the space has been tried, or when its budget is spent.
+4. The best few are re-timed back to back with the default, the fastest is the winner; it is written
+   to the dispatch table with its time, floor, % of floor, default time and baseline time.
+
+With `storage` (an RDB URL or a journal file) several `moetune tune` workers share each study: each
+asks its own trials, skips points another worker already scored, and writes the study's winner.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from ..codegen.backend import Backend, get
+from ..ir import Bucket, MoEBlock, Roofline, Schedule, UnsupportedSchedule
+from ..runtime.table import DispatchEntry, DispatchTable, Versions
+from .baseline import baseline_fn, default_baseline
+from .objective import Objective, Outcome, RoutingSampler, expert_tensors, make_cases, trace_sampler
+from .space import SearchSpace, build_space, key
+from .timing import Case, Timer, timer_for
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    budget_s: float = 60.0  # per bucket (tune_block splits its total)
+    margin: float = 0.1  # stop once the best reaches (1 - margin) of the floor
+    patience: int = 24  # stop after this many trials in a row without a 1 % improvement
+    min_gain: float = 0.01
+    max_trials: int = 400
+    build_workers: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
+    batch: int = 0  # candidates asked per round (0: build_workers, at least 2)
+    routings: int = 0  # timing cases rotated through (0: 32 on a GPU, 8 on CPU)
+    retime: int = 3  # best candidates re-timed against the default at the end
+    baseline: str | None = None  # transformers experts function (None: batched_mm on GPU, grouped_mm on CPU)
+    seed: int = 0
+    strict: bool = False
+    keep_going: bool = False
+    storage: str | None = None
+    device: str | None = None  # None: cuda for GPU backends, cpu for torch
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.margin < 1:
+            raise UnsupportedSchedule(f"TuneOptions.margin = {self.margin}: need 0 ≤ margin < 1")
+        if self.budget_s <= 0:
+            raise UnsupportedSchedule(f"TuneOptions.budget_s = {self.budget_s}: need a positive budget")
+
+
+@dataclass(frozen=True)
+class BucketResult:
+    bucket: tuple[int, int]
+    tokens: int  # the token count timed (the floor's)
+    winner: Schedule | None
+    time_s: float
+    floor: Roofline | None
+    default: Schedule | None
+    default_time_s: float | None
+    baseline: str
+    baseline_time_s: float | None
+    trials: int  # trials of the study (all workers)
+    evaluated: int  # candidates this worker built, checked and timed
+    failures: dict[str, int]
+    stopped: str
+    space: str
+    written: bool = False
+
+    @property
+    def pct_of_floor(self) -> float | None:
+        if self.floor is None or not math.isfinite(self.time_s):
+            return None
+        return 100.0 * self.floor.time_s / self.time_s
+
+
+@dataclass(frozen=True)
+class BucketInputs:
+    """What a bucket's candidates run on: timing cases at `tokens`, checks at `check_tokens`."""
+
+    tokens: int
+    cases: tuple[Case, ...]
+    check_tokens: tuple[int, ...]
+    sampler: RoutingSampler | None = None
+
+
+def representative_tokens(bucket: Bucket) -> int:
+    """The token count a bucket is timed at: its floor's (or its statistics'), else the geometric middle."""
+    if bucket.floor is not None and bucket.floor.tokens in bucket:
+        return bucket.floor.tokens
+    if bucket.stats is not None:
+        return bucket.stats.tokens
+    return max(bucket.lo, min(bucket.hi, round(math.sqrt(bucket.lo * bucket.hi))))
+
+
+def bucket_inputs(block: MoEBlock, bucket: Bucket, w, *, routings: int, seed: int = 0,
+                  sampler: RoutingSampler | None = None) -> BucketInputs:
+    T = representative_tokens(bucket)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + bucket.lo)
+    cases = make_cases(block, w, T, routings, gen, sampler)
+    return BucketInputs(T, tuple(cases), tuple(sorted({bucket.lo, T, bucket.hi})), sampler)
+
+
+def open_storage(storage: str | None):
+    """None → in memory; "sqlite:///…", "postgresql://…" → RDB; anything else → a journal file."""
+    if storage is None:
+        return None
+    if "://" in storage:
+        return storage
+    import optuna
+
+    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage))
+
+
+def default_schedules(block: MoEBlock, backend: Backend, space: SearchSpace, tokens: int) -> list[Schedule]:
+    """The backend's heuristic schedule of every kind in the space, the runtime's pick first."""
+    out = []
+    for ks in space.kinds:
+        try:
+            s = backend.default(block, ks.kind, tokens)
+        except UnsupportedSchedule:
+            continue
+        if s.fusion != ks.fusion:
+            s = Schedule(s.kind, s.row_threshold, ks.fusion, s.backend, s.params)
+        if space.contains(s):
+            out.append(s)
+    pick = runtime_default(block, backend, tokens)
+    if pick is not None:
+        out.sort(key=lambda s: (s.kind != pick.kind, s != pick))
+        if pick not in out and space.contains(pick):
+            out.insert(0, pick)
+    return out
+
+
+def runtime_default(block: MoEBlock, backend: Backend, tokens: int) -> Schedule | None:
+    """What the runtime falls back to with no table entry (moetune.runtime.default), when it is there."""
+    try:
+        from ..runtime import default as rd
+    except ImportError:
+        return None
+    fn = getattr(rd, "default_schedule", None)
+    if fn is None:
+        return None
+    try:
+        return fn(block, backend.name, tokens)
+    except Exception:  # noqa: BLE001 - a missing or refusing heuristic only loses the ordering
+        return None
+
+
+class _Study:
+    """One bucket's Optuna study driven with ask/tell."""
+
+    def __init__(self, name: str, space: SearchSpace, options: TuneOptions):
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            sampler = optuna.samplers.TPESampler(seed=options.seed, multivariate=True, group=True,
+                                                 constant_liar=True, n_startup_trials=8)
+        self.optuna = optuna
+        self.space = space
+        self.study = optuna.create_study(study_name=name, storage=open_storage(options.storage), sampler=sampler,
+                                         direction="minimize", load_if_exists=True)
+        self.worker = f"{socket.gethostname()}:{os.getpid()}"
+
+    def enqueue(self, schedules: Sequence[Schedule]) -> None:
+        for s in schedules:
+            self.study.enqueue_trial(self.space.params_of(s), skip_if_exists=True)
+
+    def scored(self) -> dict[str, float]:
+        """key → value of every completed trial of the study (every worker's)."""
+        out = {}
+        states = (self.optuna.trial.TrialState.COMPLETE,)
+        for t in self.study.get_trials(deepcopy=False, states=states):
+            try:
+                out.setdefault(key(self.space.schedule_of(t.params)), t.value)
+            except (UnsupportedSchedule, KeyError, ValueError):
+                continue
+        return out
+
+    def fail(self, trial) -> None:
+        self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
+
+    def tell(self, trial, outcome: Outcome, duplicate: bool = False) -> None:
+        trial.set_user_attr("status", outcome.status)
+        trial.set_user_attr("schedule", outcome.schedule.describe())
+        trial.set_user_attr("worker", self.worker)
+        if outcome.reason:
+            trial.set_user_attr("reason", outcome.reason[:4000])
+        if outcome.rel_err is not None:
+            trial.set_user_attr("rel_err", outcome.rel_err)
+        if duplicate:
+            trial.set_user_attr("duplicate", True)
+        if outcome.timing is not None:
+            trial.set_user_attr("spread_us", outcome.timing.spread_s * 1e6)
+            trial.set_user_attr("build_s", outcome.build_s)
+        self.study.tell(trial, outcome.time_s)
+
+
+def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, inputs: BucketInputs,
+                timer: Timer, options: TuneOptions, *, table: DispatchTable | None = None,
+                versions: Versions | None = None, progress: Callable[[dict], None] | None = None) -> BucketResult:
+    """Tune one bucket (see the module doc); write the winner to `table` when given."""
+    t_start = time.monotonic()
+    deadline = t_start + options.budget_s
+    space = build_space(block, backend, bucket)
+    objective = Objective(block, backend, timer, inputs.cases, inputs.check_tokens, sampler=inputs.sampler,
+                          seed=options.seed + bucket.lo, strict=options.strict, keep_going=options.keep_going)
+    floor = bucket.floor
+    floor_s = floor.time_s if floor is not None else 0.0
+    name = f"moetune:{target}:{backend.name}:{block.signature_hash()}:{bucket.lo}-{bucket.hi}"
+    st = _Study(name, space, options)
+    defaults = default_schedules(block, backend, space, inputs.tokens)
+    st.enqueue(defaults)
+
+    outcomes: dict[str, Outcome] = {}
+    refused: set[str] = set()  # parameter combinations the backend's params class refuses
+    failures: dict[str, int] = {}
+    best, since_best, stopped = math.inf, 0, ""
+    untried = _Untried(st, space, options.seed)
+    batch = options.batch or max(2, options.build_workers)
+    pool = ThreadPoolExecutor(max_workers=options.build_workers, thread_name_prefix="moetune-build")
+    try:
+        while not stopped:
+            scored = st.scored() if options.storage else {}
+            asked, todo = [], []
+            for _ in range(batch):
+                trial = st.study.ask()
+                asked.append(trial)
+                try:
+                    s = space.suggest(trial)
+                except UnsupportedSchedule as e:
+                    st.tell(trial, Outcome(_placeholder(trial), "refused", reason=str(e)))
+                    if repr(sorted(trial.params.items())) not in refused:
+                        refused.add(repr(sorted(trial.params.items())))
+                        failures["refused"] = failures.get("refused", 0) + 1
+                    since_best += 1
+                    continue
+                k = key(s)
+                if k in outcomes or k in scored:
+                    prior = outcomes.get(k) or Outcome(s, "scored elsewhere", scored[k])
+                    st.tell(trial, prior, duplicate=True)
+                    untried.suggest_one(set(outcomes) | set(scored) | {k for _, s, k in todo})
+                else:
+                    todo.append((trial, s, k))
+            builds = list(pool.map(objective.build, [s for _, s, _ in todo]))  # parallel, ahead of timing
+            told = 0
+            try:
+                for (trial, s, k), built in zip(todo, builds, strict=True):
+                    out = objective.evaluate(s, built)
+                    outcomes[k] = out
+                    st.tell(trial, out)
+                    told += 1
+                    if not out.ok:
+                        failures[out.status] = failures.get(out.status, 0) + 1
+                    if out.time_s < best * (1 - options.min_gain):
+                        best, since_best = out.time_s, 0
+                    else:
+                        since_best += 1
+                        best = min(best, out.time_s)
+                    if progress:
+                        progress({"bucket": (bucket.lo, bucket.hi), "evaluated": len(outcomes), "best_s": best,
+                                  "floor_s": floor_s, "last": out})
+            except BaseException:
+                for trial, _, _ in todo[told:]:
+                    st.fail(trial)
+                raise
+            n_trials = len(st.study.trials)
+            tried = len(set(outcomes) | set(scored)) + len(refused)
+            if floor_s and best <= floor_s / (1 - options.margin):
+                stopped = f"within {options.margin:.0%} of the floor"
+            elif since_best >= options.patience:
+                stopped = f"no {options.min_gain:.0%} gain in {since_best} trials"
+            elif tried >= space.size():
+                stopped = f"space exhausted ({space.size()} points)"
+            elif n_trials >= options.max_trials:
+                stopped = f"{n_trials} trials"
+            elif time.monotonic() >= deadline:
+                stopped = f"budget {options.budget_s:.0f} s spent"
+    finally:
+        pool.shutdown(wait=True)
+
+    winner, win_s, default, default_s = _final(st, space, objective, outcomes, defaults, options)
+    bname = options.baseline or default_baseline(objective.device)
+    base_fn, blabel = baseline_fn(block, bname)
+    base_s = objective.time_fn(base_fn).median_s if base_fn is not None else None
+    result = BucketResult(
+        bucket=(bucket.lo, bucket.hi), tokens=inputs.tokens, winner=winner, time_s=win_s, floor=floor,
+        default=default, default_time_s=default_s, baseline=blabel if base_fn is not None else f"none ({blabel})",
+        baseline_time_s=base_s, trials=len(st.study.trials), evaluated=len(outcomes), failures=failures,
+        stopped=stopped, space=space.describe(),
+    )
+    if table is not None and winner is not None:
+        entry = DispatchEntry.of(
+            target=target, block=block, bucket=result.bucket, schedule=winner, time_us=win_s * 1e6,
+            versions=versions or Versions.current(backend.name, objective.device),
+            floor_us=floor_s * 1e6 if floor is not None else None,
+            default_time_us=None if default_s is None else default_s * 1e6,
+            baseline_time_us=None if base_s is None else base_s * 1e6, baseline=result.baseline,
+            timer=getattr(timer, "name", type(timer).__name__), trials=result.trials,
+        )
+        result = _replace(result, written=table.put(entry))
+    return result
+
+
+class _Untried:
+    """When TPE proposes a point already scored, enqueue a random point not yet tried instead (small spaces)."""
+
+    LIMIT = 20000
+
+    def __init__(self, st: _Study, space: SearchSpace, seed: int):
+        import random
+
+        self.st, self.space, self.rng = st, space, random.Random(seed)
+        self.points: list[tuple[str, Schedule]] | None = None
+        self.enqueued: set[str] = set()
+
+    def suggest_one(self, tried: set[str]) -> None:
+        if self.points is None:
+            if self.space.size() > self.LIMIT:
+                self.points = []
+            else:
+                self.points = [(key(s), s) for s in self.space.grid() if isinstance(s, Schedule)]
+                self.rng.shuffle(self.points)
+        while self.points:
+            k, s = self.points.pop()
+            if k not in tried and k not in self.enqueued:
+                self.enqueued.add(k)
+                self.st.study.enqueue_trial(self.space.params_of(s), skip_if_exists=True)
+                return
+
+
+def _placeholder(trial) -> Schedule:
+    """A Schedule to hang a refusal on when the sampled parameters could not make one."""
+    kind = trial.params.get("kind", "grouped_gemm")
+    rt = trial.params.get(f"{kind}:row_threshold") if kind == "hybrid" else None
+    return Schedule(kind, row_threshold=rt if isinstance(rt, int) and rt >= 2 else (2 if kind == "hybrid" else None))
+
+
+def _replace(r: BucketResult, **kw) -> BucketResult:
+    import dataclasses
+
+    return dataclasses.replace(r, **kw)
+
+
+def _final(st: _Study, space: SearchSpace, objective: Objective, outcomes: dict[str, Outcome],
+           defaults: list[Schedule], options: TuneOptions):
+    """Re-time the best few (every worker's) beside the default, back to back; the fastest wins."""
+    ranked = sorted((t for t in st.study.trials if t.value is not None and math.isfinite(t.value)),
+                    key=lambda t: t.value)
+    finalists: dict[str, Schedule] = {}
+    for t in ranked:
+        try:
+            s = space.schedule_of(t.params)
+        except (UnsupportedSchedule, KeyError, ValueError):
+            continue
+        finalists.setdefault(key(s), s)
+        if len(finalists) >= options.retime:
+            break
+    default = defaults[0] if defaults else None
+    dk = key(default) if default is not None else None
+    default_ok = default is not None and dk in outcomes and outcomes[dk].ok
+    if default_ok:
+        finalists.setdefault(dk, default)
+    if not finalists:
+        return None, math.inf, default, None
+    if len(finalists) == 1 and not options.storage:
+        (k, s), = finalists.items()
+        t = outcomes[k].time_s if k in outcomes else objective.evaluate(s).time_s
+        return s, t, default, (t if k == dk else None)
+    times: dict[str, list[float]] = {k: [] for k in finalists}
+    fns = {}
+    for k, s in finalists.items():
+        out = outcomes.get(k)
+        if out is None or not out.ok:  # another worker's candidate: check it here before trusting it
+            out = objective.evaluate(s)
+            if not out.ok:
+                times.pop(k)
+                continue
+        fns[k] = objective.build(s).fn
+    for _ in range(2):
+        for k in times:
+            times[k].append(objective.timer(fns[k], objective.timing_cases, finalists[k]).median_s)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    wk = min(med, key=med.get)
+    return finalists[wk], med[wk], default, (med[dk] if default_ok and dk in med else None)
+
+
+def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, int] = (1, 1024), *,
+               trace=None, timer: Timer | None = None, table: DispatchTable | None = None,
+               options: TuneOptions | None = None, budget_s: float | None = None,
+               progress: Callable[[dict], None] | None = None,
+               on_bucket: Callable[[int, int, BucketResult], None] | None = None) -> list[BucketResult]:
+    """Tune every bucket the passes make of `block` on `tokens`; `budget_s` is shared by all buckets."""
+    from ..passes import schedule_block
+
+    options = options or TuneOptions()
+    be = get(backend)
+    why = be.available()
+    if why:
+        raise UnsupportedSchedule(f"backend {backend} is not usable here: {why}")
+    device = options.device or ("cpu" if backend == "torch" else "cuda")
+    timer = timer or timer_for(device)
+    block = block.replace(T_max=max(block.T_max, tokens[1])) if block.T_max < tokens[1] else block
+    sb = schedule_block(block, target, trace=trace, tokens=tokens)
+    buckets = [b for b in sb.buckets if b.hi >= tokens[0] and b.lo <= tokens[1]]
+    sampler = None
+    if trace is not None:
+        import numpy as np
+
+        sampler = trace_sampler(block, torch.from_numpy(np.concatenate(trace.pools()).astype(np.int64)))
+    w = expert_tensors(block, device, seed=options.seed)
+    routings = options.routings or (32 if device.startswith("cuda") else 8)
+    versions = Versions.current(be.name, device) if table is not None else None
+    total = budget_s if budget_s is not None else options.budget_s * len(buckets)
+    t0 = time.monotonic()
+    results = []
+    for i, b in enumerate(buckets):
+        left = total - (time.monotonic() - t0)
+        share = max(left / (len(buckets) - i), 1e-3)
+        opts = _replace_opts(options, budget_s=share, device=device)
+        inputs = bucket_inputs(block, b, w, routings=routings, seed=options.seed, sampler=sampler)
+        r = tune_bucket(block, be, target, b, inputs, timer, opts, table=table, versions=versions, progress=progress)
+        results.append(r)
+        if on_bucket:
+            on_bucket(i, len(buckets), r)
+    return results
+
+
+def _replace_opts(o: TuneOptions, **kw) -> TuneOptions:
+    import dataclasses
+
+    return dataclasses.replace(o, **kw)

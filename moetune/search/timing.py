@@ -1,0 +1,175 @@
+"""Timers: how long one experts call takes, the way `../shared/notes/gpu.md` demands on a GPU.
+
+A timer times `fn(x [T, D], ids [T, k], weights [T, k], w)` over a list of pre-generated cases (x and
+routing), rotating through them so that no two consecutive reps see the same routing, and returns the
+median. Three kinds:
+
+    CpuTimer        warm-up, then median of `reps` host-timed calls (perf_counter_ns), rotated cases
+    CudaGraphTimer  one CUDA graph per case, L2 defeated by *reading* a 256 MB buffer before every rep,
+                    CUDA events around each replay, median of ≥ 100 reps (device time); plus the plain
+                    host-launched time
+    FakeTimer       a function of the schedule: tests of the search without measuring anything
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..codegen.common import ExpertsFn, ExpertTensors
+from ..ir import Schedule
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call's inputs: x [T, D], ids [T, k] int64, weights [T, k]; the block's expert tensors."""
+
+    x: torch.Tensor  # [T, D]
+    ids: torch.Tensor  # [T, k]
+    weights: torch.Tensor  # [T, k]
+    w: ExpertTensors
+
+    @property
+    def tokens(self) -> int:
+        return int(self.x.shape[0])
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_s: float
+    spread_s: float  # interquartile range of the reps
+    reps: int
+    method: str
+    host_median_s: float | None = None  # plain host-launched time (GPU timer only)
+
+
+class Timer(Protocol):
+    name: str
+
+    def __call__(self, fn: ExpertsFn, cases: Sequence[Case], schedule: Schedule | None = None) -> Timing: ...
+
+
+def _iqr(xs: list[float]) -> float:
+    if len(xs) < 4:
+        return max(xs) - min(xs)
+    q = statistics.quantiles(xs, n=4)
+    return q[2] - q[0]
+
+
+@dataclass(frozen=True)
+class CpuTimer:
+    """Host timing for CPU kernels: warm-up calls, then the median of `reps` calls (at most
+    `max_time_s` of timed calls), rotating through the cases."""
+
+    warmup: int = 3
+    reps: int = 31
+    max_time_s: float = 2.0
+    name: str = "cpu:median-of-reps"
+
+    def __call__(self, fn: ExpertsFn, cases: Sequence[Case], schedule: Schedule | None = None) -> Timing:
+        for i in range(self.warmup):
+            c = cases[i % len(cases)]
+            fn(c.x, c.ids, c.weights, c.w)
+        times: list[float] = []
+        spent = 0.0
+        with torch.inference_mode():
+            for i in range(self.reps):
+                c = cases[i % len(cases)]
+                t0 = time.perf_counter_ns()
+                fn(c.x, c.ids, c.weights, c.w)
+                dt = (time.perf_counter_ns() - t0) * 1e-9
+                times.append(dt)
+                spent += dt
+                if spent > self.max_time_s and len(times) >= 5:
+                    break
+        return Timing(statistics.median(times), _iqr(times), len(times), self.name)
+
+
+@dataclass
+class CudaGraphTimer:
+    """gpu.md's method: a CUDA graph per case, L2 flushed by reading a 256 MB buffer before every rep,
+    CUDA events around each replay; median of `reps`. Also the plain host-launched median."""
+
+    reps: int = 100
+    warmup: int = 10
+    flush_bytes: int = 256 << 20
+    name: str = "cuda:graph+l2-read-flush"
+
+    def __post_init__(self) -> None:
+        self._flush: torch.Tensor | None = None
+
+    def _flush_buffer(self, device: torch.device) -> torch.Tensor:
+        if self._flush is None or self._flush.device != device:
+            self._flush = torch.ones(self.flush_bytes // 4, dtype=torch.float32, device=device)
+        return self._flush
+
+    def __call__(self, fn: ExpertsFn, cases: Sequence[Case], schedule: Schedule | None = None) -> Timing:
+        device = cases[0].x.device
+        buf = self._flush_buffer(device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        graphs = []
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for c in cases:  # warm-up outside capture (compiles, allocator), then capture
+                fn(c.x, c.ids, c.weights, c.w)
+            torch.cuda.synchronize(device)
+            for c in cases:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=stream):
+                    fn(c.x, c.ids, c.weights, c.w)
+                graphs.append(g)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        for i in range(self.warmup):
+            graphs[i % len(graphs)].replay()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        sink = torch.zeros((), device=device)
+        for i in range(self.reps):
+            sink += buf.sum()  # read, not write: a written flush leaves dirty lines for the timed kernel
+            starts[i].record()
+            graphs[i % len(graphs)].replay()
+            ends[i].record()
+        torch.cuda.synchronize(device)
+        times = [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends, strict=True)]
+        host = self._host_launched(fn, cases, buf, sink)
+        del graphs
+        return Timing(statistics.median(times), _iqr(times), len(times), self.name, host)
+
+    def _host_launched(self, fn: ExpertsFn, cases: Sequence[Case], buf: torch.Tensor, sink: torch.Tensor) -> float:
+        times = []
+        with torch.inference_mode():
+            for i in range(max(20, self.reps // 4)):
+                c = cases[i % len(cases)]
+                sink += buf.sum()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter_ns()
+                fn(c.x, c.ids, c.weights, c.w)
+                torch.cuda.synchronize()
+                times.append((time.perf_counter_ns() - t0) * 1e-9)
+        return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class FakeTimer:
+    """Time = cost(schedule) seconds, measured on nothing (tests of the search). The kernel still runs once,
+    so a launch failure is seen as it would be with a real timer."""
+
+    cost: Callable[[Schedule | None], float]
+    name: str = "fake"
+
+    def __call__(self, fn: ExpertsFn, cases: Sequence[Case], schedule: Schedule | None = None) -> Timing:
+        c = cases[0]
+        fn(c.x, c.ids, c.weights, c.w)
+        t = float(self.cost(schedule))
+        return Timing(t, 0.0, 1, self.name)
+
+
+def timer_for(device: str | torch.device) -> Timer:
+    """The real timer for a device: CUDA graphs on a GPU, the host timer on CPU."""
+    return CudaGraphTimer() if torch.device(device).type == "cuda" else CpuTimer()
