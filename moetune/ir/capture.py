@@ -74,7 +74,8 @@ ROUTERS: dict[str, Callable[[torch.nn.Module], Router]] = {
     _tf("gpt_oss", "GptOssTopKRouter"):
         lambda m: Router("topk_softmax", logit_bias=True, compute_dtype="model"),
     _tf("granitemoe", "GraniteMoeTopKRouter"): lambda m: Router("topk_softmax", compute_dtype="model"),
-    _tf("granitemoeshared", "GraniteMoeSharedTopKRouter"): lambda m: Router("topk_softmax", compute_dtype="model"),
+    _tf("granitemoeshared", "GraniteMoeSharedTopKRouter"):
+        lambda m: Router("topk_softmax", compute_dtype="model"),
 }
 
 # Experts classes that override `_apply_gate` with an activation moetune knows.
@@ -144,17 +145,17 @@ def _describe(modules: dict[str, torch.nn.Module], path: str, block_mod: torch.n
               experts: torch.nn.Module, router: torch.nn.Module | None, T_max: int) -> MoEBlock:
     where = f"{path} ({type(block_mod).__name__})"
     ecls = qualname(experts)
-    mro = [c.__name__ for c in type(experts).__mro__]
-    if any(n == "FP8Experts" or n.startswith("Mxfp4") for n in mro) or type(block_mod).__name__.startswith("Mxfp4"):
-        raise CaptureError(f"{where}: quantized experts {type(experts).__name__} (FP8/MXFP4) are not supported; "
-                           "left as is")
+    names = [c.__name__ for c in type(experts).__mro__] + [type(block_mod).__name__]
+    if any(n == "FP8Experts" or n.startswith("Mxfp4") for n in names):
+        raise CaptureError(f"{where}: quantized experts {type(experts).__name__} (FP8/MXFP4) are not "
+                           "supported; left as is")
     if not is_hooked(experts):
         why = UNHOOKED.get(qualname(block_mod))
         raise CaptureError(f"{where}: " + (why or f"experts module {ecls} has no transformers experts hook "
                                                    "(@use_experts_implementation)") + "; left as is")
     if getattr(experts, "_is_expert_parallel", False):
-        raise CaptureError(f"{where}: expert-parallel experts (_is_expert_parallel=True, local "
-                           f"num_experts={getattr(experts, 'num_experts', '?')}) are not supported; left as is")
+        raise CaptureError(f"{where}: expert-parallel experts (_is_expert_parallel=True, local num_experts="
+                           f"{getattr(experts, 'num_experts', '?')}) are not supported; left as is")
     if getattr(experts, "has_post_expert_norm", False):
         raise CaptureError(f"{where}: experts with a norm after each expert (has_post_expert_norm=True) "
                            "are not supported; left as is")
@@ -190,7 +191,8 @@ def _describe(modules: dict[str, torch.nn.Module], path: str, block_mod: torch.n
     for name, (t, shape) in want.items():
         if tuple(t.shape) != shape:
             raise CaptureError(f"{where}: {name} has shape {list(t.shape)}, expected {list(shape)} for "
-                               f"router.weight {list(rw.shape)} (E={E}, D={D}) and F={F} in the {layout} layout")
+                               f"router.weight {list(rw.shape)} (E={E}, D={D}) and F={F} "
+                               f"in the {layout} layout")
     n_exp = getattr(experts, "num_experts", E)
     if n_exp != E:
         raise CaptureError(f"{where}: experts.num_experts = {n_exp} but router.weight has E = {E} rows")
@@ -212,7 +214,8 @@ def _param(where: str, mod: torch.nn.Module, name: str, ndim: int) -> torch.Tens
     if not isinstance(t, torch.Tensor):
         raise CaptureError(f"{where}: {type(mod).__name__} has no tensor '{name}'")
     if t.dim() != ndim:
-        raise CaptureError(f"{where}: {type(mod).__name__}.{name} has shape {list(t.shape)}, expected {ndim} dims")
+        raise CaptureError(f"{where}: {type(mod).__name__}.{name} has shape {list(t.shape)}, "
+                           f"expected {ndim} dims")
     return t
 
 
@@ -228,9 +231,11 @@ def _activation(where: str, experts: torch.nn.Module) -> Activation:
         return make(experts)
     act = getattr(getattr(experts, "config", None), "hidden_act", None)
     if act is None:  # no config: judge from the module
-        act = "silu" if type(getattr(experts, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation") else None
+        act_cls = type(getattr(experts, "act_fn", None)).__name__
+        act = "silu" if act_cls in ("SiLU", "SiLUActivation") else None
     if act not in SILU_NAMES:
-        raise CaptureError(f"{where}: activation hidden_act={act!r} is not supported; supported: silu (SwiGLU)")
+        raise CaptureError(f"{where}: activation hidden_act={act!r} is not supported; "
+                           "supported: silu (SwiGLU)")
     return Activation("swiglu")
 
 
@@ -238,7 +243,8 @@ def _shared(where: str, modules: dict[str, torch.nn.Module], path: str, block_mo
             ) -> SharedExperts | None:
     ch = block_mod._modules
     if ch.get("shared_expert") is not None:
-        return SharedExperts(_shared_F(where, ch["shared_expert"]), gated=ch.get("shared_expert_gate") is not None)
+        gated = ch.get("shared_expert_gate") is not None
+        return SharedExperts(_shared_F(where, ch["shared_expert"]), gated=gated)
     if ch.get("shared_experts") is not None:
         return SharedExperts(_shared_F(where, ch["shared_experts"]), gated=False)
     parent = modules.get(path.rsplit(".", 1)[0]) if "." in path else None
@@ -254,7 +260,8 @@ def _shared_F(where: str, mlp: torch.nn.Module) -> int:
     il = getattr(mlp, "input_linear", None)  # Granite: fused [2·Fs, D]
     if isinstance(il, torch.nn.Linear):
         return il.out_features // 2
-    raise CaptureError(f"{where}: shared experts {type(mlp).__name__} have neither gate_proj nor input_linear")
+    raise CaptureError(f"{where}: shared experts {type(mlp).__name__} have neither gate_proj "
+                       "nor input_linear")
 
 
 # --- the router check ---------------------------------------------------------------------------
@@ -283,15 +290,17 @@ def check_router(block: MoEBlock, router: torch.nn.Module, experts: torch.nn.Mod
         x = torch.randn(T, block.D, generator=gen).to(dtype=dtype, device=device)  # [T, D]
         out = router(x)
         if not (isinstance(out, tuple) and len(out) == 3):
-            raise CaptureError(f"{where}: router returned {type(out).__name__}, expected (logits, weights, ids)")
+            raise CaptureError(f"{where}: router returned {type(out).__name__}, "
+                               "expected (logits, weights, ids)")
         _, their_w, their_ids = out  # [T, k], [T, k]
         if tuple(their_ids.shape) != (T, block.k) or tuple(their_w.shape) != (T, block.k):
             raise CaptureError(f"{where}: router returned ids {list(their_ids.shape)} and weights "
                                f"{list(their_w.shape)}, expected [{T}, {block.k}] (k = router.top_k)")
         got_dt = str(their_w.dtype).replace("torch.", "")
         if got_dt != block.routing_weight_dtype:
-            raise CaptureError(f"{where}: router returns weights in {got_dt}, captured routing_weight_dtype is "
-                               f"{block.routing_weight_dtype} (router spec weights_dtype={spec.weights_dtype})")
+            raise CaptureError(f"{where}: router returns weights in {got_dt}, captured "
+                               f"routing_weight_dtype is {block.routing_weight_dtype} "
+                               f"(router spec weights_dtype={spec.weights_dtype})")
         logits = router_logits(spec, x, weight, bias)  # [T, E]
         ids, w = route(spec, logits, score_bias, block.k)  # [T, k], [T, k]
         _compare(where, spec, selection_scores(spec, logits, score_bias), ids, w,
@@ -305,7 +314,8 @@ def _compare(where: str, spec: Router, scores: torch.Tensor, ids: torch.Tensor, 
     same = (ids_s == th_s).all(-1)  # [T]
     for t in (~same).nonzero().flatten().tolist():
         if (th_s[t] < 0).any() or (th_s[t] >= scores.shape[1]).any():
-            raise CaptureError(f"{where}: router picked expert ids {th_s[t].tolist()} outside [0, {scores.shape[1]})")
+            raise CaptureError(f"{where}: router picked expert ids {th_s[t].tolist()} "
+                               f"outside [0, {scores.shape[1]})")
         mine = scores[t, ids_s[t]].sort().values
         theirs = scores[t, th_s[t]].sort().values
         if not (torch.isfinite(theirs).all() and torch.allclose(mine, theirs, rtol=1e-6, atol=0)):

@@ -40,8 +40,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3_next": Family(_E_QWEN, ("moe_intermediate_size",), "softmax_topk_flag", renorm_default=True,
                          shared="gated"),
     "qwen3_5_moe": Family(_E_QWEN, ("moe_intermediate_size",), "softmax_topk", shared="gated"),
-    "deepseek_v3": Family(("n_routed_experts", "num_local_experts"), ("moe_intermediate_size",), "deepseek_v3",
-                          renorm_default=True, routing_fp32=True, shared="ungated",
+    "deepseek_v3": Family(("n_routed_experts", "num_local_experts"), ("moe_intermediate_size",),
+                          "deepseek_v3", renorm_default=True, routing_fp32=True, shared="ungated",
                           defaults={"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
                                     "n_shared_experts": 1}),
     "olmoe": Family(_E_QWEN, ("intermediate_size",), "softmax_topk_flag"),
@@ -95,7 +95,8 @@ def block_from_config(cfg: dict, name: str = "", dtype: str | None = None, *, T_
         raise CaptureError(f"{src}: model_type {model_type!r} is not supported: {REFUSED[mt]}")
     fam = FAMILIES.get(mt)
     if fam is None:
-        raise CaptureError(f"{src}: unknown model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
+        raise CaptureError(f"{src}: unknown model_type {model_type!r}; "
+                           f"supported: {', '.join(sorted(FAMILIES))}")
     src += f" (model_type {model_type})"
 
     def need(names: tuple[str, ...]) -> int:
@@ -116,11 +117,13 @@ def block_from_config(cfg: dict, name: str = "", dtype: str | None = None, *, T_
 
     act_name = cfg.get("hidden_act", "silu")
     if fam.gpt_oss:
-        activation = Activation("clamped_swiglu", alpha=float(opt("swiglu_alpha")), limit=float(opt("swiglu_limit")))
+        activation = Activation("clamped_swiglu", alpha=float(opt("swiglu_alpha")),
+                                limit=float(opt("swiglu_limit")))
     elif act_name in ("silu", "swish"):
         activation = Activation("swiglu")
     else:
-        raise CaptureError(f"{src}: field 'hidden_act' = {act_name!r} is not supported; supported: silu (SwiGLU)")
+        raise CaptureError(f"{src}: field 'hidden_act' = {act_name!r} is not supported; "
+                           "supported: silu (SwiGLU)")
 
     if fam.router == "deepseek_v3":
         if opt("scoring_func", "sigmoid") != "sigmoid" or opt("topk_method", "noaux_tc") != "noaux_tc":

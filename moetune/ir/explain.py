@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from ..passes.pipeline import run_pipeline
 
-    for pass_name, ir in run_pipeline(block, target=args.target, trace=args.trace, tokens=_tokens(args.tokens)):
+    steps = run_pipeline(block, target=args.target, trace=args.trace, tokens=_tokens(args.tokens))
+    for pass_name, ir in steps:
         print(f"\n== after {pass_name}\n{ir}")
     return 0

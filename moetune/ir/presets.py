@@ -78,12 +78,14 @@ def table() -> list[str]:
                      _human(b.weight_bytes_per_expert)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     right = {1, 2, 3, 4, 6}
-    return ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-            .rstrip() for r in rows]
+    def cell(i: int, text: str) -> str:
+        return text.rjust(widths[i]) if i in right else text.ljust(widths[i])
+
+    return ["  ".join(cell(i, c) for i, c in enumerate(r)).rstrip() for r in rows]
 
 
 def run(args: argparse.Namespace) -> int:
     print("\n".join(table()))
-    print(f"\nexpert bytes: 3·D·F weights (+ biases) of one expert in the preset's dtype; "
-          f"`moetune explain --preset NAME` prints a block")
+    print("\nexpert bytes: 3·D·F weights (+ biases) of one expert in the preset's dtype; "
+          "`moetune explain --preset NAME` prints a block")
     return 0

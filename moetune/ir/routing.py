@@ -31,7 +31,8 @@ def router_logits(router: Router, x: torch.Tensor, weight: torch.Tensor,
     a bf16 model) and widens afterwards; "float32" widens x and the weight first (DeepSeek-V3).
     """
     if router.logit_bias and bias is None:
-        raise IRError(f"Router({router.kind})", "logit_bias", None, "router has a logit bias; pass its tensor")
+        raise IRError(f"Router({router.kind})", "logit_bias", None,
+                      "router has a logit bias; pass its tensor")
     if router.compute_dtype == "float32":
         b = bias.float() if router.logit_bias else None
         return F.linear(x.float(), weight.float(), b)  # [T, E]
@@ -97,8 +98,10 @@ def _check_score_bias(router: Router, logits: torch.Tensor, score_bias: torch.Te
         if score_bias is None:
             raise IRError(node, "score_bias", None, "router has a per-expert score bias; pass its tensor")
         if tuple(score_bias.shape) != (logits.shape[-1],):
-            raise IRError(node, "score_bias.shape", tuple(score_bias.shape), f"need [E] = [{logits.shape[-1]}]")
+            raise IRError(node, "score_bias.shape", tuple(score_bias.shape),
+                          f"need [E] = [{logits.shape[-1]}]")
     elif score_bias is not None:
-        raise IRError(node, "score_bias", tuple(score_bias.shape), "router has no score bias (score_bias=False)")
+        raise IRError(node, "score_bias", tuple(score_bias.shape),
+                      "router has no score bias (score_bias=False)")
     if logits.shape[-1] % router.n_group:
         raise IRError(node, "n_group", router.n_group, f"does not divide E = {logits.shape[-1]}")

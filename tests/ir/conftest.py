@@ -3,8 +3,8 @@
 import functools
 
 import pytest
-import torch
 import tiny_models as tm
+import torch
 
 
 @functools.cache

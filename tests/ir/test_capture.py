@@ -82,7 +82,8 @@ def test_fp8_experts_reported():
 
     model = tm.build("qwen3_moe")
     block = model.model.layers[0].mlp
-    fp8_cls = use_experts_implementation(experts_class=TinyFP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
+    fp8_cls = use_experts_implementation(experts_class=TinyFP8Experts,
+                                         experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
     block.experts = fp8_cls(config=block.experts.config, block_size=(16, 16))
     assert block.experts.gate_up_proj.dtype == torch.float8_e4m3fn
     found = capture(model)
@@ -145,7 +146,8 @@ PLANTS = [
     ("qwen2_moe", lambda m, orig: dataclasses.replace(orig(m), renormalize=True), "weights differ"),
     ("deepseek_v3", lambda m, orig: dataclasses.replace(orig(m), n_group=1, topk_group=1), "picks"),
     ("deepseek_v3", lambda m, orig: dataclasses.replace(orig(m), scaling=1.0), "weights differ"),
-    ("deepseek_v3", lambda m, orig: Router("softmax_topk", renormalize=True, weights_dtype="float32"), "picks"),
+    ("deepseek_v3", lambda m, orig: Router("softmax_topk", renormalize=True, weights_dtype="float32"),
+     "picks"),
     ("granitemoe", lambda m, orig: Router("softmax_topk", compute_dtype="model"), "weights differ"),
     ("mixtral", lambda m, orig: Router("softmax_topk", renormalize=True, compute_dtype="model"),
      "routing_weight_dtype"),
@@ -204,7 +206,8 @@ def test_reference_router_on_real_hidden_states(tiny, family, dtype):
         mine, theirs = my_ids.sort(-1), their_ids.sort(-1)
         same = (mine.values == theirs.values).all(-1)  # [T]
         # a differing pick is only allowed where the selection scores tie exactly
-        tied = scores.gather(1, mine.values).sort(-1).values == scores.gather(1, theirs.values).sort(-1).values
+        tied = (scores.gather(1, mine.values).sort(-1).values
+                == scores.gather(1, theirs.values).sort(-1).values)  # [T, k]
         assert bool(tied.all(-1)[~same].all()), f"{c.path}: index sets differ without a tie"
         assert same.float().mean() > 0.9
         tol = dict(rtol=1e-5, atol=1e-7) if dtype == "float32" else dict(rtol=2e-2, atol=1e-3)

@@ -104,7 +104,8 @@ ROUTERS = [
 
 
 @settings(max_examples=25, deadline=None)
-@given(r_i=st.integers(0, len(ROUTERS) - 1), T=st.integers(1, 6), k=st.integers(1, 4), seed=st.integers(0, 2**16))
+@given(r_i=st.integers(0, len(ROUTERS) - 1), T=st.integers(1, 6), k=st.integers(1, 4),
+       seed=st.integers(0, 2**16))
 def test_route_matches_per_token_loop(r_i, T, k, seed):
     r, E = ROUTERS[r_i], 16
     g = torch.Generator().manual_seed(seed)
