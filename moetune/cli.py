@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(module="moetune.passes.trace")
 
     p = sub.add_parser("tune", help="tune a dispatch table for a preset or config on this machine")
-    _source(p)
+    _source(p, required=False)
+    p.add_argument("--tiny", help="the block of a tiny offline model family (demos, tests); one source is needed")
     p.add_argument("--tokens", default="1-1024")
     p.add_argument("--trace")
     p.add_argument("--budget", default="10m", help="wall-clock budget, e.g. 90s, 10m")
@@ -59,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--storage", default=None, help="Optuna storage URL or journal file shared by workers")
     p.add_argument("--backend", default=None, help="torch | triton (default: the best available here)")
     p.add_argument("--dtype", default=None, help="weight dtype (default: the preset's)")
+    p.add_argument("--target", default=None, help="target for the floors (default: cpu, or the GPU's)")
+    p.add_argument("--strict", action="store_true", help="re-raise every candidate failure")
+    p.add_argument("--keep-going", action="store_true", help="score unknown candidate errors inf instead of raising")
+    p.add_argument("--seed", type=int, default=0)
     p.set_defaults(module="moetune.search.cli")
 
     p = sub.add_parser("show", help="list a dispatch table's contents")
