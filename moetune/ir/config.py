@@ -27,6 +27,7 @@ class Family:
     routing_fp32: bool = False  # the router hands the experts float32 weights
     shared: str | None = None  # "gated" | "ungated" | "outside": how shared experts are attached
     gpt_oss: bool = False  # transposed, interleaved, biased layout; clamped SwiGLU; router logit bias
+    layers: str = "all"  # which decoder layers hold the block: "all" | "sparse_step" | "first_k_dense"
     defaults: dict = field(default_factory=dict)
 
 
@@ -35,15 +36,17 @@ _E_QWEN = ("num_experts", "num_local_experts")
 
 FAMILIES: dict[str, Family] = {
     "mixtral": Family(_E_LOCAL, ("intermediate_size",), "softmax_topk", routing_fp32=True),
-    "qwen2_moe": Family(_E_QWEN, ("moe_intermediate_size",), "softmax_topk_flag", shared="gated"),
-    "qwen3_moe": Family(_E_QWEN, ("moe_intermediate_size",), "softmax_topk_flag"),
+    "qwen2_moe": Family(_E_QWEN, ("moe_intermediate_size",), "softmax_topk_flag", shared="gated",
+                        layers="sparse_step"),
+    "qwen3_moe": Family(_E_QWEN, ("moe_intermediate_size",), "softmax_topk_flag", layers="sparse_step"),
     "qwen3_next": Family(_E_QWEN, ("moe_intermediate_size",), "softmax_topk_flag", renorm_default=True,
-                         shared="gated"),
+                         shared="gated", layers="sparse_step"),
     "qwen3_5_moe": Family(_E_QWEN, ("moe_intermediate_size",), "softmax_topk", shared="gated"),
     "deepseek_v3": Family(("n_routed_experts", "num_local_experts"), ("moe_intermediate_size",),
                           "deepseek_v3", renorm_default=True, routing_fp32=True, shared="ungated",
+                          layers="first_k_dense",
                           defaults={"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
-                                    "n_shared_experts": 1}),
+                                    "n_shared_experts": 1, "first_k_dense_replace": 3}),
     "olmoe": Family(_E_QWEN, ("intermediate_size",), "softmax_topk_flag"),
     "gpt_oss": Family(_E_LOCAL, ("intermediate_size",), "topk_softmax", gpt_oss=True,
                       defaults={"swiglu_alpha": 1.702, "swiglu_limit": 7.0}),
@@ -76,17 +79,11 @@ def load_config(path: str | Path) -> dict:
     return cfg
 
 
-def block_from_config(cfg: dict, name: str = "", dtype: str | None = None, *, T_max: int = 4096) -> MoEBlock:
-    """The MoEBlock of every MoE layer of the model `cfg` describes (they share one shape).
-
-    `dtype` overrides the config's own `dtype`/`torch_dtype` (default bfloat16). Raises
-    CaptureError naming `name` (the file or preset) and the missing or unsupported field.
-    """
-    src = f"config {name!r}" if name else "config"
+def _family(cfg: dict, src: str) -> tuple[dict, str, Family]:
+    """(the language-model config, the model_type, its Family); CaptureError for anything else."""
     top = cfg
     if isinstance(cfg.get("text_config"), dict):  # a VLM: the MoE lives in the language model
         cfg = {**cfg["text_config"]}
-        src += " (text_config)"
     model_type = cfg.get("model_type") or top.get("model_type")
     if model_type is None:
         raise CaptureError(f"{src}: no field 'model_type'")
@@ -97,6 +94,33 @@ def block_from_config(cfg: dict, name: str = "", dtype: str | None = None, *, T_
     if fam is None:
         raise CaptureError(f"{src}: unknown model_type {model_type!r}; "
                            f"supported: {', '.join(sorted(FAMILIES))}")
+    return cfg, model_type, fam
+
+
+def moe_layers(cfg: dict, name: str = "") -> list[int] | None:
+    """Indices of the decoder layers that hold an MoE block (None when the file gives no layer count)."""
+    text, _, fam = _family(cfg, f"config {name!r}" if name else "config")
+    n = text.get("num_hidden_layers")
+    if not isinstance(n, int):
+        return None
+    if fam.layers == "sparse_step":
+        dense, step = set(text.get("mlp_only_layers") or ()), text.get("decoder_sparse_step") or 1
+        return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    if fam.layers == "first_k_dense":
+        first = text.get("first_k_dense_replace")
+        return list(range(fam.defaults["first_k_dense_replace"] if first is None else first, n))
+    return list(range(n))
+
+
+def block_from_config(cfg: dict, name: str = "", dtype: str | None = None, *, T_max: int = 4096) -> MoEBlock:
+    """The MoEBlock of every MoE layer of the model `cfg` describes (they share one shape).
+
+    `dtype` overrides the config's own `dtype`/`torch_dtype` (default bfloat16). Raises
+    CaptureError naming `name` (the file or preset) and the missing or unsupported field.
+    """
+    src = f"config {name!r}" if name else "config"
+    top = cfg
+    cfg, model_type, fam = _family(cfg, src)
     src += f" (model_type {model_type})"
 
     def need(names: tuple[str, ...]) -> int:

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .block import MoEBlock
-from .config import block_from_config, load_config
+from .config import block_from_config, load_config, moe_layers
 from .errors import CaptureError
-from .presets import preset
+from .presets import PRESETS, preset
 
 if TYPE_CHECKING:  # torch is imported only when a model is explained, not for presets or configs
     import torch
@@ -58,19 +58,42 @@ def _tokens(spec: str) -> tuple[int, int]:
     return lo_i, hi_i
 
 
+def config_from_args(args: argparse.Namespace) -> tuple[dict, str]:
+    """(config dict, its name) for --preset, --config or --model-dir."""
+    if getattr(args, "preset", None):
+        preset(args.preset)  # an unknown name raises, listing the presets
+        return PRESETS[args.preset], args.preset
+    path = args.config or args.model_dir
+    name = str(Path(path) / "config.json") if getattr(args, "model_dir", None) else str(path)
+    return load_config(path), name
+
+
 def block_from_args(args: argparse.Namespace) -> MoEBlock:
     """The MoEBlock named by --preset, --config or --model-dir (no weights are read)."""
     T_max = _tokens(getattr(args, "tokens", None) or "1-4096")[1]
-    if getattr(args, "preset", None):
-        return preset(args.preset, dtype=getattr(args, "dtype", None)).replace(T_max=T_max)
-    path = args.config or args.model_dir
-    name = str(Path(path) / "config.json") if getattr(args, "model_dir", None) else str(path)
-    return block_from_config(load_config(path), name=name, dtype=getattr(args, "dtype", None), T_max=T_max)
+    cfg, name = config_from_args(args)
+    return block_from_config(cfg, name=name, dtype=getattr(args, "dtype", None), T_max=T_max)
+
+
+def _ranges(idx: list[int]) -> str:
+    """[3, 4, 5, 9] → "3-5, 9"."""
+    out, start = [], None
+    for i, v in enumerate(idx):
+        start = v if start is None else start
+        if i + 1 == len(idx) or idx[i + 1] != v + 1:
+            out.append(f"{start}-{v}" if v > start else f"{v}")
+            start = None
+    return ", ".join(out)
 
 
 def run(args: argparse.Namespace) -> int:
     block = block_from_args(args)
     print(block)
+    cfg, name = config_from_args(args)
+    layers = moe_layers(cfg, name)
+    if layers is not None:
+        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+        print(f"  MoE layers: {len(layers)} of {text['num_hidden_layers']} ({_ranges(layers) or 'none'})")
     if not getattr(args, "passes", False):
         return 0
     if importlib.util.find_spec("moetune.passes.pipeline") is None:

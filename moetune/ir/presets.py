@@ -2,7 +2,8 @@
 
 Each preset goes through `block_from_config`, so a preset and the model's own config.json give
 the same MoEBlock. Weights are bfloat16 as published. qwen3.5-397b-a17b: E and k as published,
-D = 4096 and F = 1024 assumed (as in the GPU notes).
+D = 4096 and F = 1024 assumed (as in the GPU notes), shared expert size = F assumed, layer count
+left out.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ PRESETS: dict[str, dict] = {
     "qwen3-30b-a3b": {
         "model_type": "qwen3_moe", "hidden_size": 2048, "num_experts": 128, "num_experts_per_tok": 8,
         "moe_intermediate_size": 768, "norm_topk_prob": True, "hidden_act": "silu", "dtype": "bfloat16",
+        "num_hidden_layers": 48,
     },
     "qwen3-235b-a22b": {
         "model_type": "qwen3_moe", "hidden_size": 4096, "num_experts": 128, "num_experts_per_tok": 8,
         "moe_intermediate_size": 1536, "norm_topk_prob": True, "hidden_act": "silu", "dtype": "bfloat16",
+        "num_hidden_layers": 94,
     },
     "qwen3.5-397b-a17b": {
         "model_type": "qwen3_5_moe", "hidden_size": 4096, "num_experts": 512, "num_experts_per_tok": 10,
@@ -31,24 +34,29 @@ PRESETS: dict[str, dict] = {
         "model_type": "qwen3_next", "hidden_size": 2048, "num_experts": 512, "num_experts_per_tok": 10,
         "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
         "hidden_act": "silu", "dtype": "bfloat16",
+        "num_hidden_layers": 48,
     },
     "deepseek-v3": {
         "model_type": "deepseek_v3", "hidden_size": 7168, "n_routed_experts": 256, "num_experts_per_tok": 8,
         "moe_intermediate_size": 2048, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
         "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid",
         "topk_method": "noaux_tc", "hidden_act": "silu", "dtype": "bfloat16",
+        "num_hidden_layers": 61, "first_k_dense_replace": 3,
     },
     "mixtral-8x7b": {
         "model_type": "mixtral", "hidden_size": 4096, "num_local_experts": 8, "num_experts_per_tok": 2,
         "intermediate_size": 14336, "hidden_act": "silu", "dtype": "bfloat16",
+        "num_hidden_layers": 32,
     },
     "gpt-oss-120b": {
         "model_type": "gpt_oss", "hidden_size": 2880, "num_local_experts": 128, "num_experts_per_tok": 4,
         "intermediate_size": 2880, "swiglu_limit": 7.0, "hidden_act": "silu", "dtype": "bfloat16",
+        "num_hidden_layers": 36,
     },
     "olmoe-1b-7b": {
         "model_type": "olmoe", "hidden_size": 2048, "num_experts": 64, "num_experts_per_tok": 8,
         "intermediate_size": 1024, "norm_topk_prob": False, "hidden_act": "silu", "dtype": "bfloat16",
+        "num_hidden_layers": 16,
     },
 }
 

@@ -247,3 +247,41 @@ def test_check_router_detects_changed_weights_after_capture():
 
 def test_capture_of_model_without_moe_is_empty():
     assert capture(torch.nn.Sequential(torch.nn.Linear(4, 4))) == []
+
+
+def test_capture_changes_nothing(tiny):
+    model = tiny("deepseek_v3", "float32")
+    ids = torch.randint(0, tm.VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        rng = torch.get_rng_state()
+        assert capture(model)[0].ok
+        assert torch.equal(rng, torch.get_rng_state())  # the check draws from its own generator
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, after)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+
+
+def test_capture_on_meta_device_skips_the_check():
+    model_cls, cfg = tm.FAMILIES["qwen3_moe"]()
+    with torch.device("meta"):
+        model = model_cls._from_config(cfg)
+    found = capture(model)
+    assert [c.ok for c in found] == [True, True] and found[0].block.E == 16
+
+
+def test_capture_vlm_language_model():
+    import transformers
+
+    _, text_cfg = tm.FAMILIES["qwen3_5_moe"]()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=tm.D,
+                  patch_size=4, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+    cfg = transformers.Qwen3_5MoeConfig(text_config=text_cfg.to_dict(), vision_config=vision)
+    model = transformers.Qwen3_5MoeForConditionalGeneration._from_config(cfg, dtype=torch.bfloat16)
+    found = capture(model)
+    assert [c.path for c in found] == [f"model.language_model.layers.{i}.mlp" for i in (0, 1)]
+    assert all(c.ok and c.block.E == 16 and c.block.weight_dtype == "bfloat16" for c in found)
+    from moetune.ir.config import block_from_config
+
+    assert block_from_config(model.config.to_dict(), name=found[0].path, dtype="bfloat16") == found[0].block

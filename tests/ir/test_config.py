@@ -6,7 +6,7 @@ import pytest
 
 from moetune.ir import CaptureError, MoEBlock
 from moetune.ir.capture import capture
-from moetune.ir.config import block_from_config, load_config
+from moetune.ir.config import block_from_config, load_config, moe_layers
 
 HOOKED = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3", "olmoe", "gpt_oss",
           "granitemoe", "granitemoeshared"]
@@ -20,6 +20,28 @@ def test_config_matches_capture(tiny, family, dtype):
     for c in capture(model):
         assert c.ok, c.reason
         assert block_from_config(cfg, name=c.path) == c.block
+
+
+@pytest.mark.parametrize("family", HOOKED)
+def test_moe_layers_match_capture(tiny, family):
+    model = tiny(family, "float32")
+    layers = moe_layers(model.config.to_dict())
+    assert [f"model.layers.{i}." for i in layers] == [c.path[: -len(c.path.rsplit(".", 1)[1])]
+                                                      for c in capture(model)]
+
+
+@pytest.mark.parametrize(
+    "fields, want",
+    [
+        (dict(num_hidden_layers=6, mlp_only_layers=[0, 5], decoder_sparse_step=2), [1, 3]),
+        (dict(num_hidden_layers=4), [0, 1, 2, 3]),
+        (dict(), None),
+    ],
+)
+def test_moe_layers_rules(fields, want):
+    assert moe_layers({**_qwen3(), **fields}) == want
+    ds = {"model_type": "deepseek_v3", "num_hidden_layers": 5}
+    assert moe_layers(ds) == [3, 4] and moe_layers({**ds, "first_k_dense_replace": 1}) == [1, 2, 3, 4]
 
 
 def test_vlm_config_reads_text_config(tiny):

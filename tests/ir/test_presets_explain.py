@@ -84,7 +84,10 @@ def test_cli_presets(capsys):
 def test_cli_explain_preset(capsys):
     assert main(["explain", "--preset", "qwen3-30b-a3b"]) == 0
     out = capsys.readouterr().out
-    assert out.strip() == str(preset("qwen3-30b-a3b"))
+    assert out.startswith(str(preset("qwen3-30b-a3b")))
+    assert "MoE layers: 48 of 48 (0-47)" in out
+    assert main(["explain", "--preset", "deepseek-v3"]) == 0
+    assert "MoE layers: 58 of 61 (3-60)" in capsys.readouterr().out
     assert main(["explain", "--preset", "nope"]) == 2
     assert "unknown preset 'nope'" in capsys.readouterr().err
 
