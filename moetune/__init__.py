@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+# Importing the runtime registers "moetune" in transformers' ExpertsInterface and defines the custom op
+# moetune::experts, so that from_pretrained(..., experts_implementation="moetune") works after `import moetune`.
+from .runtime.compiled import compile, uncompile  # noqa: E402,A004
+
 
 def explain(model, *, print_: bool = True, check: bool = True):
     """Print and return each MoE block of `model`: its IR, or why it was left as it is."""

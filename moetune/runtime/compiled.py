@@ -1,0 +1,216 @@
+"""The compiled model: moetune's experts function behind transformers' official experts hook.
+
+    import moetune                      # registers "moetune" in transformers' ExpertsInterface
+    moetune.compile(model)              # capture → a Plan per captured experts module → "moetune"
+    moetune.uncompile(model)            # back to the previous experts implementation
+
+transformers calls `experts_forward(self, hidden_states [T, D], top_k_index [T, k], top_k_weights
+[T, k])` for every hooked experts module of a model whose experts implementation is "moetune".
+With a plan attached (`module._moetune_plan`), it calls the custom op `moetune::experts` with the
+module's own parameter tensors (no copy) and the plan's id; the op looks the plan up and runs its
+Dispatcher, which picks the bucket's kernel from the host-side T. Without a plan (a block capture
+left alone, or a model loaded with experts_implementation="moetune" but never compiled) it runs
+transformers' own grouped_mm forward. The op has a fake (meta) kernel, so whole-model torch.export
+and torch.compile(fullgraph=True) see one opaque node per MoE layer; the plan id is a graph constant
+and the registry must still hold it when an exported program runs (uncompile removes it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from ..codegen.backend import Backend, get
+from ..codegen.common import ExpertTensors
+from ..ir import MoEBlock, MoetuneError
+from .dispatch import Dispatcher
+
+IMPLEMENTATION = "moetune"
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """What one experts module runs: its block, the resolved dispatcher, its place in the model."""
+
+    id: int
+    path: str
+    block: MoEBlock
+    dispatcher: Dispatcher
+
+
+@dataclass(eq=False)
+class CompileState:
+    """Kept on a compiled model (`model._moetune_state`) so that uncompile can undo compile."""
+
+    previous: dict | str | None
+    plan_ids: list[int] = field(default_factory=list)
+    captured: list = field(default_factory=list)  # every Captured, the refused ones with their reason
+    backend: str = "torch"
+    cache: str | None = None
+
+
+PLANS: dict[int, Plan] = {}
+_ids = itertools.count(1)
+
+
+# ------------------------------------------------------------------------------- the custom op --
+
+@torch.library.custom_op("moetune::experts", mutates_args=())
+def experts_op(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+               plan_id: int) -> torch.Tensor:
+    """Routed experts of plan `plan_id`: x [T, D], ids [T, k], weights [T, k] → [T, D] in x.dtype."""
+    plan = PLANS.get(plan_id)
+    if plan is None:
+        raise MoetuneError(f"moetune::experts: plan {plan_id} is not registered in this process "
+                           f"(the model was uncompiled, or the program was exported elsewhere); "
+                           f"run moetune.compile(model) again")
+    return plan.dispatcher(x, ids, weights, ExpertTensors(gate_up, down, gate_up_bias, down_bias))
+
+
+@experts_op.register_fake
+def _experts_fake(x, ids, weights, gate_up, down, gate_up_bias, down_bias, plan_id):
+    return x.new_empty(x.shape)
+
+
+# ------------------------------------------------------------------ transformers experts hook --
+
+def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The function registered as "moetune" in transformers' ExpertsInterface."""
+    plan = getattr(self, "_moetune_plan", None)
+    if plan is None:
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    bias = plan.block.layout.has_bias
+    return torch.ops.moetune.experts(
+        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+        self.gate_up_proj_bias if bias else None, self.down_proj_bias if bias else None, plan.id)
+
+
+def register_with_transformers() -> bool:
+    """Register "moetune" in transformers' ExpertsInterface; False when transformers is absent."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError:
+        return False
+    ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+    return True
+
+
+REGISTERED = register_with_transformers()
+
+
+# ------------------------------------------------------------------------- compile / uncompile --
+
+def _device(experts: torch.nn.Module) -> torch.device:
+    return experts.gate_up_proj.device
+
+
+def _pick_backend(name: str | None, device: torch.device) -> Backend:
+    if name is not None:
+        be = get(name)
+        why = be.available()
+        if why:
+            raise MoetuneError(f"moetune.compile: backend {name!r} is not usable here: {why}")
+        return be
+    if device.type == "cuda":
+        try:
+            be = get("triton")
+            if be.available() is None:
+                return be
+        except (MoetuneError, ImportError):
+            pass
+    return get("torch")
+
+
+def _target(device: torch.device) -> str:
+    """The dispatch-table target of a device: "cpu", or the GPU's short name ("h200")."""
+    if device.type != "cuda":
+        return device.type
+    name = torch.cuda.get_device_name(device).lower()
+    for known in ("h200", "h100", "a100", "b200"):
+        if known in name:
+            return known
+    return name.replace(" ", "-")
+
+
+def compile(model: torch.nn.Module, cache: str | None = None, backend: str | None = None, *,
+            target: str | None = None, check: bool = True, T_max: int = 4096) -> torch.nn.Module:
+    """Run `model`'s captured MoE experts through moetune; returns the same model object.
+
+    cache    a dispatch-table file (runtime/table.py); None: every bucket on the default heuristic
+    backend  "torch" | "triton" | "pallas"; None: triton for CUDA weights when usable, else torch
+    target   the table's target name; None: from the weights' device ("cpu", "h200", …)
+
+    Blocks capture refuses stay as they are (`moetune.explain(model)` gives the reason). Compiling
+    copies no weight: the kernels read each experts module's parameters at call time.
+    """
+    from ..ir.capture import capture
+
+    if getattr(model, "_moetune_state", None) is not None:
+        uncompile(model)
+    captured = capture(model, check=check, T_max=T_max)
+    state = CompileState(previous=None, captured=list(captured), cache=None if cache is None else str(cache))
+    dispatchers: dict[tuple[str, str], Dispatcher] = {}  # one per (block signature, backend)
+    try:
+        for c in captured:
+            if c.block is None or c.experts is None:
+                continue
+            ExpertTensors.of(c.experts).check(c.block)
+            device = _device(c.experts)
+            be = _pick_backend(backend, device)
+            state.backend = be.name
+            key = (c.block.signature(), be.name)
+            if key not in dispatchers:
+                if cache is None:
+                    dispatchers[key] = Dispatcher.default(c.block, be)
+                else:
+                    from .table import load_entries
+
+                    entries = load_entries(cache, c.block, target or _target(device), be.name, device=str(device))
+                    dispatchers[key] = Dispatcher.from_entries(c.block, be, entries, where=f"dispatch table {cache}")
+            plan = Plan(next(_ids), c.path, c.block, dispatchers[key])
+            PLANS[plan.id] = plan
+            state.plan_ids.append(plan.id)
+            c.experts._moetune_plan = plan
+    except BaseException:
+        _detach(model, state)
+        raise
+    if state.plan_ids:
+        state.previous = model.get_experts_implementation()
+        model.set_experts_implementation(IMPLEMENTATION)
+    elif captured:
+        warnings.warn(f"moetune.compile: no MoE block of {type(model).__name__} was captured; the model runs "
+                      f"unchanged (moetune.explain(model) gives the reasons)", stacklevel=2)
+    model._moetune_state = state
+    return model
+
+
+def _detach(model: torch.nn.Module, state: CompileState) -> None:
+    for m in model.modules():
+        if getattr(m, "_moetune_plan", None) is not None and m._moetune_plan.id in state.plan_ids:
+            del m._moetune_plan
+    for pid in state.plan_ids:
+        PLANS.pop(pid, None)
+
+
+def uncompile(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo `compile`: detach the plans and restore the previous experts implementation."""
+    state: CompileState | None = getattr(model, "_moetune_state", None)
+    if state is None:
+        return model
+    _detach(model, state)
+    if state.previous is not None:
+        model.set_experts_implementation(state.previous)
+    model._moetune_state = None
+    return model
+
+
+def plans(model: torch.nn.Module) -> list[Plan]:
+    """The plans attached to `model`'s experts modules, in module order."""
+    return [m._moetune_plan for m in model.modules() if getattr(m, "_moetune_plan", None) is not None]

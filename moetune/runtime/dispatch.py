@@ -1,0 +1,187 @@
+"""Run-time dispatch: token buckets → built kernels, resolved once at compile time.
+
+    dispatcher = Dispatcher.default(block, backend)                      # no table: default buckets
+    dispatcher = Dispatcher.from_entries(block, backend, entries)        # a table's (lo, hi, Schedule)
+    out = dispatcher(x, ids, weights, w)                                 # bisect on T = x.shape[0]
+
+A call reads only the host-side T (a shape, never a device value) and bisects precomputed bucket
+ends: no device sync, no table lookup, no Python object built per call. T above the last bucket
+uses the last bucket's kernel; T = 0 returns an empty [0, D] result without calling a kernel.
+
+Default buckets (no table, or gaps between a table's entries) follow the rows-per-expert regime:
+the bucketing pass of `moetune.passes` when it is importable, else `regime_buckets` here: T ranges
+cut where the expected rows per active expert (uniform routing) crosses REGIME_CUTS, so that no
+bucket spans the one-row and the many-rows regime.
+"""
+
+from __future__ import annotations
+
+import bisect
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..codegen.backend import Backend
+from ..codegen.common import ExpertsFn, ExpertTensors
+from ..ir import IRError, MoEBlock, MoetuneError, Schedule
+from .default import default_schedule, representative_tokens, rows_per_active
+
+REGIME_CUTS = (1.5, 4.0, 16.0)  # rows per active expert where a default bucket ends
+
+DefaultFactory = Callable[[int, int], Schedule]  # (lo, hi) → the bucket's default Schedule
+
+
+class DispatchWarning(UserWarning):
+    """Some buckets run the default schedule because the table had no usable entry for them."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """One bucket lo ≤ T ≤ hi, its schedule, where the schedule came from, and its built kernel."""
+
+    lo: int
+    hi: int
+    schedule: Schedule
+    source: str  # "table" | "default" | "default (table entry refused: …)"
+    fn: ExpertsFn
+
+    @property
+    def label(self) -> str:
+        return f"[{self.lo},{self.hi}]"
+
+
+def regime_buckets(block: MoEBlock, cuts: Sequence[float] = REGIME_CUTS) -> list[tuple[int, int]]:
+    """[1, T_max] cut where rows per active expert first reaches each of `cuts` (it grows with T)."""
+    ends, lo = [], 1
+    for c in cuts:
+        if lo > block.T_max or rows_per_active(block, block.T_max) < c:
+            break
+        a, b = lo, block.T_max  # smallest T in [lo, T_max] with rows(T) ≥ c
+        while a < b:
+            m = (a + b) // 2
+            if rows_per_active(block, m) >= c:
+                b = m
+            else:
+                a = m + 1
+        if a > lo:
+            ends.append((lo, a - 1))
+            lo = a
+    ends.append((lo, block.T_max))
+    return ends
+
+
+def default_buckets(block: MoEBlock) -> list[tuple[int, int]]:
+    """The bucketing pass's buckets when the passes provide one, else `regime_buckets`."""
+    try:
+        from ..passes import bucketing  # type: ignore[attr-defined]
+    except ImportError:
+        return regime_buckets(block)
+    fn = getattr(bucketing, "bucket_ranges", None)
+    if fn is None:
+        return regime_buckets(block)
+    return [(int(lo), int(hi)) for lo, hi in fn(block)]
+
+
+class Dispatcher:
+    """Sorted, non-overlapping routes covering [1, hi of the last]; `__call__` bisects on T."""
+
+    def __init__(self, block: MoEBlock, backend: Backend, routes: Sequence[Route]):
+        routes = sorted(routes, key=lambda r: r.lo)
+        node = f"Dispatcher({block.name or block.signature_hash()})"
+        if not routes:
+            raise IRError(node, "routes", (), "empty")
+        expect = 1
+        for r in routes:
+            if r.lo != expect:
+                raise IRError(node, f"route {r.label}.lo", r.lo,
+                              f"{'gap' if r.lo > expect else 'overlap'}: the previous bucket ends at {expect - 1}")
+            expect = r.hi + 1
+        self.block, self.backend, self.routes = block, backend, tuple(routes)
+        self._his = [r.hi for r in self.routes]
+        self._fns = [r.fn for r in self.routes]
+        self._last = len(self._fns) - 1
+
+    # ------------------------------------------------------------------------------------- call
+    def index(self, tokens: int) -> int:
+        """Position of the route serving `tokens` (the last one above its end)."""
+        return min(bisect.bisect_left(self._his, tokens), self._last)
+
+    def route(self, tokens: int) -> Route:
+        return self.routes[self.index(tokens)]
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
+        T = x.shape[0]  # host-side int
+        if T == 0:
+            return x.new_zeros((0, x.shape[1]))
+        return self._fns[min(bisect.bisect_left(self._his, T), self._last)](x, ids, weights, w)
+
+    def describe(self) -> str:
+        return "\n".join(f"  T∈{r.label:<12} {r.schedule.describe()}  ({r.source})" for r in self.routes)
+
+    # --------------------------------------------------------------------------------- building
+    @classmethod
+    def default(cls, block: MoEBlock, backend: Backend, buckets: Sequence[tuple[int, int]] | None = None,
+                default_factory: DefaultFactory | None = None) -> Dispatcher:
+        """Every bucket on the default heuristic (no table)."""
+        factory = default_factory or _default_factory(block, backend)
+        routes = [_build(block, backend, lo, hi, factory(lo, hi), "default")
+                  for lo, hi in (buckets or default_buckets(block))]
+        return cls(block, backend, routes)
+
+    @classmethod
+    def from_entries(cls, block: MoEBlock, backend: Backend, entries: Sequence[tuple[int, int, Schedule]],
+                     default_factory: DefaultFactory | None = None, *, where: str = "dispatch table") -> Dispatcher:
+        """Routes from a table's (lo, hi, Schedule) entries; the token ranges they leave uncovered in
+        [1, T_max] are split by the default buckets and run the default, with ONE DispatchWarning
+        naming those buckets (and any entry the backend refused to build, with its reason).
+        Overlapping entries raise IRError: a table never borrows a schedule across buckets."""
+        factory = default_factory or _default_factory(block, backend)
+        node = f"{where} for {block.name or block.signature_hash()}"
+        entries = sorted(entries, key=lambda e: e[0])
+        for (lo1, hi1, _), (lo2, hi2, _) in zip(entries, entries[1:], strict=False):
+            if lo2 <= hi1:
+                raise IRError(node, "entries", ((lo1, hi1), (lo2, hi2)), "overlapping buckets")
+        routes: list[Route] = []
+        missing: list[str] = []
+        for lo, hi, sch in entries:
+            if not 1 <= lo <= hi:
+                raise IRError(node, "entry", (lo, hi), "need 1 ≤ lo ≤ hi")
+            try:
+                routes.append(_build(block, backend, lo, hi, sch, "table"))
+            except MoetuneError as e:
+                why = f"entry {sch.describe()} refused: {e}"
+                routes.append(_build(block, backend, lo, hi, factory(lo, hi), f"default ({why})"))
+                missing.append(f"[{lo},{hi}] ({why})")
+        end = max(block.T_max, entries[-1][1] if entries else 0)
+        covered = [(r.lo, r.hi) for r in routes]
+        for lo, hi in _gaps(covered, end):
+            for blo, bhi in default_buckets(block.replace(T_max=max(block.T_max, hi))):
+                a, b = max(lo, blo), min(hi, bhi)
+                if a <= b:
+                    routes.append(_build(block, backend, a, b, factory(a, b), "default (no entry)"))
+                    missing.append(f"[{a},{b}]")
+        if missing:
+            warnings.warn(f"{node}, backend {backend.name}: no usable entry for bucket(s) {', '.join(missing)}; "
+                          f"they run the default schedule", DispatchWarning, stacklevel=2)
+        return cls(block, backend, routes)
+
+
+def _default_factory(block: MoEBlock, backend: Backend) -> DefaultFactory:
+    return lambda lo, hi: default_schedule(block, backend, representative_tokens(lo, hi))
+
+
+def _build(block: MoEBlock, backend: Backend, lo: int, hi: int, sch: Schedule, source: str) -> Route:
+    return Route(lo, hi, sch, source, backend.build(block, sch))
+
+
+def _gaps(covered: list[tuple[int, int]], end: int) -> list[tuple[int, int]]:
+    gaps, nxt = [], 1
+    for lo, hi in sorted(covered):
+        if lo > nxt:
+            gaps.append((nxt, lo - 1))
+        nxt = max(nxt, hi + 1)
+    if nxt <= end:
+        gaps.append((nxt, end))
+    return gaps

@@ -1,0 +1,209 @@
+"""moetune.compile / uncompile on every tiny transformers family, export, compile, bad input."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tiny_models import FAMILIES, UNHOOKED, VOCAB, build
+
+import moetune
+from moetune.codegen.common import ExpertTensors
+from moetune.codegen.torch import experts_reference, tolerances
+from moetune.ir import MoetuneError
+from moetune.runtime import PLANS, plans
+
+HOOKED = [f for f in FAMILIES if f not in UNHOOKED]
+
+
+def input_ids(S: int, B: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, ids) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=ids, use_cache=False).logits.float()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def routed_logits(model, ids) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Logits and, per experts call, the sorted top-k ids [T, k] it was given."""
+    seen: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append(args[1].sort(-1).values))
+             for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")]
+    try:
+        return logits(model, ids), seen
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def same_routing_positions(ids, routes_a, routes_b) -> torch.Tensor:
+    """[B, S] bool: positions before the first top-k difference of their sequence in any layer.
+
+    In bf16 a near-tie in a router's top-k can flip on a last-bit difference of its input; causal
+    attention then carries the flip to the later positions of that sequence only."""
+    B, S = ids.shape
+    first = torch.full((B,), S)
+    for a, b in zip(routes_a, routes_b, strict=True):
+        diff = (a != b).any(-1).view(B, S)  # [B, S]
+        pos = torch.where(diff, torch.arange(S).expand(B, S), torch.full((B, S), S))
+        first = torch.minimum(first, pos.min(-1).values)
+    return torch.arange(S).expand(B, S) < first.unsqueeze(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", HOOKED)
+def test_compiled_logits_match_and_uncompile_restores(family, dtype):
+    """Batch 2 × S = 1, 7, 40 tokens: T = 2, 14, 80 reach the GEMV, hybrid and GEMM regimes.
+
+    fp32: every logit within 1e-5 of the largest. bf16: every position whose routing matched in
+    every layer within the dtype tolerance; at most half of the positions lost to top-k flips."""
+    model = build(family, dtype=dtype)
+    inputs = [input_ids(S) for S in (1, 7, 40)]
+    refs = [routed_logits(model, ids) for ids in inputs]
+    before = model.get_experts_implementation()
+    assert moetune.compile(model) is model
+    ps = plans(model)
+    assert ps and all(p.id in PLANS for p in ps)
+    assert model.get_experts_implementation()[""] == "moetune"
+    kinds = {ps[0].dispatcher.route(ids.numel()).schedule.kind for ids in inputs}
+    assert len(kinds) >= 2, kinds
+    for ids, (ref, ref_routes) in zip(inputs, refs, strict=True):
+        out, routes = routed_logits(model, ids)
+        if dtype == torch.float32:
+            assert rel_err(out, ref) <= 1e-5, (family, ids.shape, rel_err(out, ref))
+            continue
+        keep = same_routing_positions(ids, ref_routes, routes)  # [B, S]
+        assert keep.float().mean() >= 0.5, (family, ids.shape, keep)
+        err = (out - ref).abs().amax(-1)[keep].max() / ref.abs().max()
+        assert err <= tolerances(dtype)[0], (family, ids.shape, err)
+    moetune.uncompile(model)
+    assert model.get_experts_implementation() == before
+    assert not plans(model) and all(p.id not in PLANS for p in ps)
+    assert torch.equal(logits(model, inputs[1]), refs[1][0])
+
+
+@pytest.mark.parametrize("family", sorted(UNHOOKED))
+def test_unhooked_families_run_unchanged(family):
+    model = build(family)
+    ids = input_ids(5)
+    ref = logits(model, ids)
+    before = model.get_experts_implementation()
+    moetune.compile(model)
+    assert not plans(model)
+    assert model.get_experts_implementation() == before
+    reasons = [c.reason for c in model._moetune_state.captured]
+    assert reasons and all(reasons), reasons
+    assert torch.equal(logits(model, ids), ref)
+    moetune.uncompile(model)
+    assert torch.equal(logits(model, ids), ref)
+
+
+def test_the_custom_op_is_what_runs():
+    """With the plans gone from the registry, a compiled model's forward fails in moetune::experts."""
+    model = moetune.compile(build("qwen3_moe"))
+    saved = {p.id: PLANS.pop(p.id) for p in plans(model)}
+    try:
+        with pytest.raises(MoetuneError, match="not registered"):
+            logits(model, input_ids(3))
+    finally:
+        PLANS.update(saved)
+    moetune.uncompile(model)
+
+
+def test_compile_twice_replaces_plans():
+    model = build("mixtral")
+    moetune.compile(model)
+    first = [p.id for p in plans(model)]
+    moetune.compile(model)
+    assert not set(first) & {p.id for p in plans(model)}
+    assert not set(first) & set(PLANS)
+    moetune.uncompile(model)
+    assert model.get_experts_implementation()[""] == "grouped_mm"
+
+
+def test_no_plan_falls_back_to_grouped_mm():
+    """A model loaded with experts_implementation="moetune" but never compiled runs transformers' path."""
+    ref = logits(build("qwen3_moe", experts_implementation="grouped_mm"), input_ids(6))
+    model = build("qwen3_moe", experts_implementation="moetune")
+    assert model.get_experts_implementation()[""] == "moetune" and not plans(model)
+    torch.testing.assert_close(logits(model, input_ids(6)), ref, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------- bad input at the experts --
+
+def _experts(model):
+    return next(m for m in model.modules() if getattr(m, "_moetune_plan", None) is not None)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_zero_tokens_and_noncontiguous_hidden_states(family):
+    model = moetune.compile(build(family))
+    ex = _experts(model)
+    block = ex._moetune_plan.block
+    D, k = block.D, block.k
+    with torch.inference_mode():
+        out = ex(torch.zeros(0, D), torch.zeros(0, k, dtype=torch.long), torch.zeros(0, k))
+        assert out.shape == (0, D) and out.dtype == torch.float32
+        x = torch.randn(D, 11).t()  # [11, D], not contiguous
+        assert not x.is_contiguous()
+        ids = torch.stack([torch.randperm(block.E)[:k] for _ in range(11)])
+        w = torch.rand(11, k)
+        got = ex(x, ids, w)
+        torch.testing.assert_close(got, ex(x.contiguous(), ids, w), rtol=0, atol=0)
+        torch.testing.assert_close(got, experts_reference(block, x, ids, w, ExpertTensors.of(ex)),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_sentinel_ids_contribute_nothing():
+    """Expert-parallel style ids ≥ E (and negative ones) are dropped, as in transformers' grouped_mm."""
+    model = moetune.compile(build("qwen3_moe"))
+    ex = _experts(model)
+    block = ex._moetune_plan.block
+    x = torch.randn(6, block.D)
+    ids = torch.stack([torch.randperm(block.E)[: block.k] for _ in range(6)])
+    w = torch.rand(6, block.k)
+    bad = ids.clone()
+    bad[:, 0] = block.E + 3
+    bad[2, 1] = -1
+    keep = w.clone()
+    keep[:, 0] = 0
+    keep[2, 1] = 0
+    with torch.inference_mode():
+        torch.testing.assert_close(ex(x, bad, w), ex(x, ids, keep), rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- export / compile --
+
+def test_whole_model_export_with_dynamic_sequence_length():
+    model = moetune.compile(build("qwen3_moe"))
+    S = torch.export.Dim("S", min=2, max=64)
+    ep = torch.export.export(model, (), {"input_ids": input_ids(9, B=1), "use_cache": False},
+                             dynamic_shapes={"input_ids": {1: S}, "use_cache": None}, strict=False)
+    ops = [n for n in ep.graph.nodes if n.op == "call_function" and "moetune.experts" in str(n.target)]
+    assert len(ops) == 2  # one opaque node per MoE layer
+    other = input_ids(5, B=1, seed=7)
+    with torch.inference_mode():
+        got = ep.module()(input_ids=other, use_cache=False).logits
+    torch.testing.assert_close(got.float(), logits(model, other), rtol=1e-5, atol=1e-5)
+
+
+def test_torch_compile_fullgraph():
+    model = moetune.compile(build("mixtral"))
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    ids = input_ids(6, B=1)
+    with torch.inference_mode():
+        got = compiled(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got.float(), logits(model, ids), rtol=1e-5, atol=1e-5)
