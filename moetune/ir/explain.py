@@ -16,6 +16,7 @@ from .block import MoEBlock
 from .config import block_from_config, load_config, moe_layers
 from .errors import CaptureError
 from .presets import PRESETS, preset
+from .schedule import ScheduledBlock
 
 if TYPE_CHECKING:  # torch is imported only when a model is explained, not for presets or configs
     import torch
@@ -45,6 +46,39 @@ def explain(model: torch.nn.Module, *, print_: bool = True, check: bool = True) 
     if print_:
         print(format_captured(found) if found else "no MoE block found (no module has an `experts` child)")
     return found
+
+
+def _fusion(f) -> str:
+    on = [n for n in ("act_in_gate_up", "weight_in_down", "combine_in_down", "shared_alongside")
+          if getattr(f, n, False)]
+    return "+".join(on) or "none"
+
+
+def format_ir(ir: object) -> str:
+    """Readable text of an IR a pass returns: a MoEBlock as itself, a ScheduledBlock bucket by bucket."""
+    if not isinstance(ir, ScheduledBlock) or type(ir).__str__ is not object.__str__:
+        return str(ir)
+    b = ir.block
+    lines = [f"ScheduledBlock {b.name or '(unnamed)'}  [{b.signature_hash()}]: {len(ir.buckets)} bucket(s) "
+             f"over T∈[1,{b.T_max}]"]
+    for bk in ir.buckets:
+        head = f"  {bk.label:<12}"
+        if bk.stats is not None:
+            s = bk.stats
+            head += (f" at T={s.tokens}: {s.distinct_experts:.1f} experts active, {s.rows_per_active:.2f} "
+                     f"rows each, max {s.max_rows:.1f} ({s.source})")
+        if bk.floor is not None:
+            head += f"; floor {bk.floor.time_s * 1e6:.1f} µs {bk.floor.bound}-bound on {bk.floor.target}"
+        lines.append(head)
+        if bk.candidates:
+            kinds = [c.kind + (f"(R∈{list(c.row_thresholds)})" if c.row_thresholds else "")
+                     for c in bk.candidates]
+            lines.append("      candidates: " + ", ".join(kinds))
+        for r in bk.refusals:
+            lines.append(f"      refused {r.kind}: {r.reason}")
+        if bk.schedule is not None:
+            lines.append(f"      schedule: {bk.schedule.describe()}  fusion {_fusion(bk.schedule.fusion)}")
+    return "\n".join(lines)
 
 
 def _tokens(spec: str) -> tuple[int, int]:
@@ -104,5 +138,5 @@ def run(args: argparse.Namespace) -> int:
 
     steps = run_pipeline(block, target=args.target, trace=args.trace, tokens=_tokens(args.tokens))
     for pass_name, ir in steps:
-        print(f"\n== after {pass_name}\n{ir}")
+        print(f"\n== after {pass_name}\n{format_ir(ir)}")
     return 0

@@ -117,4 +117,25 @@ def test_cli_explain_passes(capsys):
     assert main(["explain", "--preset", "olmoe-1b-7b", "--passes", "--tokens", "1-64"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(str(preset("olmoe-1b-7b").replace(T_max=64)))
-    assert "after" in out or "not part of this build yet" in out
+    assert "== after" in out or "not part of this build yet" in out
+    assert "ScheduledBlock(" not in out  # pass results are formatted, not dumped as reprs
+
+
+def test_format_scheduled_block():
+    from moetune.ir import Bucket, CandidateSpace, Refusal, Roofline, RoutingStats, Schedule, ScheduledBlock
+    from moetune.ir.explain import format_ir
+
+    block = preset("olmoe-1b-7b").replace(T_max=8)
+    floor = Roofline("h200", 1, bytes=4.8e6, flops=1e6, bandwidth=4.8e12, peak_flops=1e15)
+    sb = ScheduledBlock(block, (
+        Bucket(1, 2, RoutingStats(1, 8.0, 1.0, 1.0), floor, (CandidateSpace("stream_gemv"),),
+               (Refusal("grouped_gemm", "grouped_gemm", "one row per expert"),), Schedule("stream_gemv")),
+        Bucket(3, 8, candidates=(CandidateSpace("hybrid", row_thresholds=(4, 8)),),
+               schedule=Schedule("hybrid", row_threshold=4)),
+    ))
+    text = format_ir(sb)
+    assert text.splitlines()[0].startswith("ScheduledBlock olmoe-1b-7b") and "2 bucket(s)" in text
+    assert "floor 1.0 µs memory-bound on h200" in text and "8.0 experts active" in text
+    assert "refused grouped_gemm: one row per expert" in text and "hybrid(R∈[4, 8])" in text
+    assert "schedule: hybrid(R=4)" in text
+    assert format_ir(block) == str(block)
