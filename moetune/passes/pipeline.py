@@ -67,15 +67,16 @@ def _with_range(block: MoEBlock, tokens: tuple[int, int] | None) -> MoEBlock:
     if tokens is None:
         return block
     lo, hi = tokens
-    if lo != 1 or not isinstance(hi, int) or hi < 1:
-        raise IRError("run_pipeline", "tokens", tokens, "buckets cover [1, hi]: give (1, hi) with hi ≥ 1")
+    if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+        raise IRError("run_pipeline", "tokens", tokens, "need ints 1 ≤ lo ≤ hi")
     return block if hi == block.T_max else block.replace(T_max=hi)
 
 
 def run_pipeline(block: MoEBlock, target: str | Target = "h200", trace=None,
                  tokens: tuple[int, int] | None = None, *, policy: Policy | None = None,
                  check: bool = True) -> list[tuple[str, object]]:
-    """The IR after each pass, first ("capture", block). `tokens=(1, hi)` sets T_max = hi.
+    """The IR after each pass, first ("capture", block). `tokens=(lo, hi)` sets T_max = hi; the
+    buckets always cover [1, hi] (verify_scheduled demands it), `lo` only has to be valid.
 
     `check`: verify the IR after every pass (verify / verify_scheduled); a failure is that pass's.
     """

@@ -18,7 +18,8 @@ Binomial(T, p_e) whatever the correlations *within* a token, and
     E[Σ m_e 1(m_e≥r)]  = Σ_e T·p_e · P(Bin(T−1, p_e) ≥ r−1)                       (exact)
     E[max m_e]         = Σ_{j<T} 1 − Π_e P(Bin(T, p_e) ≤ j)     (treats the m_e as independent:
                          they are slightly negatively correlated, Σ m_e being fixed; within a few %
-                         of a simulation, see tests/passes/test_stats.py)
+                         of a simulation, see tests/passes/test_stats.py), and never below
+                         T·k / distinct(T), which bounds it from below
     share_ge           = ratio of the two expectations (not the expectation of the ratio; the
                          difference is below 1 % once distinct ≫ 1)
 
@@ -174,7 +175,9 @@ class BinomialRouting(RoutingModel):
                 log_all_le = np.log(cdf).sum(0)  # [J+1]: log P(max ≤ j) under independence
             p_gt = 1.0 - np.exp(log_all_le[:T])  # P(max > j), j = 0..min(J, T-1)
             out.append(float(p_gt.sum()))
-        return float(np.mean(out))
+        # max_e m_e ≥ T·k / #active in every call, so E[max] ≥ T·k / E[#active] (Jensen): the
+        # independence approximation can fall just below that bound (at T = 1 it gives 1 − (1 − p)^E)
+        return max(float(np.mean(out)), self.rows_per_active(T))
 
 
 def uniform(E: int, k: int) -> BinomialRouting:

@@ -16,8 +16,9 @@ allow_pickle=False), arrays
 (`TraceError`) for a truncated, foreign or inconsistent file.
 
 `record(model, inputs, steps)` runs a prompt forward and `steps` greedy decode steps with forward
-pre-hooks on the experts modules (found by moetune.ir.capture when it is there, else by the
-`has_gate`/`is_transposed` attributes that transformers' experts hook sets), which see
+pre-hooks on the hooked experts modules that moetune.ir.capture finds (captured or not: their
+routing ids are valid either way; without capture, the modules with the `has_gate`/`is_transposed`
+attributes that transformers' experts hook sets), which see
 `(hidden_states [T, D], top_k_index [T, k], top_k_weights [T, k])`.
 
 `moetune record --tiny FAMILY` builds a tiny random model with tests/tiny_models.py: imported as
@@ -153,12 +154,13 @@ def _check(t: Trace, where: str) -> None:
 def experts_modules(model) -> list[tuple[str, object]]:
     """(path, experts module) of each hooked MoE layer, in model order."""
     try:
-        from ..ir.capture import capture  # lands with the capture work; attributes until then
-    except ImportError:
+        from ..ir.capture import capture, is_hooked
+    except ImportError:  # a build without capture: transformers' hook attributes alone
         capture = None
-    if capture is not None:
-        found = [(c.path, c.experts) for c in capture(model) if getattr(c, "experts", None) is not None]
-        return [(p if p.endswith("experts") else f"{p}.experts", m) for p, m in found]
+    if capture is not None:  # hooked experts modules, captured or not (routing ids are valid either way)
+        found = [(c.path, c.experts) for c in capture(model, check=False)
+                 if c.experts is not None and is_hooked(c.experts)]
+        return [(f"{p}.experts" if p else "experts", m) for p, m in found]
     return [(n, m) for n, m in model.named_modules()
             if hasattr(m, "has_gate") and hasattr(m, "is_transposed")]
 
