@@ -20,6 +20,7 @@ asks its own trials, skips points another worker already scored, and writes the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import socket
@@ -129,39 +130,42 @@ def open_storage(storage: str | None):
     return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage))
 
 
-def default_schedules(block: MoEBlock, backend: Backend, space: SearchSpace, tokens: int) -> list[Schedule]:
-    """The backend's heuristic schedule of every kind in the space, the runtime's pick first."""
-    out = []
+def default_schedules(block: MoEBlock, backend: Backend, space: SearchSpace, tokens: int,
+                      first: Schedule | None = None) -> list[Schedule]:
+    """The backend's heuristic schedule of every kind in the space (those inside it), `first` first."""
+    out = [first] if first is not None and space.contains(first) else []
     for ks in space.kinds:
         try:
             s = backend.default(block, ks.kind, tokens)
         except UnsupportedSchedule:
             continue
         if s.fusion != ks.fusion:
-            s = Schedule(s.kind, s.row_threshold, ks.fusion, s.backend, s.params)
-        if space.contains(s):
+            s = dataclasses.replace(s, fusion=ks.fusion)
+        if space.contains(s) and s not in out:
             out.append(s)
-    pick = runtime_default(block, backend, tokens)
-    if pick is not None:
-        out.sort(key=lambda s: (s.kind != pick.kind, s != pick))
-        if pick not in out and space.contains(pick):
-            out.insert(0, pick)
     return out
 
 
-def runtime_default(block: MoEBlock, backend: Backend, tokens: int) -> Schedule | None:
-    """What the runtime falls back to with no table entry (moetune.runtime.default), when it is there."""
+def runtime_default(block: MoEBlock, backend: Backend, bucket: Bucket) -> Schedule | None:
+    """What a compiled model runs in `bucket` with no table entry (moetune.runtime.default), or, where
+    that module is absent, the backend's parameters for the passes' default kind."""
     try:
         from ..runtime import default as rd
-    except ImportError:
+
+        return rd.default_schedule(block, backend, rd.representative_tokens(bucket.lo, bucket.hi))
+    except (ImportError, AttributeError):
+        pass
+    except UnsupportedSchedule:
         return None
-    fn = getattr(rd, "default_schedule", None)
-    if fn is None:
+    if bucket.schedule is None:
         return None
     try:
-        return fn(block, backend.name, tokens)
-    except Exception:  # noqa: BLE001 - a missing or refusing heuristic only loses the ordering
+        s = backend.default(block, bucket.schedule.kind, representative_tokens(bucket))
+    except UnsupportedSchedule:
         return None
+    if bucket.schedule.row_threshold is not None:
+        s = dataclasses.replace(s, row_threshold=bucket.schedule.row_threshold)
+    return s
 
 
 class _Study:
@@ -228,8 +232,8 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
     floor_s = floor.time_s if floor is not None else 0.0
     name = f"moetune:{target}:{backend.name}:{block.signature_hash()}:{bucket.lo}-{bucket.hi}"
     st = _Study(name, space, options)
-    defaults = default_schedules(block, backend, space, inputs.tokens)
-    st.enqueue(defaults)
+    default = runtime_default(block, backend, bucket)
+    st.enqueue(default_schedules(block, backend, space, inputs.tokens, first=default))
 
     outcomes: dict[str, Outcome] = {}
     refused: set[str] = set()  # parameter combinations the backend's params class refuses
@@ -297,8 +301,10 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
                 stopped = f"budget {options.budget_s:.0f} s spent"
     finally:
         pool.shutdown(wait=True)
+    if default is not None and key(default) not in outcomes:  # outside the space: measured all the same
+        outcomes[key(default)] = objective.evaluate(default)
 
-    winner, win_s, default, default_s = _final(st, space, objective, outcomes, defaults, options)
+    winner, win_s, default_s = _final(st, space, objective, outcomes, default, options)
     bname = options.baseline or default_baseline(objective.device)
     base_fn, blabel = baseline_fn(block, bname)
     base_s = objective.time_fn(base_fn).median_s if base_fn is not None else None
@@ -362,7 +368,7 @@ def _replace(r: BucketResult, **kw) -> BucketResult:
 
 
 def _final(st: _Study, space: SearchSpace, objective: Objective, outcomes: dict[str, Outcome],
-           defaults: list[Schedule], options: TuneOptions):
+           default: Schedule | None, options: TuneOptions):
     """Re-time the best few (every worker's) beside the default, back to back; the fastest wins."""
     ranked = sorted((t for t in st.study.trials if t.value is not None and math.isfinite(t.value)),
                     key=lambda t: t.value)
@@ -375,33 +381,31 @@ def _final(st: _Study, space: SearchSpace, objective: Objective, outcomes: dict[
         finalists.setdefault(key(s), s)
         if len(finalists) >= options.retime:
             break
-    default = defaults[0] if defaults else None
     dk = key(default) if default is not None else None
     default_ok = default is not None and dk in outcomes and outcomes[dk].ok
     if default_ok:
         finalists.setdefault(dk, default)
     if not finalists:
-        return None, math.inf, default, None
+        return None, math.inf, None
     if len(finalists) == 1 and not options.storage:
         (k, s), = finalists.items()
         t = outcomes[k].time_s if k in outcomes else objective.evaluate(s).time_s
-        return s, t, default, (t if k == dk else None)
-    times: dict[str, list[float]] = {k: [] for k in finalists}
+        return s, t, (t if k == dk else None)
+    times: dict[str, list[float]] = {}
     fns = {}
     for k, s in finalists.items():
         out = outcomes.get(k)
         if out is None or not out.ok:  # another worker's candidate: check it here before trusting it
             out = objective.evaluate(s)
             if not out.ok:
-                times.pop(k)
                 continue
+        times[k] = [out.time_s]
         fns[k] = objective.build(s).fn
-    for _ in range(2):
-        for k in times:
-            times[k].append(objective.timer(fns[k], objective.timing_cases, finalists[k]).median_s)
+    for k in times:  # one more round, back to back
+        times[k].append(objective.timer(fns[k], objective.timing_cases, finalists[k]).median_s)
     med = {k: statistics.median(v) for k, v in times.items()}
     wk = min(med, key=med.get)
-    return finalists[wk], med[wk], default, (med[dk] if default_ok and dk in med else None)
+    return finalists[wk], med[wk], (med[dk] if default_ok and dk in med else None)
 
 
 def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, int] = (1, 1024), *,
@@ -410,7 +414,8 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
                progress: Callable[[dict], None] | None = None,
                on_bucket: Callable[[int, int, BucketResult], None] | None = None) -> list[BucketResult]:
     """Tune every bucket the passes make of `block` on `tokens`; `budget_s` is shared by all buckets."""
-    from ..passes import schedule_block
+    from ..passes.pipeline import schedule_block
+    from ..passes.trace import Trace
 
     options = options or TuneOptions()
     be = get(backend)
@@ -423,6 +428,8 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
     sb = schedule_block(block, target, trace=trace, tokens=tokens)
     buckets = [b for b in sb.buckets if b.hi >= tokens[0] and b.lo <= tokens[1]]
     sampler = None
+    if isinstance(trace, str | os.PathLike):
+        trace = Trace.load(trace)
     if trace is not None:
         import numpy as np
 

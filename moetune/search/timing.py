@@ -64,29 +64,40 @@ def _iqr(xs: list[float]) -> float:
 @dataclass(frozen=True)
 class CpuTimer:
     """Host timing for CPU kernels: warm-up calls, then the median of `reps` calls (at most
-    `max_time_s` of timed calls), rotating through the cases."""
+    `max_time_s` of timed calls), rotating through the cases, with `threads` torch threads (1 by
+    default: on a small shared machine more threads mostly measure the neighbours)."""
 
     warmup: int = 3
-    reps: int = 31
-    max_time_s: float = 2.0
-    name: str = "cpu:median-of-reps"
+    reps: int = 21
+    max_time_s: float = 0.5
+    threads: int | None = 1
+
+    @property
+    def name(self) -> str:
+        return f"cpu:median-of-{self.reps},threads={self.threads or torch.get_num_threads()}"
 
     def __call__(self, fn: ExpertsFn, cases: Sequence[Case], schedule: Schedule | None = None) -> Timing:
-        for i in range(self.warmup):
-            c = cases[i % len(cases)]
-            fn(c.x, c.ids, c.weights, c.w)
-        times: list[float] = []
-        spent = 0.0
-        with torch.inference_mode():
-            for i in range(self.reps):
-                c = cases[i % len(cases)]
-                t0 = time.perf_counter_ns()
-                fn(c.x, c.ids, c.weights, c.w)
-                dt = (time.perf_counter_ns() - t0) * 1e-9
-                times.append(dt)
-                spent += dt
-                if spent > self.max_time_s and len(times) >= 5:
-                    break
+        before = torch.get_num_threads()
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            times: list[float] = []
+            spent = 0.0
+            with torch.inference_mode():
+                for i in range(self.warmup):
+                    c = cases[i % len(cases)]
+                    fn(c.x, c.ids, c.weights, c.w)
+                for i in range(self.reps):
+                    c = cases[(i + self.warmup) % len(cases)]
+                    t0 = time.perf_counter_ns()
+                    fn(c.x, c.ids, c.weights, c.w)
+                    dt = (time.perf_counter_ns() - t0) * 1e-9
+                    times.append(dt)
+                    spent += dt
+                    if spent > self.max_time_s and len(times) >= 5:
+                        break
+        finally:
+            torch.set_num_threads(before)
         return Timing(statistics.median(times), _iqr(times), len(times), self.name)
 
 

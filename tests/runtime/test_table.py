@@ -1,0 +1,322 @@
+"""The dispatch table: typed versioned rows, keep-faster upsert, concurrent writers, stale / foreign /
+corrupt files, Schedule round trips through the backend's params class, show and merge."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from moetune.cli import main as cli_main
+from moetune.codegen.torch.backend import BACKEND as TORCH
+from moetune.ir import CacheError, Fusion, MoEBlock, Schedule
+from moetune.runtime.table import (
+    COLUMNS,
+    PK,
+    TABLE,
+    CacheWarning,
+    DispatchEntry,
+    DispatchTable,
+    Versions,
+    judge,
+    load_entries,
+    merge,
+)
+
+BLOCK = MoEBlock(E=16, k=4, D=64, F=40, weight_dtype="float32", routing_weight_dtype="float32", name="t")
+HERE = Versions.current("torch", "cpu")
+
+
+def sched(kind: str = "stream_gemv", T: int = 4) -> Schedule:
+    return TORCH.default(BLOCK, kind, T)
+
+
+def entry(lo: int, hi: int, time_us: float, kind: str = "stream_gemv", versions: Versions = HERE,
+          target: str = "cpu", block: MoEBlock = BLOCK) -> DispatchEntry:
+    return DispatchEntry.of(target=target, block=block, bucket=(lo, hi), schedule=sched(kind, hi),
+                            time_us=time_us, versions=versions, floor_us=2.0, default_time_us=20.0,
+                            baseline_time_us=30.0, baseline="transformers:grouped_mm", timer="cpu", trials=7)
+
+
+def other(**kw) -> Versions:
+    import dataclasses
+
+    return dataclasses.replace(HERE, **kw)
+
+
+# ------------------------------------------------------------------------------------------ schema
+
+
+def test_versioned_typed_columns_and_wal(tmp_path):
+    with DispatchTable(tmp_path / "d.sqlite") as t:
+        assert TABLE == "dispatch_v1" and TABLE in t.db.table_names()
+        cols = {c.name: c.type for c in t.db[TABLE].columns}
+        assert cols == {c: {str: "TEXT", int: "INTEGER", float: "REAL"}[ty] for c, ty in COLUMNS.items()}
+        assert tuple(t.db[TABLE].pks) == PK
+        assert t.db.journal_mode == "wal"
+        for need in ("signature_text", "kind", "row_threshold", "params", "params_type", "fusion", "time_us",
+                     "floor_us", "pct_of_floor", "default_time_us", "baseline_time_us", "moetune", "kernel_hash",
+                     "backend_version", "torch", "device", "capability", "tuned_at"):
+            assert need in cols
+
+
+@pytest.mark.parametrize("kind", ["grouped_gemm", "stream_gemv", "hybrid"])
+def test_schedule_round_trip_through_backend_params(tmp_path, kind):
+    s = sched(kind, 12)
+    if kind == "hybrid":
+        s = Schedule("hybrid", row_threshold=5, fusion=Fusion(combine_in_down=False), backend="torch",
+                     params=s.params)
+    e = DispatchEntry.of(target="cpu", block=BLOCK, bucket=(8, 17), schedule=s, time_us=3.0, versions=HERE)
+    with DispatchTable(tmp_path / "d.sqlite") as t:
+        assert t.put(e)
+        got = t.get("cpu", "torch", BLOCK.signature_hash(), 8, 17)
+    assert got == e
+    back = got.schedule(BLOCK)
+    assert back == s and type(back.params) is type(s.params)
+    assert got.signature_text == BLOCK.signature() and got.pct_of_floor is None
+
+
+def test_params_class_renamed_is_refused_with_reason(tmp_path):
+    import dataclasses
+
+    e = dataclasses.replace(entry(1, 1, 5.0), params_type="OldParams")
+    with pytest.raises(CacheError, match="OldParams"):
+        e.schedule(BLOCK)
+    e = dataclasses.replace(entry(1, 1, 5.0), params='{"no_such_field": 3}')
+    with pytest.raises(CacheError, match="cannot rebuild"):
+        e.schedule(BLOCK)
+
+
+# ------------------------------------------------------------------------------------------- upsert
+
+UPSERT_CASES = [
+    # (stored µs, new µs, stored after)
+    (10.0, 5.0, 5.0),  # faster replaces
+    (5.0, 10.0, 5.0),  # slower is dropped
+    (5.0, 5.0, 5.0),  # a tie keeps the stored one
+]
+
+
+@pytest.mark.parametrize("first,second,kept", UPSERT_CASES)
+def test_put_keeps_the_faster(tmp_path, first, second, kept):
+    with DispatchTable(tmp_path / "d.sqlite") as t:
+        assert t.put(entry(1, 4, first, kind="grouped_gemm"))
+        written = t.put(entry(1, 4, second, kind="stream_gemv"))
+        got = t.entries()
+    assert len(got) == 1 and got[0].time_us == kept
+    assert written == (second < first)
+    assert got[0].kind == ("stream_gemv" if second < first else "grouped_gemm")
+    assert got[0].pct_of_floor == pytest.approx(100 * 2.0 / kept)
+
+
+def test_put_replaces_an_entry_measured_with_other_kernels_but_merge_does_not(tmp_path):
+    old = entry(1, 4, 1.0, versions=other(kernel_hash="0ld"))
+    new = entry(1, 4, 9.0)
+    with DispatchTable(tmp_path / "d.sqlite") as t:
+        t.put(old)
+        assert t.put(new)  # the old measurement says nothing about today's kernels
+        assert t.entries()[0].time_us == 9.0
+        slower_old = entry(1, 4, 20.0, versions=other(kernel_hash="0ld"))
+        assert not t.put(slower_old, replace_stale=False)  # merge: only the time decides
+        assert t.entries()[0].time_us == 9.0
+        assert t.put(old, replace_stale=False)
+        assert t.entries()[0].time_us == 1.0
+
+
+def test_keys_are_distinct_per_target_backend_signature_bucket(tmp_path):
+    b2 = BLOCK.replace(F=48)
+    with DispatchTable(tmp_path / "d.sqlite") as t:
+        for e in (entry(1, 4, 1.0), entry(5, 8, 1.0), entry(1, 4, 1.0, target="h200"), entry(1, 4, 1.0, block=b2)):
+            assert t.put(e)
+        assert len(t.entries()) == 4
+        assert len(t.entries("cpu", "torch", BLOCK.signature_hash())) == 2
+
+
+# ---------------------------------------------------------------------------------- concurrent writes
+
+def _writer(path: str, wid: int, n: int) -> None:
+    s = sched("stream_gemv", 1)
+    for i in range(n):
+        with DispatchTable(path) as t:  # open per write: the way separate tuners meet one file
+            # own keys (lo = 1000·(wid + 1) + i) and shared keys (lo = i + 1) where worker 1 is faster
+            t.put(DispatchEntry.of(target="cpu", block=BLOCK, bucket=(1000 * (wid + 1) + i,) * 2, schedule=s,
+                                   time_us=1.0, versions=HERE))
+            t.put(DispatchEntry.of(target="cpu", block=BLOCK, bucket=(i + 1, i + 1), schedule=s,
+                                   time_us=10.0 - wid - i * 1e-3, versions=HERE))
+
+
+def test_two_processes_writing_one_file_lose_nothing(tmp_path):
+    import multiprocessing as mp
+
+    path = tmp_path / "d.sqlite"
+    n = 80
+    ctx = mp.get_context("fork")  # the children need no torch threads; fork spares a 10 s import
+    procs = [ctx.Process(target=_writer, args=(str(path), w, n)) for w in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    with DispatchTable(path, create=False) as t:
+        rows = t.entries()
+    own = [e for e in rows if e.bucket_lo >= 1000]
+    shared = {e.bucket_lo: e.time_us for e in rows if e.bucket_lo <= n}
+    assert len(own) == 2 * n
+    assert sorted(shared) == list(range(1, n + 1))
+    assert all(shared[i + 1] == pytest.approx(9.0 - i * 1e-3) for i in range(n))  # worker 1's (faster) rows
+
+
+# ----------------------------------------------------------------------------- stale, foreign, corrupt
+
+JUDGE_CASES = [
+    ({}, None),
+    ({"device": "NVIDIA H200"}, "foreign"),
+    ({"capability": "sm_90"}, "foreign"),
+    ({"kernel_hash": "deadbeefdeadbeef"}, "stale: kernel sources"),
+    ({"backend_version": "torch 2.0.0"}, "stale: tuned with torch 2.0.0"),
+    ({"moetune": "0.0.1", "torch": "2.0.0"}, None),  # code identity is the kernel hash, not the version string
+]
+
+
+@pytest.mark.parametrize("change,reason", JUDGE_CASES)
+def test_judge_names_the_reason(change, reason):
+    why = judge(entry(1, 1, 1.0, versions=other(**change)), HERE)
+    if reason is None:
+        assert why is None
+    else:
+        assert why is not None and why.startswith(reason.split(":")[0]) and reason in why
+
+
+def test_load_entries_leaves_stale_and_foreign_out_with_one_warning(tmp_path):
+    path = tmp_path / "d.sqlite"
+    with DispatchTable(path) as t:
+        t.put(entry(1, 1, 1.0))
+        t.put(entry(2, 2, 1.0, versions=other(device="NVIDIA H200", capability="sm_90")))
+        t.put(entry(3, 7, 1.0, versions=other(kernel_hash="0ld")))
+        t.put(entry(8, 16, 1.0, versions=other(backend_version="torch 1.0")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = load_entries(path, BLOCK, "cpu", "torch")
+    assert [(lo, hi) for lo, hi, _ in got] == [(1, 1)]
+    assert got[0][2] == sched("stream_gemv", 1)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
+    assert len(msgs) == 1, msgs
+    assert str(path) in msgs[0] and "[2,2] foreign" in msgs[0] and "[3,7] stale" in msgs[0] and "[8,16] stale" in msgs[0]
+
+
+def test_load_entries_of_another_block_or_target_is_empty_without_warning(tmp_path):
+    path = tmp_path / "d.sqlite"
+    with DispatchTable(path) as t:
+        t.put(entry(1, 1, 1.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_entries(path, BLOCK.replace(F=48), "cpu", "torch") == []
+        assert load_entries(path, BLOCK, "h200", "torch") == []
+
+
+def test_missing_file_gives_no_entries_and_one_warning(tmp_path):
+    with pytest.warns(CacheWarning, match="no such file"):
+        assert load_entries(tmp_path / "none.sqlite", BLOCK, "cpu", "torch") == []
+    with pytest.raises(CacheError, match="none.sqlite"):
+        DispatchTable(tmp_path / "none.sqlite", create=False)
+
+
+def _garbage(p: Path) -> None:
+    p.write_bytes(b"this is not a dispatch table\n" * 200)
+
+
+def _truncated(p: Path) -> None:
+    with DispatchTable(p) as t:
+        for i in range(200):
+            t.put(entry(i + 1, i + 1, 1.0))
+        t.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    data = p.read_bytes()
+    for side in ("-wal", "-shm"):
+        Path(str(p) + side).unlink(missing_ok=True)
+    p.write_bytes(data[: len(data) // 3])
+
+
+def _header_smashed(p: Path) -> None:
+    with DispatchTable(p) as t:
+        t.put(entry(1, 1, 1.0))
+        t.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    data = bytearray(p.read_bytes())
+    data[16:24] = b"\xff" * 8  # page size and format bytes
+    p.write_bytes(bytes(data))
+
+
+def _other_columns(p: Path) -> None:
+    conn = sqlite3.connect(p)
+    conn.execute(f"CREATE TABLE {TABLE} (target TEXT, time_us TEXT)")
+    conn.commit()
+    conn.close()
+
+
+def _folder(p: Path) -> None:
+    p.mkdir()
+
+
+CORRUPT_CASES = [_garbage, _truncated, _header_smashed, _other_columns, _folder]
+
+
+@pytest.mark.parametrize("spoil", CORRUPT_CASES, ids=lambda f: f.__name__.strip("_"))
+def test_corrupt_file_raises_cache_error_naming_it(tmp_path, spoil):
+    path = tmp_path / "spoilt.sqlite"
+    spoil(path)
+    with pytest.raises(CacheError, match="spoilt.sqlite"):
+        load_entries(path, BLOCK, "cpu", "torch")
+    with pytest.raises(CacheError, match="spoilt.sqlite"):
+        DispatchTable(path)
+
+
+def test_table_of_another_version_is_not_read(tmp_path):
+    path = tmp_path / "d.sqlite"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE dispatch_v0 (target TEXT)")
+    conn.commit()
+    conn.close()
+    with pytest.warns(CacheWarning, match="dispatch_v0"):
+        assert load_entries(path, BLOCK, "cpu", "torch") == []
+
+
+# ------------------------------------------------------------------------------------ show and merge
+
+
+def test_merge_keeps_the_faster_of_each_key(tmp_path, capsys):
+    a, b, c = (tmp_path / f"{n}.sqlite" for n in "abc")
+    with DispatchTable(a) as t:
+        t.put(entry(1, 1, 5.0, kind="grouped_gemm"))
+        t.put(entry(2, 2, 1.0))
+    with DispatchTable(b) as t:
+        t.put(entry(1, 1, 3.0))
+        t.put(entry(2, 2, 4.0, kind="grouped_gemm"))
+        t.put(entry(3, 7, 2.0))
+    assert cli_main(["merge", str(a), str(b), "-o", str(c)]) == 0
+    with DispatchTable(c, create=False) as t:
+        got = {e.bucket: (e.time_us, e.kind) for e in t.entries()}
+    assert got == {(1, 1): (3.0, "stream_gemv"), (2, 2): (1.0, "stream_gemv"), (3, 7): (2.0, "stream_gemv")}
+    assert merge([a], c) == (2, 0)  # nothing faster in a
+
+
+def test_show_lists_every_entry_with_floor_default_baseline_and_device(tmp_path, capsys):
+    path = tmp_path / "d.sqlite"
+    with DispatchTable(path) as t:
+        t.put(entry(1, 1, 4.0))
+        t.put(entry(2, 2, 8.0, kind="grouped_gemm"))
+    assert cli_main(["show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 entries" in out and HERE.device in out and BLOCK.signature() in out
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("[1,1]"))
+    assert "stream_gemv" in line and "4.0" in line and "50.0%" in line and "5.00×" in line and "7.50×" in line
+    assert cli_main(["show", str(tmp_path / "none.sqlite")]) == 2  # CacheError → exit 2, no traceback
+
+
+def test_runtime_table_imports_neither_search_nor_optuna():
+    code = ("import sys, moetune.runtime.table as t; "
+            "bad = [m for m in sys.modules if m.startswith(('optuna', 'moetune.search'))]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
