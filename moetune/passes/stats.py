@@ -30,9 +30,11 @@ expert that happened not to appear in a short trace count as dead). Statistics o
 trace are the mean over the layers (one dispatch table serves every layer of the block).
 
 Resampling model (`ResampledRouting`). Draws T token rows with replacement from a layer's traced
-rows, `samples` times, and averages the same quantities over the draws and the layers. It keeps
-whatever structure the rows have (which experts go together) at the cost of Monte-Carlo noise and
-time; the Binomial model is the default.
+rows, `samples` times, and averages the same quantities over the draws and the layers. The unit
+is the token row, not the whole step: a traced step has its own T (the batch it was recorded at),
+so a call of another T is built from rows of all steps. It keeps whatever structure the rows have
+(which experts go together) at the cost of Monte-Carlo noise and time; the Binomial model is the
+default.
 """
 
 from __future__ import annotations

@@ -174,7 +174,8 @@ def _num_experts(mod) -> int:
 
 
 def record(model, inputs, steps: int = 8, attention_mask=None, name: str = "trace") -> Trace:
-    """Run `inputs` (token ids [B, S]) through `model`, then `steps` greedy decode steps; trace routing.
+    """Run `inputs` (token ids [B, S], or a tokenizer's output with input_ids and attention_mask)
+    through `model`, then `steps` greedy decode steps; trace each hooked MoE layer's routing.
 
     Step 0 is the prompt forward (T = B·S, phase prefill), then one step per decode (T = B).
     """
@@ -199,6 +200,9 @@ def record(model, inputs, steps: int = 8, attention_mask=None, name: str = "trac
     step_tokens, step_phase = [], []
     try:
         with torch.no_grad():
+            if hasattr(inputs, "keys") and "input_ids" in inputs:  # a tokenizer's BatchEncoding / dict
+                attention_mask = inputs.get("attention_mask", attention_mask)
+                inputs = inputs["input_ids"]
             ids = torch.as_tensor(inputs)  # [B, S]
             if ids.ndim == 1:
                 ids = ids[None]

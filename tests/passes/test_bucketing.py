@@ -3,6 +3,8 @@
 from math import comb
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pass_shapes import GPU_SHAPES, gpu_block
 
 from moetune.ir import MoEBlock, ScheduledBlock, verify_scheduled
@@ -99,3 +101,18 @@ def test_grid_and_representative():
     assert all(b / a <= 1.06 for a, b in zip(g[64:], g[65:], strict=False))
     assert grid(5) == [1, 2, 3, 4, 5]
     assert [representative(*r) for r in [(1, 1), (2, 3), (64, 256), (7, 9)]] == [1, 2, 128, 8]
+
+
+@settings(max_examples=30, deadline=None)
+@given(E=st.integers(2, 512), k_frac=st.floats(0, 1), T_max=st.integers(1, 3000),
+       zipf=st.sampled_from([None, 0.5, 1.5]), seed=st.integers(0, 3))
+def test_bucketing_properties(E, k_frac, T_max, zipf, seed):
+    k = 1 + int(k_frac * (min(E, 16) - 1))
+    block = MoEBlock(E, k, 64, 32, T_max=T_max)
+    trace = None if zipf is None else synthetic_trace(E, k, tokens=2000, zipf=zipf, seed=seed)
+    ctx = context(block, trace=trace)
+    sb = bucketing(block, ctx)
+    verify_scheduled(sb)  # covers [1, T_max] without gap or overlap
+    assert sb.buckets[0].lo == 1 and sb.buckets[0].hi == 1 or T_max == 1 or ctx.regime(2) == "one_row"
+    for b in sb.buckets:
+        assert len({ctx.regime(b.lo), ctx.regime(b.hi), ctx.regime(b.stats.tokens)}) == 1, b.label

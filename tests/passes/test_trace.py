@@ -117,6 +117,11 @@ def test_record_tiny_qwen3_moe_feeds_the_stats_model(tmp_path):
     assert tr.step_tokens.tolist() == [15, 3, 3, 3] and tr.step_phase.tolist() == [0, 1, 1, 1]
     routed = [np.concatenate([seen[2 * s + layer].numpy() for s in range(4)]) for layer in range(2)]
     np.testing.assert_array_equal(tr.ids, np.stack(routed))
+    # a tokenizer-style dict with a left-padded attention mask records the same way
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    tr2 = record(model, {"input_ids": ids, "attention_mask": mask}, steps=1)
+    assert tr2.step_tokens.tolist() == [15, 3] and tr2.ids.shape == (2, 18, 4)
     back = Trace.load(tr.save(tmp_path / "q.npz"))
     st = from_trace(back).stats(3)
     assert 3 <= st.distinct_experts <= 12 and st.source.startswith("trace:")
