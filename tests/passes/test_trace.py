@@ -136,3 +136,14 @@ def test_record_cli(tmp_path, capsys):
     assert Trace.load(out).steps == 3
     assert main(["record", "--tiny", "llama4", "-o", str(tmp_path / "x.npz")]) == 2
     assert "no hooked MoE experts module" in capsys.readouterr().err
+
+
+def test_record_cli_model_dir(tmp_path, capsys):
+    tiny_models = pytest.importorskip("tiny_models")
+    tiny_models.build("mixtral").save_pretrained(tmp_path / "m")
+    out = tmp_path / "m.npz"
+    assert main(["record", "--model-dir", str(tmp_path / "m"), "--steps", "1", "-o", str(out)]) == 0
+    tr = Trace.load(out)
+    assert (tr.E, tr.k, len(tr.layers)) == (8, 2, 2) and tr.step_tokens.tolist() == [64, 4]
+    assert main(["record", "--tiny", "mixtral", "--model-dir", str(tmp_path / "m"), "-o", str(out)]) == 2
+    assert "exactly one of --model-dir or --tiny" in capsys.readouterr().err
