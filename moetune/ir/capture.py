@@ -246,15 +246,17 @@ def _activation(where: str, experts: torch.nn.Module) -> Activation:
 def _shared(where: str, modules: dict[str, torch.nn.Module], path: str, block_mod: torch.nn.Module
             ) -> SharedExperts | None:
     ch = block_mod._modules
-    if ch.get("shared_expert") is not None:
-        gated = ch.get("shared_expert_gate") is not None
-        return SharedExperts(_shared_F(where, ch["shared_expert"]), gated=gated)
-    if ch.get("shared_experts") is not None:
-        return SharedExperts(_shared_F(where, ch["shared_experts"]), gated=False)
     parent = modules.get(path.rsplit(".", 1)[0]) if "." in path else None
-    if parent is not None and parent._modules.get("shared_mlp") is not None:
-        return SharedExperts(_shared_F(where, parent._modules["shared_mlp"]), gated=False, inside_block=False)
-    return None
+    if ch.get("shared_expert") is not None:
+        mlp, gated, inside = ch["shared_expert"], ch.get("shared_expert_gate") is not None, True
+    elif ch.get("shared_experts") is not None:
+        mlp, gated, inside = ch["shared_experts"], False, True
+    elif parent is not None and parent._modules.get("shared_mlp") is not None:
+        mlp, gated, inside = parent._modules["shared_mlp"], False, False
+    else:
+        return None
+    F = _shared_F(where, mlp)
+    return SharedExperts(F, gated=gated, inside_block=inside) if F > 0 else None  # size 0: none
 
 
 def _shared_F(where: str, mlp: torch.nn.Module) -> int:

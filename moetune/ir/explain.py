@@ -124,10 +124,15 @@ def run(args: argparse.Namespace) -> int:
     block = block_from_args(args)
     print(block)
     cfg, name = config_from_args(args)
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     layers = moe_layers(cfg, name)
     if layers is not None:
-        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
         print(f"  MoE layers: {len(layers)} of {text['num_hidden_layers']} ({_ranges(layers) or 'none'})")
+    quant = text.get("quantization_config") or cfg.get("quantization_config")
+    if isinstance(quant, dict):
+        print(f"  note: the checkpoint is quantized (quant_method {quant.get('quant_method')!r}); capture "
+              f"leaves quantized experts as they are, so this {block.weight_dtype} block describes the "
+              "model loaded dequantized")
     if not getattr(args, "passes", False):
         return 0
     if importlib.util.find_spec("moetune.passes.pipeline") is None:

@@ -297,3 +297,12 @@ def test_router_that_fails_is_reported():
     found = capture(model)
     assert not found[0].ok and "router check could not run" in found[0].reason and "boom" in found[0].reason
     assert capture(model, check=False)[0].ok
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_shared_expert_of_size_zero_is_none():
+    model_cls, cfg = tm.FAMILIES["qwen2_moe"]()
+    cfg.shared_expert_intermediate_size = 0
+    model = model_cls._from_config(cfg).eval()
+    found = capture(model)
+    assert all(c.ok and c.block.shared is None for c in found)

@@ -139,3 +139,13 @@ def test_format_scheduled_block():
     assert "refused grouped_gemm: one row per expert" in text and "hybrid(R∈[4, 8])" in text
     assert "schedule: hybrid(R=4)" in text
     assert format_ir(block) == str(block)
+
+
+def test_cli_explain_notes_quantized_checkpoint(tmp_path, capsys):
+    from moetune.ir.presets import PRESETS
+
+    cfg = {**PRESETS["deepseek-v3"], "quantization_config": {"quant_method": "fp8"}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["explain", "--model-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "quantized (quant_method 'fp8')" in out and "bfloat16 block" in out
