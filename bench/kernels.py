@@ -1,0 +1,431 @@
+"""Time moetune's Triton experts kernels against transformers' experts functions and the floor.
+
+Method (../shared/notes/gpu.md "How to time"):
+  * the whole expert block, (x [T, D], ids [T, k], weights [T, k]) → out [T, D], every sort, permute,
+    activation, weighting and combine step included; the router is not timed;
+  * bf16 weights gate_up [E, 2F, D] ~ N(0, 1/D), down [E, D, F] ~ N(0, 1/F); never zeros;
+  * 32 pre-generated uniform-random routings (and x), rotated; one CUDA graph captured per routing,
+    replays timed with CUDA events; before every timed replay a 256 MB buffer is READ (buf.sum());
+  * warm-up, median of ≥ 100 reps; every variant checked against a float32 reference first
+    (‖out − ref‖/‖ref‖ < 1e-2 for bf16); peak extra device memory of one eager call;
+  * ceilings (Triton streaming read, device copy, bf16 matmul) measured and printed first;
+  * floor = max(bytes / 4.8e12, flops / 989e12) with bytes = distinct experts · 3·D·F·2 + x in/out +
+    routing, distinct averaged over the 32 routings; flops = 6·T·k·D·F.
+
+Baselines: transformers.integrations.moe.grouped_mm_experts_forward and batched_mm_experts_forward
+called on a stand-in module (gate_up_proj, down_proj, act_fn and the flags they read), in graph mode;
+"eager" re-implements transformers' eager experts loop (one_hot → nonzero → per-expert linear →
+index_add_): it synchronises with the host, so it is timed host-launched.
+
+    python bench/kernels.py --out DIR [--shapes a,b] [--tokens 1,2,...] [--budget-s 500]
+
+Writes DIR/<device>-kernels.json (a list of records) and DIR/<device>-kernels.md; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moetune.codegen.common import ExpertTensors  # noqa: E402
+from moetune.ir import MoEBlock, Schedule  # noqa: E402
+
+SHAPES = {  # name: (E, k, D, F)
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "deepseek-v3": (256, 8, 7168, 2048),
+    "qwen3.5-397b-a17b": (512, 10, 4096, 1024),
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+}
+TOKENS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+HBM_BW, BF16_FLOPS = 4.8e12, 989e12
+# gpu.md, "best open-source" graph-mode µs per cell (the bar to beat)
+BEST_OPEN = {
+    "qwen3-30b-a3b": (37.0, 53.7, 70.0, 84.3, 137, 206, 272, 307, 313, 344, 364, 433),
+    "deepseek-v3": (189, 343, 493, 646, 1264, 2005, 3194, 4359, 5226, 5374, 5492, 6295),
+    "qwen3.5-397b-a17b": (81.4, 142, 199, 257, 479, 816, 1388, 2116, 2771, 3069, 3164, 3665),
+    "mixtral-8x7b": (188, 344, 437, 447, 582, 660, 688, 669, 688, 758, 1069, 1664),
+}
+N_ROUT, REPS, WARM = 32, 100, 5
+
+
+# ------------------------------------------------------------------------------------------ ceilings
+
+
+def ceilings(dev: torch.device) -> dict:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _read(src, dst, n, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            acc += tl.load(src + offs, mask=offs < n, other=0.0).to(tl.float32)
+        tl.store(dst + pid, tl.sum(acc, axis=0))
+
+    n = 2 * 1024**3  # 4 GiB of bf16
+    a = torch.randn(n, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty(132 * 8, dtype=torch.float32, device=dev)
+    res = {}
+
+    def t_ms(fn, reps=10):
+        fn()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(reps):
+            fn()
+        e.record()
+        torch.cuda.synchronize()
+        return s.elapsed_time(e) / reps
+
+    ms = t_ms(lambda: _read[(132 * 8,)](a, dst, n, BLOCK=4096, num_warps=8))
+    res["hbm_read_TBps"] = 2 * n / ms / 1e9
+    b = torch.empty(n // 2, dtype=torch.bfloat16, device=dev)
+    ms = t_ms(lambda: b.copy_(a[: n // 2]))
+    res["d2d_copy_rw_TBps"] = 2 * n / ms / 1e9
+    del a, b
+    m = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    ms = t_ms(lambda: m @ m, reps=10)
+    res["bf16_matmul_TFLOPs"] = 2 * 8192**3 / ms / 1e9
+    del m
+    torch.cuda.empty_cache()
+    return res
+
+
+# ---------------------------------------------------------------------------------------- baselines
+
+
+def standin(w: ExpertTensors, E: int) -> types.SimpleNamespace:
+    """The attributes transformers' experts functions read from an experts module."""
+    from transformers.integrations import moe as hf
+
+    m = types.SimpleNamespace(gate_up_proj=w.gate_up, down_proj=w.down, num_experts=E, has_gate=True,
+                              has_bias=False, is_transposed=False, _is_expert_parallel=False,
+                              has_post_expert_norm=False, act_fn=torch.nn.functional.silu)
+    m._apply_gate = types.MethodType(hf._default_apply_gate, m)
+    return m
+
+
+def hf_fn(name: str, w: ExpertTensors, E: int):
+    from transformers.integrations import moe as hf
+
+    f = {"grouped_mm": hf.grouped_mm_experts_forward, "batched_mm": hf.batched_mm_experts_forward}[name]
+    m = standin(w, E)
+    return lambda x, ids, wt, _w: f(m, x, ids, wt)
+
+
+def eager_fn(E: int):
+    """transformers' eager experts loop, re-implemented op for op (host-synchronising)."""
+    def run(x, ids, wt, w):
+        out = torch.zeros_like(x)
+        mask = torch.nn.functional.one_hot(ids, num_classes=E).permute(2, 1, 0)  # [E, k, T]
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            e = e[0]
+            pos, tok = torch.where(mask[e])
+            gate, up = torch.nn.functional.linear(x[tok], w.gate_up[e]).chunk(2, dim=-1)
+            h = torch.nn.functional.silu(gate) * up
+            y = torch.nn.functional.linear(h, w.down[e]) * wt[tok, pos, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+    return run
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def reference(x, ids, wt, w: ExpertTensors) -> torch.Tensor:
+    """The float32 experts_reference, computed expert by expert (its gather would need T·k copies)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    F = w.down.shape[2]
+    for e in torch.unique(ids).tolist():
+        tok, pos = torch.where(ids == e)
+        gu = x[tok].float() @ w.gate_up[e].float().t()  # [m, 2F]
+        h = torch.nn.functional.silu(gu[:, :F]) * gu[:, F:]
+        y = (h @ w.down[e].float().t()) * wt[tok, pos, None].float()
+        out.index_add_(0, tok, y)
+    return out
+
+
+def routings(T: int, E: int, k: int, D: int, dev, seed: int):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    sets = []
+    for _ in range(N_ROUT):
+        logits = torch.randn(T, E, device=dev, generator=g)
+        val, ids = logits.topk(k, dim=-1)
+        wt = torch.softmax(val, dim=-1).to(torch.bfloat16)
+        x = torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16)
+        sets.append((x, ids, wt))
+    return sets
+
+
+def time_graph(fn, sets, w, flush, reps=REPS) -> tuple[float, list]:
+    pool = torch.cuda.graph_pool_handle()
+    graphs, outs = [], []
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for x, ids, wt in sets[:2]:
+            fn(x, ids, wt, w)
+    torch.cuda.current_stream().wait_stream(s)
+    for x, ids, wt in sets:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            outs.append(fn(x, ids, wt, w))
+        graphs.append(g)
+    for i in range(WARM):
+        graphs[i % len(graphs)].replay()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for i in range(reps):
+        flush.sum()
+        ev[i][0].record()
+        graphs[i % len(graphs)].replay()
+        ev[i][1].record()
+    torch.cuda.synchronize()
+    times = [a.elapsed_time(b) * 1e3 for a, b in ev]
+    del graphs, outs
+    return statistics.median(times), times
+
+
+def time_host(fn, sets, w, flush, reps=REPS) -> float:
+    for x, ids, wt in sets[:2]:
+        fn(x, ids, wt, w)
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for i in range(reps):
+        x, ids, wt = sets[i % len(sets)]
+        flush.sum()
+        ev[i][0].record()
+        fn(x, ids, wt, w)
+        ev[i][1].record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
+
+
+def extra_memory(fn, x, ids, wt, w) -> int:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn(x, ids, wt, w)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return int(peak)
+
+
+def floor_us(E, k, D, F, T, distinct) -> float:
+    by = distinct * 3 * D * F * 2 + 2 * T * D * 2 + T * k * (8 + 2)
+    return max(by / HBM_BW, 6.0 * T * k * D * F / BF16_FLOPS) * 1e6
+
+
+# ------------------------------------------------------------------------------------------ variants
+
+
+def variants(E: int, k: int, D: int, F: int, T: int):
+    """A few parameter choices per kind, picked by rows per active expert."""
+    from moetune.codegen.triton import GemmParams, GemvParams, HybridParams
+
+    distinct = E * (1 - (1 - k / E) ** T)
+    rows = T * k / distinct
+    kp = 1 << (k - 1).bit_length()
+    tdn = max(2, 32 // kp)  # token-mode down: KP·BN·BK accumulators
+    split = 2 if F <= 1024 else 1
+    out = []
+
+    def gemv(tag, **kw):
+        out.append((tag, Schedule("stream_gemv", backend="triton", params=GemvParams(**kw))))
+
+    def gemm(tag, **kw):
+        out.append((tag, Schedule("grouped_gemm", backend="triton", params=GemmParams(**kw))))
+
+    def hyb(tag, r, **kw):
+        out.append((tag, Schedule("hybrid", row_threshold=r, backend="triton", params=HybridParams(**kw))))
+
+    if rows <= 1.5:
+        gemv("ga", block_n=16, block_k=512, num_warps=8, down_block_n=tdn, down_block_k=256, down_warps=8)
+        gemv("gb", block_n=8, block_k=512, num_warps=4, down_block_n=tdn, down_block_k=512, down_warps=8)
+        gemv("gc", block_n=4, block_k=1024, num_warps=4, down_block_n=8, down_block_k=256, down_mode="expert",
+             split_k=split)
+    if 1.05 <= rows <= 6:
+        gemv("gr2", rows=2, block_n=8, block_k=256, num_warps=4, down_block_n=8, down_block_k=256,
+             down_mode="expert", split_k=split)
+        gemv("gr4", rows=4, block_n=8, block_k=256, num_warps=8, down_block_n=8, down_block_k=256,
+             down_warps=8, down_mode="expert", split_k=split)
+        hyb("h4", 4, block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, gemv_block_n=8,
+            gemv_block_k=256, down_block_n=64, down_block_k=128, down_gemv_block_n=8, down_gemv_block_k=256,
+            down_stages=4)
+    if 2.5 <= rows <= 48:
+        gemv("g16", rows=16, block_n=64, block_k=128, num_warps=4, num_stages=4, down_block_n=64,
+             down_block_k=128, down_warps=4, down_mode="expert", fused_route=False)
+    if 1.5 <= rows <= 24:
+        gemm("m16", block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, down_block_n=64,
+             down_block_k=128, down_stages=4)
+    if 4 <= rows <= 32:
+        hyb("h8", 8, block_m=16, block_n=64, block_k=128, num_warps=8, num_stages=4, gemv_block_n=4,
+            gemv_block_k=256, down_block_n=64, down_block_k=128, down_gemv_block_n=4, down_gemv_block_k=256,
+            down_warps=8, down_stages=4)
+    if rows >= 12:
+        gemm("m64", block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=4, down_block_n=128,
+             down_block_k=64, down_warps=8, down_stages=4)
+    if rows >= 48:
+        gemm("m128", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, down_block_n=128,
+             down_block_k=64, down_warps=8, down_stages=3)
+        gemm("m128w4", block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, down_block_n=64,
+             down_block_k=64, down_warps=4, down_stages=4)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--budget-s", type=float, default=540.0)
+    ap.add_argument("--baselines", default="grouped_mm,batched_mm,eager")
+    ap.add_argument("--eager-tokens", default="1")
+    args = ap.parse_args()
+    t_start = time.time()
+    dev = torch.device("cuda")
+    from moetune.codegen.triton import BACKEND
+
+    name = torch.cuda.get_device_name().replace(" ", "-").lower()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jpath = out_dir / f"{name}-kernels.json"
+    ceil = ceilings(dev)
+    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} "
+          f"triton {__import__('triton').__version__}", flush=True)
+    print("ceilings: " + "  ".join(f"{k} {v:.3g}" for k, v in ceil.items()), flush=True)
+    records: list[dict] = []
+    flush = torch.randn(128 * 1024 * 1024, dtype=torch.bfloat16, device=dev)  # 256 MB, read per rep
+    tokens = [int(t) for t in args.tokens.split(",")]
+    eager_tokens = {int(t) for t in args.eager_tokens.split(",") if t}
+    baselines = [b for b in args.baselines.split(",") if b]
+    stop = False
+    for shape in args.shapes.split(","):
+        E, k, D, F = SHAPES[shape]
+        block = MoEBlock(E=E, k=k, D=D, F=F, name=shape)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        w = ExpertTensors(
+            (torch.randn(E, 2 * F, D, device=dev, generator=gen, dtype=torch.bfloat16) / math.sqrt(D)),
+            (torch.randn(E, D, F, device=dev, generator=gen, dtype=torch.bfloat16) / math.sqrt(F)))
+        for T in tokens:
+            if time.time() - t_start > args.budget_s:
+                print(f"budget reached: stopping before {shape} T={T}", flush=True)
+                stop = True
+                break
+            sets = routings(T, E, k, D, dev, seed=1000 + T)
+            distinct = statistics.mean(len(torch.unique(s[1])) for s in sets)
+            fl = floor_us(E, k, D, F, T, distinct)
+            x0, ids0, wt0 = sets[0]
+            ref = reference(x0, ids0, wt0, w)
+            best_open = BEST_OPEN[shape][TOKENS.index(T)] if T in TOKENS else None
+            cands = [(f"moetune:{s.kind}", tag, s, BACKEND.build(block, s)) for tag, s in variants(E, k, D, F, T)]
+            for b in baselines:
+                if b == "batched_mm" and (T > 64 or T * k * 3 * D * F * 2 > 24e9):
+                    continue
+                if b == "eager" and T not in eager_tokens:
+                    continue
+                cands.append((b, "", None, eager_fn(E) if b == "eager" else hf_fn(b, w, E)))
+            for impl, tag, sched, fn in cands:
+                rec = dict(device=name, shape=shape, E=E, k=k, D=D, F=F, tokens=T, impl=impl, variant=tag,
+                           schedule=sched.describe() if sched else None, floor_us=round(fl, 2),
+                           distinct=distinct, best_open_us=best_open)
+                try:
+                    out = fn(x0, ids0, wt0, w)
+                    torch.cuda.synchronize()
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    rec["rel_err"] = err
+                    rec["extra_mem_bytes"] = extra_memory(fn, x0, ids0, wt0, w)
+                    if not err < 1e-2:
+                        rec["error"] = f"rel_err {err:.3g} ≥ 1e-2: not timed"
+                    elif impl == "eager":
+                        rec["time_us"] = time_host(fn, sets, w, flush)
+                        rec["mode"] = "host"
+                    else:
+                        rec["time_us"], _ = time_graph(fn, sets, w, flush)
+                        rec["mode"] = "graph"
+                except Exception as exc:  # a failing candidate is recorded, never stops the sweep
+                    rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    torch.cuda.synchronize()
+                if "time_us" in rec:
+                    rec["pct_floor"] = 100.0 * fl / rec["time_us"]
+                    if best_open:
+                        rec["speedup_vs_best_open"] = best_open / rec["time_us"]
+                records.append(rec)
+                torch.cuda.empty_cache()
+            # host-launched time of the cell's best moetune kernel
+            mine = [r for r in records if r["shape"] == shape and r["tokens"] == T
+                    and r["impl"].startswith("moetune") and "time_us" in r]
+            if mine:
+                best = min(mine, key=lambda r: r["time_us"])
+                fn = next(c[3] for c in cands if c[1] == best["variant"] and c[0] == best["impl"])
+                best["host_us"] = time_host(fn, sets, w, flush, reps=50)
+                print(f"{shape:18s} T={T:5d} floor {fl:8.1f}  best {best['impl']}/{best['variant']} "
+                      f"{best['time_us']:8.1f} µs ({best['pct_floor']:.0f}%)  open {best_open}  "
+                      f"host {best['host_us']:.1f}  [{time.time() - t_start:.0f}s]", flush=True)
+            jpath.write_text(json.dumps(dict(ceilings=ceil, records=records), indent=1))
+        del w
+        torch.cuda.empty_cache()
+        if stop:
+            break
+    md = table(records, ceil, name)
+    (out_dir / f"{name}-kernels.md").write_text(md)
+    print(md)
+
+
+def table(records: list[dict], ceil: dict, name: str) -> str:
+    lines = [f"# moetune Triton experts kernels on {name}", "",
+             "ceilings measured in the same run: " + ", ".join(f"{k} {v:.3g}" for k, v in ceil.items()), "",
+             "| shape | T | floor µs | best moetune µs | % floor | kind/variant | best open-source µs | speedup |"
+             " grouped_mm | batched_mm | eager (host) | GEMV best | GEMM best | hybrid best | rel_err | extra MiB |",
+             "|" + "---|" * 16]
+    cells = sorted({(r["shape"], r["tokens"]) for r in records}, key=lambda c: (list(SHAPES).index(c[0]), c[1]))
+    for shape, T in cells:
+        rs = [r for r in records if r["shape"] == shape and r["tokens"] == T]
+        timed = [r for r in rs if "time_us" in r]
+        mine = [r for r in timed if r["impl"].startswith("moetune")]
+
+        def best_of(pred):
+            c = [r for r in timed if pred(r)]
+            return min(c, key=lambda r: r["time_us"]) if c else None
+
+        def fmt(r):
+            return f"{r['time_us']:.1f}" if r else "–"
+        b = best_of(lambda r: r["impl"].startswith("moetune"))
+        fl = rs[0]["floor_us"]
+        bo = rs[0]["best_open_us"]
+        lines.append(
+            f"| {shape} | {T} | {fl:.1f} | {fmt(b)} | {100 * fl / b['time_us']:.0f}% | "
+            f"{b['impl'].split(':')[1]}/{b['variant']} | {bo} | "
+            f"{(bo / b['time_us']) if bo else float('nan'):.2f}× | "
+            f"{fmt(best_of(lambda r: r['impl'] == 'grouped_mm'))} | {fmt(best_of(lambda r: r['impl'] == 'batched_mm'))} | "
+            f"{fmt(best_of(lambda r: r['impl'] == 'eager'))} | "
+            f"{fmt(best_of(lambda r: r['impl'] == 'moetune:stream_gemv'))} | "
+            f"{fmt(best_of(lambda r: r['impl'] == 'moetune:grouped_gemm'))} | "
+            f"{fmt(best_of(lambda r: r['impl'] == 'moetune:hybrid'))} | {max(r['rel_err'] for r in mine):.1e} | "
+            f"{b['extra_mem_bytes'] / 2**20:.2f} |" if b else f"| {shape} | {T} | {fl:.1f} | – (no moetune kernel timed) |")
+    errs = [r for r in records if "error" in r]
+    if errs:
+        lines += ["", "Failures:"] + [f"- {r['shape']} T={r['tokens']} {r['impl']}/{r['variant']}: {r['error']}"
+                                      for r in errs]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Routing preparation on the device: rows per expert and the expert-sorted order of the pairs.
+
+    ids [T, k] ──▶ counts [E] int32     m_e, number of valid pairs routed to expert e
+                   sorted_pairs [P]     pair indices p = t·k + j grouped by expert (stable), valid ones first
+
+Every compute kernel derives its own work item (GEMM tile or GEMV slot) from `counts` with one prefix
+sum in registers (`_common._find_tile`, `_find_slot`), so this is the whole work list: no host sync,
+no torch op chain, capturable in a CUDA graph.  Ids outside [0, E) are dropped.
+
+Counting sort with one-hot tiles [C, E]:
+  P ≤ 4·C       one program does both phases (PHASE 2): one launch.
+  larger P      G ≤ 64 programs: PHASE 0 writes per-program histograms hist [G, E]; PHASE 1 reads
+                them all, takes its exclusive prefix and scatters its pairs. Two launches.
+Workspace: counts E + sorted P + hist G·E int32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import next_pow2
+
+
+@triton.jit(do_not_specialize=["P", "per_prog", "G"])
+def route_kernel(ids_ptr, counts_ptr, hist_ptr, sorted_ptr, P, E, per_prog, G,
+                 PHASE: tl.constexpr, BLOCK_E: tl.constexpr, C: tl.constexpr):
+    g = tl.program_id(0)
+    ei = tl.arange(0, BLOCK_E)
+    lo = g * per_prog
+    hi = tl.minimum(lo + per_prog, P)
+    cnt = tl.zeros([BLOCK_E], dtype=tl.int32)
+    if PHASE != 1:
+        for c0 in range(lo, hi, C):
+            p = c0 + tl.arange(0, C)
+            idv = tl.load(ids_ptr + p, mask=p < hi, other=-1).to(tl.int32)  # [C]
+            cnt += tl.sum((idv[:, None] == ei[None, :]).to(tl.int32), axis=0)
+        if PHASE == 0:
+            tl.store(hist_ptr + g * BLOCK_E + ei, cnt)
+    if PHASE != 0:
+        before = tl.zeros([BLOCK_E], dtype=tl.int32)
+        if PHASE == 1:
+            for g2 in range(0, G):
+                hv = tl.load(hist_ptr + g2 * BLOCK_E + ei)
+                cnt += hv
+                before += tl.where(g2 < g, hv, 0)
+        tl.store(counts_ptr + ei, cnt, mask=(ei < E) & (g == 0))
+        run = tl.cumsum(cnt, axis=0) - cnt + before  # [BLOCK_E] next free slot of each expert
+        for c0 in range(lo, hi, C):
+            p = c0 + tl.arange(0, C)
+            idv = tl.load(ids_ptr + p, mask=p < hi, other=-1).to(tl.int32)
+            oh = (idv[:, None] == ei[None, :]).to(tl.int32)  # [C, BLOCK_E]
+            within = tl.cumsum(oh, axis=0) - oh
+            pos = tl.sum(oh * (within + run[None, :]), axis=1)  # [C]
+            ok = (idv >= 0) & (idv < E) & (p < hi)
+            tl.store(sorted_ptr + pos, p, mask=ok)
+            run += tl.sum(oh, axis=0)
+
+
+def route_plan(P: int, E: int) -> tuple[int, int, int, int]:
+    """(BLOCK_E, C, per_prog, G) for P pairs over E experts: G = 1 means one launch."""
+    block_e = max(16, next_pow2(E))
+    c = max(16, min(64, 8192 // block_e))
+    if P <= 4 * c:
+        return block_e, c, max(P, 1), 1
+    g = min(64, triton.cdiv(P, 4 * c))
+    per = triton.cdiv(triton.cdiv(P, g), c) * c
+    return block_e, c, per, triton.cdiv(P, per)
+
+
+def route(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """counts [E] int32 and sorted_pairs [P] int32 of ids [T, k] (any int dtype), on ids' device."""
+    flat = ids.reshape(-1)  # [P]
+    P = flat.numel()
+    block_e, c, per, g = route_plan(P, E)
+    counts = torch.empty(E, dtype=torch.int32, device=ids.device)
+    sorted_pairs = torch.empty(max(P, 1), dtype=torch.int32, device=ids.device)
+    if g == 1:
+        route_kernel[(1,)](flat, counts, counts, sorted_pairs, P, E, per, 1,
+                           PHASE=2, BLOCK_E=block_e, C=c, num_warps=4)
+    else:
+        hist = torch.empty(g * block_e, dtype=torch.int32, device=ids.device)
+        route_kernel[(g,)](flat, counts, hist, sorted_pairs, P, E, per, g,
+                           PHASE=0, BLOCK_E=block_e, C=c, num_warps=4)
+        route_kernel[(g,)](flat, counts, hist, sorted_pairs, P, E, per, g,
+                           PHASE=1, BLOCK_E=block_e, C=c, num_warps=4)
+    return counts, sorted_pairs
+
+
+def cost(P: int, E: int) -> tuple[float, float]:
+    """(flops, bytes) of the routing preparation: ids read twice, counts and the order written."""
+    _, _, _, g = route_plan(P, E)
+    return 0.0, float(2 * P * 8 + 4 * (E + P) + (2 * g * g * next_pow2(E) * 4 if g > 1 else 0))

@@ -1,0 +1,240 @@
+"""stream_gemv: every selected expert's weights streamed from HBM once; no padding rows to a tile.
+
+One kernel, three projections (PROJ):
+  0 gate/up   grid (slot, F-block): slot s = s-th distinct selected expert; its rows are served from one
+              read of each [BN, BK] weight tile (ROWS = 1: FMA per row; ROWS ≥ 16: rows in passes of
+              ROWS through tl.dot, one weight read per pass); SwiGLU fused; h [P, F] in x.dtype.
+  1 down      grid (slot, D-block, K split): fp32 partial rows y [S, P, D] · routing weight, then
+              combine.py sums splits and the k experts of each token (deterministic).
+  2 down      grid (token, D-block): loops over the token's k experts and writes out [T, D] directly,
+              one launch, no combine; an expert shared by several tokens is re-read per token.
+Work comes from `counts`/`sorted_pairs` (routing.py) or, with `fused_route` and P ≤ 64, from the ids
+themselves (`_fused_slot`): then the whole block is two launches (gate/up, down token).
+All (token, expert) pairs of a projection run in one launch; the grid is static (min(P, E) slots).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import triton
+import triton.language as tl
+
+from ...ir import MoEBlock, Schedule, UnsupportedSchedule
+from ..common import ExpertTensors, ParamSpace
+from . import combine as _combine
+from . import routing
+from ._common import (
+    FUSED_ROUTE_MAX_PAIRS,
+    H200_SMEM_LIMIT,
+    _find_slot,
+    _fused_pairs,
+    _fused_slot,
+    _row_down,
+    _row_gate_up,
+    _rows_down,
+    _rows_gate_up,
+    _token_down,
+    _store_h,
+    _store_y,
+    _tile_down,
+    _tile_gate_up,
+    bias_args,
+    check_call,
+    check_pow2,
+    consts,
+    dot_smem_bytes,
+    interpreting,
+    layout_strides,
+    next_pow2,
+)
+
+
+@dataclass(frozen=True)
+class GemvParams:
+    block_n: int = 16  # gate/up output rows (of F) per program
+    block_k: int = 256  # reduction chunk along D
+    rows: int = 1  # rows of one expert per weight read: 1..8 FMA (3-D for > 1), ≥ 16 a tl.dot pass
+    num_warps: int = 4
+    num_stages: int = 3
+    down_block_n: int = 16  # down output rows (of D) per program
+    down_block_k: int = 256  # reduction chunk along F
+    down_warps: int = 4
+    down_mode: Literal["token", "expert"] = "token"
+    split_k: int = 1  # down, expert mode: F split in this many fp32 partials
+    fused_route: bool = True  # P ≤ 64: each program groups the ids itself (no routing kernel)
+
+    def __post_init__(self) -> None:
+        check_pow2("GemvParams", block_n=self.block_n, block_k=self.block_k, rows=self.rows,
+                   down_block_n=self.down_block_n, down_block_k=self.down_block_k,
+                   num_warps=self.num_warps, down_warps=self.down_warps)
+        if self.down_mode not in ("token", "expert"):
+            raise UnsupportedSchedule(f"GemvParams.down_mode = {self.down_mode!r}: 'token' or 'expert'")
+        if self.split_k < 1 or (self.split_k > 1 and self.down_mode != "expert"):
+            raise UnsupportedSchedule(f"GemvParams.split_k = {self.split_k}: ≥ 1, and > 1 only with "
+                                      "down_mode='expert' (the token mode has no partials to combine)")
+        if self.rows >= 16:
+            smem = dot_smem_bytes(self.rows, self.block_n, self.block_k, self.num_stages, 2)
+            if smem > H200_SMEM_LIMIT:
+                raise UnsupportedSchedule(
+                    f"GemvParams rows={self.rows} block_n={self.block_n} block_k={self.block_k} "
+                    f"num_stages={self.num_stages}: needs {smem // 1024} KiB shared memory, limit "
+                    f"{H200_SMEM_LIMIT // 1024} KiB; lower block_k or num_stages")
+        regs = min(self.rows, 8) * self.block_n * self.block_k * 2 // (32 * self.num_warps)
+        if self.rows < 16 and regs > 128:
+            raise UnsupportedSchedule(
+                f"GemvParams block_n={self.block_n} block_k={self.block_k} num_warps={self.num_warps}: "
+                f"{regs} fp32 accumulator registers per thread, limit 128; lower block_k or raise num_warps")
+
+
+SPACE = ParamSpace(GemvParams, (
+    ("block_n", (4, 8, 16, 32)),
+    ("block_k", (128, 256, 512, 1024)),
+    ("rows", (1, 2, 4, 16)),
+    ("num_warps", (4, 8)),
+    ("num_stages", (2, 3, 4)),
+    ("down_block_n", (4, 8, 16, 32)),
+    ("down_block_k", (128, 256, 512)),
+    ("down_warps", (4, 8)),
+    ("down_mode", ("token", "expert")),
+    ("split_k", (1, 2, 4)),
+    ("fused_route", (True, False)),
+))
+
+
+@triton.jit(do_not_specialize=["P"])
+def stream_gemv_kernel(
+    x_ptr, s_xt, ids_ptr, wts_ptr, counts_ptr, sorted_ptr,
+    w_ptr, se, sn, sk, up, b_ptr, sbe, sbn, bup,
+    h_ptr, s_hp, y_ptr, s_yt,
+    P, E, N, K, k_split, alpha, limit,
+    PROJ: tl.constexpr, K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, BP: tl.constexpr,
+    FUSED: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
+):
+    n0 = tl.program_id(1) * BN
+    offs_n = n0 + tl.arange(0, BN)
+    nm = offs_n < N
+    if PROJ == 2:
+        t = tl.program_id(0)
+        out = _token_down(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr, sbe, sbn, n0, N, K,
+                          K_TOP, KP, BN, BK, HAS_BIAS, W_IN)
+        tl.store(y_ptr + t.to(tl.int64) * s_yt + offs_n, out.to(y_ptr.dtype.element_ty), mask=nm)
+    else:
+        slot = tl.program_id(0)
+        ks = tl.program_id(2)
+        if FUSED:
+            e, m, match, mrank = _fused_slot(ids_ptr, P, E, slot, BP)
+            st = 0
+        else:
+            e, st, m = _find_slot(counts_ptr, E, slot, 0, False, BLOCK_E)
+        ec = tl.where(m > 0, e, 0).to(tl.int64)
+        w_e = w_ptr + ec * se
+        b_e = b_ptr + ec * sbe
+        k_lo = ks * k_split
+        k_hi = tl.minimum(k_lo + k_split, K)
+        r = tl.arange(0, ROWS)
+        for c in range(0, m, ROWS):
+            rmask = c + r < m
+            if FUSED:
+                pairs = _fused_pairs(match, mrank, c, ROWS, BP)
+            else:
+                pairs = tl.load(sorted_ptr + st + c + r, mask=rmask, other=0)
+            wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)  # [ROWS]
+            if ROWS == 1:
+                pair = tl.sum(pairs, axis=0)
+                if PROJ == 0:
+                    g1, u1 = _row_gate_up(x_ptr, s_xt, pair // K_TOP, w_e, sn, sk, up, n0, N, K, BN, BK)
+                    g = g1[None, :]
+                    u = u1[None, :]
+                else:
+                    acc = _row_down(h_ptr + pair.to(tl.int64) * s_hp, w_e, sn, sk, n0, N, k_lo, k_hi,
+                                    BN, BK)[None, :]
+            elif ROWS < 16:
+                if PROJ == 0:
+                    g, u = _rows_gate_up(x_ptr, s_xt, pairs // K_TOP, rmask, w_e, sn, sk, up, n0, N, K,
+                                         ROWS, BN, BK)
+                else:
+                    acc = _rows_down(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n0, N, k_lo, k_hi, ROWS, BN, BK)
+            else:
+                if PROJ == 0:
+                    g, u = _tile_gate_up(x_ptr, s_xt, pairs // K_TOP, rmask, w_e, sn, sk, up, n0, N, K, K,
+                                         ROWS, BN, BK, UPCAST)
+                else:
+                    acc = _tile_down(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n0, N, k_lo, k_hi,
+                                     ROWS, BN, BK, UPCAST)
+            if PROJ == 0:
+                _store_h(h_ptr, s_hp, pairs, rmask, g, u, wt, b_e, sbn, bup, n0, N,
+                         alpha, limit, BN, ACT, HAS_BIAS, W_IN)
+            else:
+                _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, b_e, sbn,
+                         (ks == 0).to(tl.float32), n0, N, BN, HAS_BIAS, W_IN)
+
+
+def build(block: MoEBlock, schedule: Schedule):
+    """ExpertsFn of a stream_gemv schedule (params: GemvParams or None for the defaults)."""
+    p = schedule.params if schedule.params is not None else GemvParams()
+    if not isinstance(p, GemvParams):
+        raise UnsupportedSchedule(f"stream_gemv takes GemvParams, got {type(p).__name__}")
+    E, k, D, F = block.E, block.k, block.D, block.F
+    act = block.activation
+    alpha, limit = float(act.alpha or 0.0), float(act.limit or 0.0)
+
+    def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
+        check_call(block, x, ids, weights, w)
+        T = x.shape[0]
+        P = T * k
+        gs, ds = layout_strides(block, w)
+        gb, db = bias_args(block, w)
+        ids_f, wts_f = ids.reshape(-1), weights.reshape(-1)  # [P]
+        fused = p.fused_route and P <= FUSED_ROUTE_MAX_PAIRS
+        if fused:
+            counts, sorted_pairs = ids_f, ids_f
+        else:
+            counts, sorted_pairs = routing.route(ids, E)
+        cst = consts(block, x, w)
+        meta = dict(K_TOP=k, KP=next_pow2(k), BLOCK_E=max(16, next_pow2(E)), BP=max(16, next_pow2(P)), FUSED=fused,
+                    ROWS=p.rows, **cst)
+        slots = min(P, E)
+        h = torch.empty(P, F, dtype=x.dtype, device=x.device)  # [P, F]
+        stream_gemv_kernel[(slots, triton.cdiv(F, p.block_n), 1)](
+            x, x.stride(0), ids_f, wts_f, counts, sorted_pairs,
+            w.gate_up, gs.se, gs.sn, gs.sk, gs.up, gb, gs.sbe, gs.sbn, gs.bup,
+            h, h.stride(0), h, 0, P, E, F, D, D, alpha, limit,
+            PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta)
+        out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
+        if p.down_mode == "token":
+            stream_gemv_kernel[(T, triton.cdiv(D, p.down_block_n), 1)](
+                x, x.stride(0), ids_f, wts_f, counts, sorted_pairs,
+                w.down, ds.se, ds.sn, ds.sk, 0, db, ds.sbe, ds.sbn, 0,
+                h, h.stride(0), out, out.stride(0), P, E, D, F, F, alpha, limit,
+                PROJ=2, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps,
+                num_stages=p.num_stages, **meta)
+            return out
+        k_split = triton.cdiv(triton.cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
+        S = triton.cdiv(F, k_split)
+        y = torch.empty(S, P, D, dtype=torch.float32, device=x.device)  # [S, P, D]
+        stream_gemv_kernel[(slots, triton.cdiv(D, p.down_block_n), S)](
+            x, x.stride(0), ids_f, wts_f, counts, sorted_pairs,
+            w.down, ds.se, ds.sn, ds.sk, 0, db, ds.sbe, ds.sbn, 0,
+            h, h.stride(0), y, 0, P, E, D, F, k_split, alpha, limit,
+            PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps,
+            num_stages=p.num_stages, **meta)
+        return _combine.combine(y, ids, out, E)
+
+    return run
+
+
+def cost(block: MoEBlock, params: GemvParams, tokens: int, distinct: float) -> tuple[float, float]:
+    """(flops, bytes): each distinct expert's weights once, x and h traffic, y partials and combine."""
+    wb = 2 if block.weight_dtype != "float32" else 4
+    P = tokens * block.k
+    flops = 2.0 * 3 * P * block.D * block.F
+    by = distinct * block.weight_bytes_per_expert + tokens * block.D * wb * 2 + 2 * P * block.F * wb
+    if params.down_mode == "expert":
+        by += _combine.cost(params.split_k, P, tokens, block.D, wb)[1] + params.split_k * P * block.D * 4
+    if not (params.fused_route and P <= FUSED_ROUTE_MAX_PAIRS):
+        by += routing.cost(P, block.E)[1]
+    return flops, by
