@@ -6,7 +6,8 @@ figures"); `measured_*` are the ceilings measured on the machine, kept beside th
 in. `vector_flops` is the non-matrix-unit rate (fp32 CUDA cores on a GPU): the limit of a
 streaming GEMV, which does its multiply-adds there.
 
-Floor of one call of the expert block at T tokens (the router is not part of it):
+Floor of one call of the routed experts at T tokens (the router and the shared experts are not part
+of it: they run outside transformers' experts hook, and gpu.md times the routed experts alone):
 
     bytes = distinct_experts · 3·D·F · bytes_per_weight        (every selected expert read once)
           + 2 · T·D · bytes_per_activation                     (x in, y out)
