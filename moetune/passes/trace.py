@@ -21,16 +21,12 @@ routing ids are valid either way; without capture, the modules with the `has_gat
 attributes that transformers' experts hook sets), which see
 `(hidden_states [T, D], top_k_index [T, k], top_k_weights [T, k])`.
 
-`moetune record --tiny FAMILY` builds a tiny random model with tests/tiny_models.py: imported as
-`tiny_models` when it is on sys.path, else loaded from the source checkout beside the package
-(…/tests/tiny_models.py). It is a demo and test aid; an installed package without the checkout
-says so. moetune ships no model builder of its own.
+`moetune record --tiny FAMILY` builds a tiny random transformers model with `moetune.tiny` (a demo
+and test aid).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import time
 import zipfile
@@ -260,20 +256,12 @@ def synthetic_trace(E: int, k: int, tokens: int = 4096, layers: int = 1, zipf: f
 
 
 def tiny_model(family: str):
-    """A tiny random model of `family` from tests/tiny_models.py (see the module docstring)."""
-    try:
-        mod = importlib.import_module("tiny_models")
-    except ImportError:
-        src = Path(__file__).resolve().parents[2] / "tests" / "tiny_models.py"
-        if not src.is_file():
-            raise TraceError(f"--tiny needs tests/tiny_models.py from the moetune source checkout; "
-                             f"not found at {src}") from None
-        spec = importlib.util.spec_from_file_location("tiny_models", src)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    if family not in mod.FAMILIES:
-        raise TraceError(f"--tiny {family}: unknown family; known: {', '.join(mod.FAMILIES)}")
-    return mod.build(family)
+    """A tiny random model of `family` from moetune.tiny."""
+    from ..tiny import FAMILIES, build
+
+    if family not in FAMILIES:
+        raise TraceError(f"--tiny {family}: unknown family; known: {', '.join(FAMILIES)}")
+    return build(family)
 
 
 def run(args) -> int:
