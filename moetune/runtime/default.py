@@ -3,15 +3,20 @@
 Used for every bucket the dispatch table has no answer for. With T tokens routed top-k over E
 experts, uniform routing activates distinct(T) = E·(1 − (1 − k/E)^T) experts, each with
 rows(T) = T·k / distinct(T) rows on average (`moetune.passes.stats` when present, else the same
-closed form here). The regime decides the kind:
+closed form here). The regime orders the kinds:
 
-    rows ≤ GEMV_MAX_ROWS                    stream_gemv   nothing to batch: read each expert once, no tiles
-    GEMV_MAX_ROWS < rows < GEMM_MIN_ROWS    hybrid        R = max(2, ⌈2·rows⌉): experts well above the mean
-                                                          take GEMM rows, the one-row majority GEMV
-    rows ≥ GEMM_MIN_ROWS                    grouped_gemm  every active expert has a batch worth a GEMM
+    rows ≤ GEMV_MAX_ROWS                    stream_gemv → hybrid → grouped_gemm
+    GEMV_MAX_ROWS < rows < GEMM_MIN_ROWS    hybrid → grouped_gemm      R = max(2, ⌈2·rows⌉): experts
+                                                                      well above the mean take GEMM rows
+    rows ≥ GEMM_MIN_ROWS                    grouped_gemm
 
-A kind the backend refuses for the block (its reason from `backend.kinds`) falls back along
-stream_gemv → hybrid → grouped_gemm, and the backend supplies its parameters (`backend.default`).
+and the first kind in that order is taken unless the backend refuses it for the block (its reason
+from `backend.kinds`) or, for the memory-bound kinds (stream_gemv, hybrid), its own cost model says
+it moves more than COST_SLACK × the bytes of the cheapest kind at T (`backend.cost`). The second guard is what keeps the torch backend on its sorted
+GEMM loop on CPU: its gathered GEMV copies every pair's weights (3·T·k·W bytes against distinct·W),
+which measured 4–8× slower than the loop at T = 1–4 on E=64 k=8 D=1024 F=512; a device backend
+whose GEMV streams each expert once keeps the GEMV. The backend supplies the parameters
+(`backend.default`).
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from ..ir import MoEBlock, Schedule, UnsupportedSchedule
 
 GEMV_MAX_ROWS = 1.5
 GEMM_MIN_ROWS = 4.0
-FALLBACK = {"stream_gemv": ("stream_gemv", "hybrid", "grouped_gemm"),
-            "hybrid": ("hybrid", "grouped_gemm"),
-            "grouped_gemm": ("grouped_gemm",)}
+COST_SLACK = 1.5
+ORDER = {"stream_gemv": ("stream_gemv", "hybrid", "grouped_gemm"),
+         "hybrid": ("hybrid", "grouped_gemm"),
+         "grouped_gemm": ("grouped_gemm",)}
 
 
 def uniform_distinct(E: int, k: int, T: int) -> float:
@@ -61,18 +67,26 @@ def default_schedule(block: MoEBlock, backend: Backend, tokens: int) -> Schedule
     """The default Schedule for `tokens` on `backend`, with the backend's own parameters."""
     kind, R = default_kind(block, tokens)
     refusals = backend.kinds(block)
-    reasons = []
-    for choice in FALLBACK[kind]:
+    reasons, offers = [], []
+    for choice in ("stream_gemv", "hybrid", "grouped_gemm"):
         why = refusals.get(choice, f"kind {choice} not offered")
         if why:
             reasons.append(f"{choice}: {why}")
             continue
         sch = backend.default(block, choice, tokens)
         if choice == "hybrid":
-            sch = dataclasses.replace(sch, row_threshold=R or 2)
-        return sch
-    raise UnsupportedSchedule(f"block {block.name or block.signature_hash()} at T={tokens}: backend "
-                              f"{backend.name} refuses every kind ({'; '.join(reasons)})")
+            sch = dataclasses.replace(sch, row_threshold=R or max(2, math.ceil(2 * rows_per_active(block, tokens))))
+        offers.append(sch)
+    if not offers:
+        raise UnsupportedSchedule(f"block {block.name or block.signature_hash()} at T={tokens}: backend "
+                                  f"{backend.name} refuses every kind ({'; '.join(reasons)})")
+    moved = {s.kind: backend.cost(block, s, tokens)[1] for s in offers}
+    cheapest = min(moved.values())
+    by_kind = {s.kind: s for s in offers}
+    for choice in ORDER[kind]:  # grouped_gemm is never vetoed on bytes: at many rows flops are the limit
+        if choice in by_kind and (choice == "grouped_gemm" or moved[choice] <= COST_SLACK * cheapest):
+            return by_kind[choice]
+    return min(offers, key=lambda s: moved[s.kind])
 
 
 def representative_tokens(lo: int, hi: int) -> int:

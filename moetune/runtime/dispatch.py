@@ -9,9 +9,9 @@ ends: no device sync, no table lookup, no Python object built per call. T above 
 uses the last bucket's kernel; T = 0 returns an empty [0, D] result without calling a kernel.
 
 Default buckets (no table, or gaps between a table's entries) follow the rows-per-expert regime:
-the bucketing pass of `moetune.passes` when it is importable, else `regime_buckets` here: T ranges
-cut where the expected rows per active expert (uniform routing) crosses REGIME_CUTS, so that no
-bucket spans the one-row and the many-rows regime.
+the bucketing pass of `moetune.passes` (uniform routing; the same ranges the search tunes) when it
+is importable, else `regime_buckets` here: T ranges cut where the expected rows per active expert
+(uniform routing) crosses REGIME_CUTS, so that no bucket spans the one-row and the many-rows regime.
 """
 
 from __future__ import annotations
@@ -73,15 +73,14 @@ def regime_buckets(block: MoEBlock, cuts: Sequence[float] = REGIME_CUTS) -> list
 
 
 def default_buckets(block: MoEBlock) -> list[tuple[int, int]]:
-    """The bucketing pass's buckets when the passes provide one, else `regime_buckets`."""
+    """The bucketing pass's ranges (`moetune.passes.bucketing.split`, uniform routing) when the
+    passes are importable, else `regime_buckets`."""
     try:
-        from ..passes import bucketing  # type: ignore[attr-defined]
-    except ImportError:
+        from ..passes.bucketing import split
+        from ..passes.pipeline import context
+    except ImportError:  # a deployment may ship without the passes
         return regime_buckets(block)
-    fn = getattr(bucketing, "bucket_ranges", None)
-    if fn is None:
-        return regime_buckets(block)
-    return [(int(lo), int(hi)) for lo, hi in fn(block)]
+    return [(int(lo), int(hi)) for lo, hi in split(block, context(block, "cpu"))]
 
 
 class Dispatcher:
@@ -115,7 +114,7 @@ class Dispatcher:
         T = x.shape[0]  # host-side int
         if T == 0:
             return x.new_zeros((0, x.shape[1]))
-        return self._fns[min(bisect.bisect_left(self._his, T), self._last)](x, ids, weights, w)
+        return self._fns[self.index(T)](x, ids, weights, w)
 
     def describe(self) -> str:
         return "\n".join(f"  T∈{r.label:<12} {r.schedule.describe()}  ({r.source})" for r in self.routes)

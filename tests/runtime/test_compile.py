@@ -66,7 +66,8 @@ def same_routing_positions(ids, routes_a, routes_b) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", HOOKED)
 def test_compiled_logits_match_and_uncompile_restores(family, dtype):
-    """Batch 2 × S = 1, 7, 40 tokens: T = 2, 14, 80 reach the GEMV, hybrid and GEMM regimes.
+    """Batch 2 × S = 1, 7, 40 tokens: T = 2, 14, 80 (one-row, mixed and many-rows buckets; the
+    kinds the default picks there on CPU, every kind through a table: test_compile_table.py).
 
     fp32: every logit within 1e-5 of the largest. bf16: every position whose routing matched in
     every layer within the dtype tolerance; at most half of the positions lost to top-k flips."""
@@ -78,8 +79,6 @@ def test_compiled_logits_match_and_uncompile_restores(family, dtype):
     ps = plans(model)
     assert ps and all(p.id in PLANS for p in ps)
     assert model.get_experts_implementation()[""] == "moetune"
-    kinds = {ps[0].dispatcher.route(ids.numel()).schedule.kind for ids in inputs}
-    assert len(kinds) >= 2, kinds
     for ids, (ref, ref_routes) in zip(inputs, refs, strict=True):
         out, routes = routed_logits(model, ids)
         if dtype == torch.float32:

@@ -1,0 +1,134 @@
+"""The default heuristic: rows per active expert → schedule kind, guarded by the backend's cost."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moetune.codegen.backend import get
+from moetune.codegen.torch.backend import TorchBackend
+from moetune.ir import MoEBlock, Schedule, UnsupportedSchedule
+from moetune.runtime.default import (
+    GEMM_MIN_ROWS,
+    GEMV_MAX_ROWS,
+    default_kind,
+    default_schedule,
+    representative_tokens,
+    rows_per_active,
+    uniform_distinct,
+)
+
+TORCH = get("torch")
+
+
+def block(E=128, k=8, D=1024, F=512, dtype="bfloat16", T_max=4096) -> MoEBlock:
+    return MoEBlock(E=E, k=k, D=D, F=F, weight_dtype=dtype, routing_weight_dtype=dtype, T_max=T_max, name="b")
+
+
+class StreamingBackend(TorchBackend):
+    """The torch kernels with a device-style cost: the GEMV streams each selected expert once, no copy."""
+
+    name = "streaming-test"
+
+    def cost(self, blk, schedule, tokens):
+        flops, moved = super().cost(blk, schedule, tokens)
+        if schedule.kind == "stream_gemv":
+            moved = uniform_distinct(blk.E, blk.k, tokens) * blk.weight_bytes_per_expert
+        if schedule.kind == "hybrid":
+            moved = uniform_distinct(blk.E, blk.k, tokens) * blk.weight_bytes_per_expert * 1.1
+        return flops, moved
+
+
+class RefusingBackend(TorchBackend):
+    name = "refusing-test"
+
+    def kinds(self, blk):
+        return {k: f"{k} not built for this test" for k in ("grouped_gemm", "stream_gemv", "hybrid")}
+
+
+def test_uniform_distinct_matches_simulation():
+    E, k, T = 16, 4, 9
+    g = torch.Generator().manual_seed(0)
+    sims = [len({int(e) for _ in range(T) for e in torch.randperm(E, generator=g)[:k]}) for _ in range(400)]
+    assert uniform_distinct(E, k, T) == pytest.approx(sum(sims) / len(sims), rel=0.03)
+    assert uniform_distinct(E, k, 0) == 0
+
+
+@pytest.mark.parametrize("E,k", [(8, 2), (16, 4), (128, 8), (512, 10)])
+def test_rows_per_active_grows_from_one_to_Tk_over_E(E, k):
+    b = block(E=E, k=k)
+    assert rows_per_active(b, 1) == pytest.approx(1.0)
+    rows = [rows_per_active(b, T) for T in (1, 2, 4, 16, 64, 256, 4096)]
+    assert rows == sorted(rows)
+    assert rows[-1] == pytest.approx(4096 * k / E, rel=1e-3)
+    with pytest.raises(ValueError):
+        rows_per_active(b, 0)
+
+
+@pytest.mark.parametrize("E,k", [(8, 2), (16, 4), (128, 8), (512, 10)])
+def test_regime_kinds_progress_with_T(E, k):
+    """stream_gemv where rows ≤ 1.5, grouped_gemm where rows ≥ 4, hybrid between; never backwards."""
+    b = block(E=E, k=k)
+    order = {"stream_gemv": 0, "hybrid": 1, "grouped_gemm": 2}
+    last = 0
+    for T in [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256, 1024, 4096]:
+        kind, R = default_kind(b, T)
+        rows = rows_per_active(b, T)
+        want = "stream_gemv" if rows <= GEMV_MAX_ROWS else "grouped_gemm" if rows >= GEMM_MIN_ROWS else "hybrid"
+        assert kind == want, (T, rows)
+        assert order[kind] >= last
+        last = order[kind]
+        if kind == "hybrid":
+            assert 2 <= R <= T and R >= rows
+        else:
+            assert R is None
+    assert default_kind(b, 1)[0] == "stream_gemv" and default_kind(b, 4096)[0] == "grouped_gemm"
+
+
+def test_device_style_backend_follows_the_regime():
+    be = StreamingBackend()
+    b = block()
+    assert default_schedule(b, be, 1).kind == "stream_gemv"
+    mid = next(T for T in range(2, 4096) if default_kind(b, T)[0] == "hybrid")
+    sch = default_schedule(b, be, mid)
+    assert sch.kind == "hybrid" and sch.row_threshold == default_kind(b, mid)[1]
+    assert default_schedule(b, be, 4096).kind == "grouped_gemm"
+
+
+@pytest.mark.parametrize("T", [1, 3, 16, 4096])
+def test_torch_backend_stays_on_gemm_since_its_gather_copies_weights(T):
+    """The torch GEMV gathers T·k copies: its cost is 3× the loop's at one row per expert."""
+    sch = default_schedule(block(), TORCH, T)
+    assert sch.kind == "grouped_gemm" and sch.backend == "torch"
+    assert sch.params.impl == "grouped_mm"
+    assert TORCH.build(block(), sch) is not None
+
+
+def test_torch_default_on_misaligned_block_uses_the_loop():
+    sch = default_schedule(block(D=200, F=37, dtype="float16"), TORCH, 64)
+    assert sch.kind == "grouped_gemm" and sch.params.impl == "sorted_gemm"
+
+
+def test_refused_kinds_fall_back_and_all_refused_is_an_error():
+    huge = block(D=8192, F=16384)  # 768 MiB per expert: no gathered copy fits
+    assert TORCH.kinds(huge)["stream_gemv"]
+    assert default_schedule(huge, StreamingBackend(), 1).kind == "grouped_gemm"
+    with pytest.raises(UnsupportedSchedule, match="refuses every kind.*not built for this test"):
+        default_schedule(block(), RefusingBackend(), 1)
+
+
+def test_default_schedules_verify_and_build_in_every_bucket():
+    from moetune.runtime.dispatch import default_buckets
+
+    be = StreamingBackend()
+    for b in (block(E=16, k=4, D=64, F=40, dtype="float32"), block(E=512, k=10, D=64, F=40)):
+        for lo, hi in default_buckets(b):
+            T = representative_tokens(lo, hi)
+            assert lo <= T <= hi
+            sch = default_schedule(b, be, T)
+            assert isinstance(sch, Schedule) and dataclasses.is_dataclass(sch.params)
+            if sch.kind == "hybrid":
+                assert sch.row_threshold <= hi
+            be.build(b, sch)

@@ -1,0 +1,145 @@
+"""Dispatcher: buckets resolved once, bisect on T, table entries with defaults for the gaps."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from moetune.codegen.backend import get
+from moetune.codegen.torch import experts_reference
+from moetune.codegen.torch._common import GroupedGemmParams
+from moetune.codegen.torch.gathered import GatheredParams
+from moetune.codegen.torch.hybrid import HybridParams
+from moetune.ir import IRError, MoEBlock, Schedule
+from moetune.runtime.default import GEMV_MAX_ROWS, rows_per_active
+from moetune.runtime.dispatch import (
+    REGIME_CUTS,
+    Dispatcher,
+    DispatchWarning,
+    default_buckets,
+    regime_buckets,
+)
+
+TORCH = get("torch")
+GEMM = Schedule("grouped_gemm", backend="torch", params=GroupedGemmParams("sorted_gemm", "unsort_sum"))
+GEMV = Schedule("stream_gemv", backend="torch", params=GatheredParams(8))
+HYB = Schedule("hybrid", row_threshold=3, backend="torch", params=HybridParams("grouped_mm", 8))
+
+
+def block(E=16, k=4, D=64, F=40, T_max=256) -> MoEBlock:
+    return MoEBlock(E=E, k=k, D=D, F=F, weight_dtype="float32", routing_weight_dtype="float32", T_max=T_max, name="b")
+
+
+def covers(ranges, T_max):
+    return ranges[0][0] == 1 and ranges[-1][1] == T_max and all(
+        b[0] == a[1] + 1 for a, b in zip(ranges, ranges[1:], strict=False))
+
+
+@pytest.mark.parametrize("E,k,T_max", [(8, 2, 4096), (16, 4, 256), (128, 8, 4096), (512, 10, 1024), (4, 1, 7)])
+def test_regime_buckets_never_span_a_cut(E, k, T_max):
+    b = block(E=E, k=k, T_max=T_max)
+    ranges = regime_buckets(b)
+    assert covers(ranges, T_max)
+    assert len(ranges) <= len(REGIME_CUTS) + 1
+    for lo, hi in ranges:
+        for c in REGIME_CUTS:
+            assert (rows_per_active(b, lo) >= c) == (rows_per_active(b, hi) >= c), (lo, hi, c)
+
+
+def test_default_buckets_cover_and_separate_one_row_from_many_rows():
+    b = block(E=128, k=8, T_max=4096)
+    ranges = default_buckets(b)
+    assert covers(ranges, 4096)
+    for lo, hi in ranges:
+        assert not (rows_per_active(b, lo) <= GEMV_MAX_ROWS and rows_per_active(b, hi) >= 16), (lo, hi)
+
+
+def test_route_by_bisect_and_edges():
+    b = block()
+    d = Dispatcher.default(b, TORCH, buckets=[(1, 1), (2, 7), (8, 256)])
+    assert [r.label for r in d.routes] == ["[1,1]", "[2,7]", "[8,256]"]
+    for T, i in [(1, 0), (2, 1), (7, 1), (8, 2), (256, 2), (10_000, 2)]:  # above T_max: the last bucket
+        assert d.index(T) == i and d.route(T) is d.routes[i]
+    w_e = _tensors(b)
+    assert d(torch.zeros(0, b.D), torch.zeros(0, b.k, dtype=torch.long), torch.zeros(0, b.k), w_e).shape == (0, b.D)
+
+
+def _tensors(b, seed=0):
+    from moetune.codegen.common import ExpertTensors
+
+    g = torch.Generator().manual_seed(seed)
+    return ExpertTensors(torch.randn(b.E, 2 * b.F, b.D, generator=g) / 8, torch.randn(b.E, b.D, b.F, generator=g) / 6)
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 8, 31, 300])
+def test_every_bucket_computes_the_reference(T):
+    b = block()
+    d = Dispatcher.from_entries(b, TORCH, [(1, 1, GEMV), (2, 7, HYB), (8, 256, GEMM)])
+    w = _tensors(b)
+    x = torch.randn(T, b.D)
+    ids = torch.stack([torch.randperm(b.E)[: b.k] for _ in range(T)])
+    wt = torch.rand(T, b.k)
+    torch.testing.assert_close(d(x, ids, wt, w), experts_reference(b, x, ids, wt, w), rtol=1e-5, atol=1e-5)
+
+
+def test_full_table_no_warning_and_sources():
+    b = block()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d = Dispatcher.from_entries(b, TORCH, [(8, 256, GEMM), (1, 1, GEMV), (2, 7, HYB)])  # any order
+    assert [r.source for r in d.routes] == ["table"] * 3
+    assert [r.schedule for r in d.routes] == [GEMV, HYB, GEMM]
+
+
+def test_missing_buckets_one_warning_naming_them():
+    b = block()
+    with pytest.warns(DispatchWarning) as rec:
+        d = Dispatcher.from_entries(b, TORCH, [(2, 7, HYB), (20, 40, GEMM)])
+    assert len(rec) == 1
+    msg = str(rec[0].message)
+    assert "[1,1]" in msg and "[8," in msg and ",256]" in msg and "[2,7]" not in msg
+    assert d.routes[0].lo == 1 and d.routes[-1].hi == 256
+    assert {r.source for r in d.routes if (r.lo, r.hi) not in ((2, 7), (20, 40))} == {"default (no entry)"}
+    assert [r.label for r in d.routes if r.source == "table"] == ["[2,7]", "[20,40]"]
+
+
+def test_empty_entries_all_default_with_one_warning():
+    with pytest.warns(DispatchWarning) as rec:
+        d = Dispatcher.from_entries(block(), TORCH, [])
+    assert len(rec) == 1 and all(r.source.startswith("default") for r in d.routes)
+
+
+def test_refused_entry_falls_back_and_is_named():
+    b = block(D=37, F=19)  # grouped_mm needs 16-byte strides
+    bad = Schedule("grouped_gemm", backend="torch", params=GroupedGemmParams("grouped_mm"))
+    with pytest.warns(DispatchWarning, match=r"\[1,256\].*refused.*16 bytes"):
+        d = Dispatcher.from_entries(b, TORCH, [(1, 256, bad)])
+    assert d.routes[0].schedule.params.impl == "sorted_gemm"
+
+
+def test_overlapping_entries_raise():
+    with pytest.raises(IRError, match="overlapping"):
+        Dispatcher.from_entries(block(), TORCH, [(1, 8, GEMV), (8, 256, GEMM)])
+
+
+def test_custom_default_factory_fills_gaps():
+    seen = []
+
+    def factory(lo, hi):
+        seen.append((lo, hi))
+        return GEMM
+
+    with pytest.warns(DispatchWarning):
+        d = Dispatcher.from_entries(block(), TORCH, [(1, 1, GEMV)], default_factory=factory)
+    assert seen and all(lo >= 2 for lo, _ in seen)
+    assert all(r.schedule == GEMM for r in d.routes[1:])
+
+
+def test_gaps_are_rejected_in_hand_built_routes():
+    from moetune.runtime.dispatch import Route
+
+    fn = TORCH.build(block(), GEMM)
+    with pytest.raises(IRError, match="gap"):
+        Dispatcher(block(), TORCH, [Route(1, 4, GEMM, "x", fn), Route(6, 256, GEMM, "x", fn)])
