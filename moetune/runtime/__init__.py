@@ -9,7 +9,18 @@ from .default import default_kind, default_schedule, rows_per_active
 from .dispatch import Dispatcher, DispatchWarning, Route, default_buckets, regime_buckets
 
 __all__ = [
-    "PLANS", "Plan", "compile", "experts_forward", "plans", "uncompile",
-    "default_kind", "default_schedule", "rows_per_active",
-    "Dispatcher", "DispatchWarning", "Route", "default_buckets", "regime_buckets",
+    "PLANS",
+    "Plan",
+    "compile",
+    "experts_forward",
+    "plans",
+    "uncompile",
+    "default_kind",
+    "default_schedule",
+    "rows_per_active",
+    "Dispatcher",
+    "DispatchWarning",
+    "Route",
+    "default_buckets",
+    "regime_buckets",
 ]

@@ -58,16 +58,26 @@ _ids = itertools.count(1)
 
 # ------------------------------------------------------------------------------- the custom op --
 
+
 @torch.library.custom_op("moetune::experts", mutates_args=())
-def experts_op(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-               down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
-               plan_id: int) -> torch.Tensor:
+def experts_op(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    plan_id: int,
+) -> torch.Tensor:
     """Routed experts of plan `plan_id`: x [T, D], ids [T, k], weights [T, k] → [T, D] in x.dtype."""
     plan = PLANS.get(plan_id)
     if plan is None:
-        raise MoetuneError(f"moetune::experts: plan {plan_id} is not registered in this process "
-                           f"(the model was uncompiled, or the program was exported elsewhere); "
-                           f"run moetune.compile(model) again")
+        raise MoetuneError(
+            f"moetune::experts: plan {plan_id} is not registered in this process "
+            f"(the model was uncompiled, or the program was exported elsewhere); "
+            f"run moetune.compile(model) again"
+        )
     return plan.dispatcher(x, ids, weights, ExpertTensors(gate_up, down, gate_up_bias, down_bias))
 
 
@@ -78,8 +88,10 @@ def _experts_fake(x, ids, weights, gate_up, down, gate_up_bias, down_bias, plan_
 
 # ------------------------------------------------------------------ transformers experts hook --
 
-def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor) -> torch.Tensor:
+
+def experts_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """The function registered as "moetune" in transformers' ExpertsInterface."""
     plan = getattr(self, "_moetune_plan", None)
     if plan is None:
@@ -88,8 +100,15 @@ def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_in
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     bias = plan.block.layout.has_bias
     return torch.ops.moetune.experts(
-        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-        self.gate_up_proj_bias if bias else None, self.down_proj_bias if bias else None, plan.id)
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        self.gate_up_proj,
+        self.down_proj,
+        self.gate_up_proj_bias if bias else None,
+        self.down_proj_bias if bias else None,
+        plan.id,
+    )
 
 
 def register_with_transformers() -> bool:
@@ -106,6 +125,7 @@ REGISTERED = register_with_transformers()
 
 
 # ------------------------------------------------------------------------- compile / uncompile --
+
 
 def _device(experts: torch.nn.Module) -> torch.device:
     return experts.gate_up_proj.device
@@ -139,8 +159,15 @@ def _target(device: torch.device) -> str:
     return name.replace(" ", "-")
 
 
-def compile(model: torch.nn.Module, cache: str | None = None, backend: str | None = None, *,
-            target: str | None = None, check: bool = True, T_max: int = 4096) -> torch.nn.Module:
+def compile(
+    model: torch.nn.Module,
+    cache: str | None = None,
+    backend: str | None = None,
+    *,
+    target: str | None = None,
+    check: bool = True,
+    T_max: int = 4096,
+) -> torch.nn.Module:
     """Run `model`'s captured MoE experts through moetune; returns the same model object.
 
     cache    a dispatch-table file (runtime/table.py); None: every bucket on the default heuristic
@@ -172,8 +199,12 @@ def compile(model: torch.nn.Module, cache: str | None = None, backend: str | Non
                 else:
                     from .table import load_entries
 
-                    entries = load_entries(cache, c.block, target or _target(device), be.name, device=str(device))
-                    dispatchers[key] = Dispatcher.from_entries(c.block, be, entries, where=f"dispatch table {cache}")
+                    entries = load_entries(
+                        cache, c.block, target or _target(device), be.name, device=str(device)
+                    )
+                    dispatchers[key] = Dispatcher.from_entries(
+                        c.block, be, entries, where=f"dispatch table {cache}"
+                    )
             plan = Plan(next(_ids), c.path, c.block, dispatchers[key])
             PLANS[plan.id] = plan
             state.plan_ids.append(plan.id)
@@ -185,8 +216,11 @@ def compile(model: torch.nn.Module, cache: str | None = None, backend: str | Non
         state.previous = model.get_experts_implementation()
         model.set_experts_implementation(IMPLEMENTATION)
     elif captured:
-        warnings.warn(f"moetune.compile: no MoE block of {type(model).__name__} was captured; the model runs "
-                      f"unchanged (moetune.explain(model) gives the reasons)", stacklevel=2)
+        warnings.warn(
+            f"moetune.compile: no MoE block of {type(model).__name__} was captured; the model runs "
+            f"unchanged (moetune.explain(model) gives the reasons)",
+            stacklevel=2,
+        )
     model._moetune_state = state
     return model
 

@@ -12,11 +12,11 @@ closed form here). The regime orders the kinds:
 
 and the first kind in that order is taken unless the backend refuses it for the block (its reason
 from `backend.kinds`) or, for the memory-bound kinds (stream_gemv, hybrid), its own cost model says
-it moves more than COST_SLACK × the bytes of the cheapest kind at T (`backend.cost`). The second guard is what keeps the torch backend on its sorted
-GEMM loop on CPU: its gathered GEMV copies every pair's weights (3·T·k·W bytes against distinct·W),
-which measured 4–8× slower than the loop at T = 1–4 on E=64 k=8 D=1024 F=512; a device backend
-whose GEMV streams each expert once keeps the GEMV. The backend supplies the parameters
-(`backend.default`).
+it moves more than COST_SLACK × the bytes of the cheapest kind at T (`backend.cost`). The second
+guard is what keeps the torch backend on GEMM on CPU: its gathered GEMV copies every pair's weights
+(3·T·k·W bytes against distinct·W for the GEMM), and measured 3.7–7.5× slower than the GEMM loop
+at T = 1–4 on E=64 k=8 D=1024 F=512 fp32 (one thread); a device backend whose GEMV streams each
+expert once keeps the GEMV. The backend supplies the parameters (`backend.default`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ from ..ir import MoEBlock, Schedule, UnsupportedSchedule
 GEMV_MAX_ROWS = 1.5
 GEMM_MIN_ROWS = 4.0
 COST_SLACK = 1.5
-ORDER = {"stream_gemv": ("stream_gemv", "hybrid", "grouped_gemm"),
-         "hybrid": ("hybrid", "grouped_gemm"),
-         "grouped_gemm": ("grouped_gemm",)}
+ORDER = {
+    "stream_gemv": ("stream_gemv", "hybrid", "grouped_gemm"),
+    "hybrid": ("hybrid", "grouped_gemm"),
+    "grouped_gemm": ("grouped_gemm",),
+}
 
 
 def uniform_distinct(E: int, k: int, T: int) -> float:
@@ -75,11 +77,15 @@ def default_schedule(block: MoEBlock, backend: Backend, tokens: int) -> Schedule
             continue
         sch = backend.default(block, choice, tokens)
         if choice == "hybrid":
-            sch = dataclasses.replace(sch, row_threshold=R or max(2, math.ceil(2 * rows_per_active(block, tokens))))
+            sch = dataclasses.replace(
+                sch, row_threshold=R or max(2, math.ceil(2 * rows_per_active(block, tokens)))
+            )
         offers.append(sch)
     if not offers:
-        raise UnsupportedSchedule(f"block {block.name or block.signature_hash()} at T={tokens}: backend "
-                                  f"{backend.name} refuses every kind ({'; '.join(reasons)})")
+        raise UnsupportedSchedule(
+            f"block {block.name or block.signature_hash()} at T={tokens}: backend "
+            f"{backend.name} refuses every kind ({'; '.join(reasons)})"
+        )
     moved = {s.kind: backend.cost(block, s, tokens)[1] for s in offers}
     cheapest = min(moved.values())
     by_kind = {s.kind: s for s in offers}

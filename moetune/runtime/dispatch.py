@@ -94,8 +94,12 @@ class Dispatcher:
         expect = 1
         for r in routes:
             if r.lo != expect:
-                raise IRError(node, f"route {r.label}.lo", r.lo,
-                              f"{'gap' if r.lo > expect else 'overlap'}: the previous bucket ends at {expect - 1}")
+                raise IRError(
+                    node,
+                    f"route {r.label}.lo",
+                    r.lo,
+                    f"{'gap' if r.lo > expect else 'overlap'}: the previous bucket ends at {expect - 1}",
+                )
             expect = r.hi + 1
         self.block, self.backend, self.routes = block, backend, tuple(routes)
         self._his = [r.hi for r in self.routes]
@@ -110,7 +114,9 @@ class Dispatcher:
     def route(self, tokens: int) -> Route:
         return self.routes[self.index(tokens)]
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors
+    ) -> torch.Tensor:
         T = x.shape[0]  # host-side int
         if T == 0:
             return x.new_zeros((0, x.shape[1]))
@@ -121,17 +127,31 @@ class Dispatcher:
 
     # --------------------------------------------------------------------------------- building
     @classmethod
-    def default(cls, block: MoEBlock, backend: Backend, buckets: Sequence[tuple[int, int]] | None = None,
-                default_factory: DefaultFactory | None = None) -> Dispatcher:
+    def default(
+        cls,
+        block: MoEBlock,
+        backend: Backend,
+        buckets: Sequence[tuple[int, int]] | None = None,
+        default_factory: DefaultFactory | None = None,
+    ) -> Dispatcher:
         """Every bucket on the default heuristic (no table)."""
         factory = default_factory or _default_factory(block, backend)
-        routes = [_build(block, backend, lo, hi, factory(lo, hi), "default")
-                  for lo, hi in (buckets or default_buckets(block))]
+        routes = [
+            _build(block, backend, lo, hi, factory(lo, hi), "default")
+            for lo, hi in (buckets or default_buckets(block))
+        ]
         return cls(block, backend, routes)
 
     @classmethod
-    def from_entries(cls, block: MoEBlock, backend: Backend, entries: Sequence[tuple[int, int, Schedule]],
-                     default_factory: DefaultFactory | None = None, *, where: str = "dispatch table") -> Dispatcher:
+    def from_entries(
+        cls,
+        block: MoEBlock,
+        backend: Backend,
+        entries: Sequence[tuple[int, int, Schedule]],
+        default_factory: DefaultFactory | None = None,
+        *,
+        where: str = "dispatch table",
+    ) -> Dispatcher:
         """Routes from a table's (lo, hi, Schedule) entries; the token ranges they leave uncovered in
         [1, T_max] are split by the default buckets and run the default, with ONE DispatchWarning
         naming those buckets (and any entry the backend refused to build, with its reason).
@@ -162,8 +182,12 @@ class Dispatcher:
                     routes.append(_build(block, backend, a, b, factory(a, b), "default (no entry)"))
                     missing.append(f"[{a},{b}]")
         if missing:
-            warnings.warn(f"{node}, backend {backend.name}: no usable entry for bucket(s) {', '.join(missing)}; "
-                          f"they run the default schedule", DispatchWarning, stacklevel=2)
+            warnings.warn(
+                f"{node}, backend {backend.name}: no usable entry for bucket(s) {', '.join(missing)}; "
+                f"they run the default schedule",
+                DispatchWarning,
+                stacklevel=2,
+            )
         return cls(block, backend, routes)
 
 

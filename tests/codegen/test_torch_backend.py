@@ -21,14 +21,26 @@ BACKEND = get("torch")
 
 # every variant, as a Schedule (hybrid's R = 2 so both halves run on the small cases)
 VARIANTS = {
-    "sorted_gemm/unsort": Schedule("grouped_gemm", backend="torch", params=GroupedGemmParams("sorted_gemm", "unsort_sum")),
-    "sorted_gemm/index_add": Schedule("grouped_gemm", backend="torch", params=GroupedGemmParams("sorted_gemm", "index_add")),
-    "grouped_mm/unsort": Schedule("grouped_gemm", backend="torch", params=GroupedGemmParams("grouped_mm", "unsort_sum")),
-    "grouped_mm/index_add": Schedule("grouped_gemm", backend="torch", params=GroupedGemmParams("grouped_mm", "index_add")),
+    "sorted_gemm/unsort": Schedule(
+        "grouped_gemm", backend="torch", params=GroupedGemmParams("sorted_gemm", "unsort_sum")
+    ),
+    "sorted_gemm/index_add": Schedule(
+        "grouped_gemm", backend="torch", params=GroupedGemmParams("sorted_gemm", "index_add")
+    ),
+    "grouped_mm/unsort": Schedule(
+        "grouped_gemm", backend="torch", params=GroupedGemmParams("grouped_mm", "unsort_sum")
+    ),
+    "grouped_mm/index_add": Schedule(
+        "grouped_gemm", backend="torch", params=GroupedGemmParams("grouped_mm", "index_add")
+    ),
     "gathered/4": Schedule("stream_gemv", backend="torch", params=GatheredParams(4)),
     "gathered/256": Schedule("stream_gemv", backend="torch", params=GatheredParams(256)),
-    "hybrid/sorted": Schedule("hybrid", row_threshold=2, backend="torch", params=HybridParams("sorted_gemm", 4)),
-    "hybrid/grouped_mm": Schedule("hybrid", row_threshold=3, backend="torch", params=HybridParams("grouped_mm", 16)),
+    "hybrid/sorted": Schedule(
+        "hybrid", row_threshold=2, backend="torch", params=HybridParams("sorted_gemm", 4)
+    ),
+    "hybrid/grouped_mm": Schedule(
+        "hybrid", row_threshold=3, backend="torch", params=HybridParams("grouped_mm", 16)
+    ),
 }
 
 GPT_OSS_ACT = Activation("clamped_swiglu", alpha=1.702, limit=7.0)
@@ -36,8 +48,18 @@ GPT_OSS_LAYOUT = WeightLayout(transposed=True, interleaved=True, has_bias=True)
 
 
 def make_block(E=8, k=2, D=64, F=40, dtype="float32", act=None, layout=None, apply="output") -> MoEBlock:
-    return MoEBlock(E=E, k=k, D=D, F=F, activation=act or Activation(), layout=layout or WeightLayout(),
-                    weight_dtype=dtype, routing_weight_dtype=dtype, weight_application=apply, name="case")
+    return MoEBlock(
+        E=E,
+        k=k,
+        D=D,
+        F=F,
+        activation=act or Activation(),
+        layout=layout or WeightLayout(),
+        weight_dtype=dtype,
+        routing_weight_dtype=dtype,
+        weight_application=apply,
+        name="case",
+    )
 
 
 def make_tensors(block: MoEBlock, seed: int = 0) -> ExpertTensors:
@@ -48,8 +70,8 @@ def make_tensors(block: MoEBlock, seed: int = 0) -> ExpertTensors:
     def rnd(*shape, scale):
         return (torch.randn(*shape, generator=g) * scale).to(dt)
 
-    gu = rnd(*lay.gate_up_shape(block.E, block.D, block.F), scale=block.D ** -0.5)
-    dn = rnd(*lay.down_shape(block.E, block.D, block.F), scale=block.F ** -0.5)
+    gu = rnd(*lay.gate_up_shape(block.E, block.D, block.F), scale=block.D**-0.5)
+    dn = rnd(*lay.down_shape(block.E, block.D, block.F), scale=block.F**-0.5)
     if not lay.has_bias:
         return ExpertTensors(gu, dn)
     return ExpertTensors(gu, dn, rnd(block.E, 2 * block.F, scale=0.1), rnd(block.E, block.D, scale=0.1))
@@ -59,8 +81,14 @@ def routing(kind: str, T: int, E: int, k: int, seed: int = 0) -> torch.Tensor:
     """ids [T, k] (distinct per token where possible) for a named routing pattern."""
     g = torch.Generator().manual_seed(seed)
     if kind == "uniform":
-        return torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
-    if kind == "hot":  # expert 3 takes every token; the other k-1 slots also fixed: experts 0..E-1 mostly idle
+        return (
+            torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+            if T
+            else torch.zeros(0, k, dtype=torch.long)
+        )
+    if (
+        kind == "hot"
+    ):  # expert 3 takes every token; the other k-1 slots also fixed: experts 0..E-1 mostly idle
         return torch.tensor([[3] + [(3 + j) % E for j in range(1, k)] for _ in range(T)], dtype=torch.long)
     if kind == "one_row":  # every (token, slot) a different expert: one row per active expert (T·k ≤ E)
         return torch.arange(T * k, dtype=torch.long).view(T, k) % E
@@ -96,9 +124,19 @@ CASES = [
     ("bf16", dict(dtype="bfloat16"), 11, "uniform"),
     ("fp16", dict(dtype="float16"), 11, "uniform"),
     ("gpt-oss layout, clamped swiglu fp32", dict(act=GPT_OSS_ACT, layout=GPT_OSS_LAYOUT), 10, "uniform"),
-    ("gpt-oss layout, clamped swiglu bf16", dict(act=GPT_OSS_ACT, layout=GPT_OSS_LAYOUT, dtype="bfloat16"), 10, "hot"),
+    (
+        "gpt-oss layout, clamped swiglu bf16",
+        dict(act=GPT_OSS_ACT, layout=GPT_OSS_LAYOUT, dtype="bfloat16"),
+        10,
+        "hot",
+    ),
     ("transposed only", dict(layout=WeightLayout(transposed=True)), 6, "uniform"),
-    ("interleaved + bias, standard", dict(layout=WeightLayout(interleaved=True, has_bias=True)), 6, "uniform"),
+    (
+        "interleaved + bias, standard",
+        dict(layout=WeightLayout(interleaved=True, has_bias=True)),
+        6,
+        "uniform",
+    ),
     ("weight on the input", dict(apply="input"), 8, "uniform"),
     ("sentinel ids", dict(), 12, "sentinels"),
     ("T=1", dict(E=16, k=4), 1, "uniform"),
@@ -126,7 +164,9 @@ def test_empty_and_noncontiguous(variant):
     x = torch.randn(block.D, 9).t()  # [9, D], column-major
     ids = routing("uniform", 9, block.E, block.k)
     wt = torch.rand(9, block.k)
-    torch.testing.assert_close(fn(x, ids, wt, w), experts_reference(block, x, ids, wt, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        fn(x, ids, wt, w), experts_reference(block, x, ids, wt, w), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_mixed_dtypes_fp32_routing_weights_bf16_model():
@@ -156,6 +196,7 @@ def test_reads_weights_in_place():
 
 # --------------------------------------------------------------------------- refusals and spaces --
 
+
 def test_grouped_mm_refuses_misaligned_strides():
     block = make_block(D=37, F=19)
     with pytest.raises(UnsupportedSchedule, match="16 bytes.*impl=sorted_gemm"):
@@ -178,10 +219,16 @@ def test_gathered_refuses_workspace_over_bound():
     assert BACKEND.space(mid, "stream_gemv").choices == (("chunk", (4, 16)),)
 
 
-@pytest.mark.parametrize("bad", [
-    lambda: GroupedGemmParams("cublas"), lambda: GroupedGemmParams(combine="atomic"),
-    lambda: GatheredParams(0), lambda: HybridParams("eager"), lambda: HybridParams(chunk=-1),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: GroupedGemmParams("cublas"),
+        lambda: GroupedGemmParams(combine="atomic"),
+        lambda: GatheredParams(0),
+        lambda: HybridParams("eager"),
+        lambda: HybridParams(chunk=-1),
+    ],
+)
 def test_params_checked(bad):
     with pytest.raises(UnsupportedSchedule):
         bad()
@@ -201,7 +248,9 @@ def test_space_grid_builds(kind):
     space = BACKEND.space(block, kind)
     assert space.size() >= 2
     for values in space.grid():
-        sch = Schedule(kind, row_threshold=2 if kind == "hybrid" else None, backend="torch", params=space.make(**values))
+        sch = Schedule(
+            kind, row_threshold=2 if kind == "hybrid" else None, backend="torch", params=space.make(**values)
+        )
         out, ref = run_case(block, sch, 6, "uniform")
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -224,6 +273,7 @@ def test_cost_orders_regimes():
 
 def test_binomial_tail_against_direct_sum():
     import math
+
     n, q, r = 30, 0.2, 5
     pm = [math.comb(n, m) * q**m * (1 - q) ** (n - m) for m in range(n + 1)]
     p, m = binomial_tail(n, q, r)
@@ -233,10 +283,15 @@ def test_binomial_tail_against_direct_sum():
 
 # --------------------------------------------------------------------------------- hypothesis --
 
+
 @settings(max_examples=40, deadline=None)
 @given(
-    E=st.integers(1, 12), k_frac=st.floats(0, 1), T=st.integers(0, 24), seed=st.integers(0, 2**16),
-    skew=st.floats(0, 4), variant=st.sampled_from(sorted(VARIANTS)),
+    E=st.integers(1, 12),
+    k_frac=st.floats(0, 1),
+    T=st.integers(0, 24),
+    seed=st.integers(0, 2**16),
+    skew=st.floats(0, 4),
+    variant=st.sampled_from(sorted(VARIANTS)),
 )
 def test_random_routing(E, k_frac, T, seed, skew, variant):
     """Rows per expert drawn from a skewed distribution (skew 0: uniform; 4: a few experts take most)."""

@@ -40,8 +40,11 @@ def _quiet():
 def routed_logits(model, ids) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Logits and, per experts call, the sorted top-k ids [T, k] it was given."""
     seen: list[torch.Tensor] = []
-    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append(args[1].sort(-1).values))
-             for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")]
+    hooks = [
+        m.register_forward_hook(lambda mod, args, out: seen.append(args[1].sort(-1).values))
+        for m in model.modules()
+        if hasattr(m, "has_gate") and hasattr(m, "is_transposed")
+    ]
     try:
         return logits(model, ids), seen
     finally:
@@ -143,6 +146,7 @@ def test_no_plan_falls_back_to_grouped_mm():
 
 # ------------------------------------------------------------------- bad input at the experts --
 
+
 def _experts(model):
     return next(m for m in model.modules() if getattr(m, "_moetune_plan", None) is not None)
 
@@ -162,8 +166,9 @@ def test_zero_tokens_and_noncontiguous_hidden_states(family):
         w = torch.rand(11, k)
         got = ex(x, ids, w)
         torch.testing.assert_close(got, ex(x.contiguous(), ids, w), rtol=0, atol=0)
-        torch.testing.assert_close(got, experts_reference(block, x, ids, w, ExpertTensors.of(ex)),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            got, experts_reference(block, x, ids, w, ExpertTensors.of(ex)), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_sentinel_ids_contribute_nothing():
@@ -186,11 +191,17 @@ def test_sentinel_ids_contribute_nothing():
 
 # --------------------------------------------------------------------------- export / compile --
 
+
 def test_whole_model_export_with_dynamic_sequence_length():
     model = moetune.compile(build("qwen3_moe"))
     S = torch.export.Dim("S", min=2, max=64)
-    ep = torch.export.export(model, (), {"input_ids": input_ids(9, B=1), "use_cache": False},
-                             dynamic_shapes={"input_ids": {1: S}, "use_cache": None}, strict=False)
+    ep = torch.export.export(
+        model,
+        (),
+        {"input_ids": input_ids(9, B=1), "use_cache": False},
+        dynamic_shapes={"input_ids": {1: S}, "use_cache": None},
+        strict=False,
+    )
     ops = [n for n in ep.graph.nodes if n.op == "call_function" and "moetune.experts" in str(n.target)]
     assert len(ops) == 2  # one opaque node per MoE layer
     other = input_ids(5, B=1, seed=7)

@@ -76,7 +76,9 @@ def test_regime_kinds_progress_with_T(E, k):
     for T in [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256, 1024, 4096]:
         kind, R = default_kind(b, T)
         rows = rows_per_active(b, T)
-        want = "stream_gemv" if rows <= GEMV_MAX_ROWS else "grouped_gemm" if rows >= GEMM_MIN_ROWS else "hybrid"
+        want = (
+            "stream_gemv" if rows <= GEMV_MAX_ROWS else "grouped_gemm" if rows >= GEMM_MIN_ROWS else "hybrid"
+        )
         assert kind == want, (T, rows)
         assert order[kind] >= last
         last = order[kind]

@@ -29,15 +29,22 @@ HYB = Schedule("hybrid", row_threshold=3, backend="torch", params=HybridParams("
 
 
 def block(E=16, k=4, D=64, F=40, T_max=256) -> MoEBlock:
-    return MoEBlock(E=E, k=k, D=D, F=F, weight_dtype="float32", routing_weight_dtype="float32", T_max=T_max, name="b")
+    return MoEBlock(
+        E=E, k=k, D=D, F=F, weight_dtype="float32", routing_weight_dtype="float32", T_max=T_max, name="b"
+    )
 
 
 def covers(ranges, T_max):
-    return ranges[0][0] == 1 and ranges[-1][1] == T_max and all(
-        b[0] == a[1] + 1 for a, b in zip(ranges, ranges[1:], strict=False))
+    return (
+        ranges[0][0] == 1
+        and ranges[-1][1] == T_max
+        and all(b[0] == a[1] + 1 for a, b in zip(ranges, ranges[1:], strict=False))
+    )
 
 
-@pytest.mark.parametrize("E,k,T_max", [(8, 2, 4096), (16, 4, 256), (128, 8, 4096), (512, 10, 1024), (4, 1, 7)])
+@pytest.mark.parametrize(
+    "E,k,T_max", [(8, 2, 4096), (16, 4, 256), (128, 8, 4096), (512, 10, 1024), (4, 1, 7)]
+)
 def test_regime_buckets_never_span_a_cut(E, k, T_max):
     b = block(E=E, k=k, T_max=T_max)
     ranges = regime_buckets(b)
@@ -63,14 +70,19 @@ def test_route_by_bisect_and_edges():
     for T, i in [(1, 0), (2, 1), (7, 1), (8, 2), (256, 2), (10_000, 2)]:  # above T_max: the last bucket
         assert d.index(T) == i and d.route(T) is d.routes[i]
     w_e = _tensors(b)
-    assert d(torch.zeros(0, b.D), torch.zeros(0, b.k, dtype=torch.long), torch.zeros(0, b.k), w_e).shape == (0, b.D)
+    assert d(torch.zeros(0, b.D), torch.zeros(0, b.k, dtype=torch.long), torch.zeros(0, b.k), w_e).shape == (
+        0,
+        b.D,
+    )
 
 
 def _tensors(b, seed=0):
     from moetune.codegen.common import ExpertTensors
 
     g = torch.Generator().manual_seed(seed)
-    return ExpertTensors(torch.randn(b.E, 2 * b.F, b.D, generator=g) / 8, torch.randn(b.E, b.D, b.F, generator=g) / 6)
+    return ExpertTensors(
+        torch.randn(b.E, 2 * b.F, b.D, generator=g) / 8, torch.randn(b.E, b.D, b.F, generator=g) / 6
+    )
 
 
 @pytest.mark.parametrize("T", [1, 2, 5, 8, 31, 300])

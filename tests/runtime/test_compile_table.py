@@ -16,11 +16,15 @@ from moetune.ir import Schedule
 from moetune.runtime import DispatchWarning, plans
 from moetune.runtime.table import CacheWarning, DispatchEntry, DispatchTable, Versions
 
-# every kind once: T = 2 → gathered GEMV, T = 14 → hybrid, T = 80 → grouped_mm; [101, 4096] left to the default
+# every kind once: T = 2 → gathered GEMV, T = 14 → hybrid, T = 80 → grouped_mm;
+# [101, 4096] is left to the default
 ENTRIES = [
     ((1, 2), Schedule("stream_gemv", backend="torch", params=GatheredParams(4))),
     ((3, 20), Schedule("hybrid", row_threshold=2, backend="torch", params=HybridParams("grouped_mm", 4))),
-    ((21, 100), Schedule("grouped_gemm", backend="torch", params=GroupedGemmParams("grouped_mm", "unsort_sum"))),
+    (
+        (21, 100),
+        Schedule("grouped_gemm", backend="torch", params=GroupedGemmParams("grouped_mm", "unsort_sum")),
+    ),
 ]
 
 
@@ -31,8 +35,16 @@ def write_table(path, model, versions=None) -> None:
             if c.block is None:
                 continue
             for bucket, sch in ENTRIES:
-                table.put(DispatchEntry.of(target="cpu", block=c.block, bucket=bucket, schedule=sch,
-                                           time_us=1.0, versions=versions))
+                table.put(
+                    DispatchEntry.of(
+                        target="cpu",
+                        block=c.block,
+                        bucket=bucket,
+                        schedule=sch,
+                        time_us=1.0,
+                        versions=versions,
+                    )
+                )
 
 
 def logits(model, ids):
@@ -63,8 +75,11 @@ def test_foreign_table_falls_back_to_defaults(tmp_path):
     path = tmp_path / "other.sqlite"
     model = build("qwen3_moe")
     v = Versions.current("torch", "cpu")
-    write_table(path, model, versions=Versions(v.moetune, v.kernel_hash, v.backend_version, v.torch,
-                                                 "NVIDIA H200", "sm_90"))
+    write_table(
+        path,
+        model,
+        versions=Versions(v.moetune, v.kernel_hash, v.backend_version, v.torch, "NVIDIA H200", "sm_90"),
+    )
     ids = torch.randint(0, VOCAB, (2, 5))
     ref = logits(model, ids)
     with warnings.catch_warnings(record=True) as rec:

@@ -47,7 +47,9 @@ class GroupedGemmParams:
 
     def __post_init__(self) -> None:
         if self.impl not in ("sorted_gemm", "grouped_mm"):
-            raise UnsupportedSchedule(f"GroupedGemmParams.impl = {self.impl!r}: supported sorted_gemm, grouped_mm")
+            raise UnsupportedSchedule(
+                f"GroupedGemmParams.impl = {self.impl!r}: supported sorted_gemm, grouped_mm"
+            )
         check_combine("GroupedGemmParams", self.combine)
 
 
@@ -69,9 +71,11 @@ def gather_refusal(block: MoEBlock, chunk: int) -> str | None:
         return None
     fit = GATHER_WORKSPACE_BYTES // per_expert
     knob = f"lower chunk to ≤ {fit}" if fit >= 1 else "use grouped_gemm (one expert alone exceeds it)"
-    return (f"block {block.name or block.signature_hash()}: gathered GEMV copies chunk={chunk} experts × "
-            f"{per_expert / 2**20:.1f} MiB = {need / 2**20:.1f} MiB of weights, limit "
-            f"{GATHER_WORKSPACE_BYTES / 2**20:.0f} MiB (GATHER_WORKSPACE_BYTES); {knob}")
+    return (
+        f"block {block.name or block.signature_hash()}: gathered GEMV copies chunk={chunk} experts × "
+        f"{per_expert / 2**20:.1f} MiB = {need / 2**20:.1f} MiB of weights, limit "
+        f"{GATHER_WORKSPACE_BYTES / 2**20:.0f} MiB (GATHER_WORKSPACE_BYTES); {knob}"
+    )
 
 
 def grouped_mm_refusal(block: MoEBlock) -> str | None:
@@ -80,8 +84,10 @@ def grouped_mm_refusal(block: MoEBlock) -> str | None:
     bad = [f"{n}={v} ({v * b} B)" for n, v in (("D", block.D), ("F", block.F)) if (v * b) % 16]
     if not bad:
         return None
-    return (f"block {block.name or block.signature_hash()}: grouped_mm needs row strides that are multiples "
-            f"of 16 bytes, got {', '.join(bad)} in {block.weight_dtype}; use impl=sorted_gemm")
+    return (
+        f"block {block.name or block.signature_hash()}: grouped_mm needs row strides that are multiples "
+        f"of 16 bytes, got {', '.join(bad)} in {block.weight_dtype}; use impl=sorted_gemm"
+    )
 
 
 class Pairs(NamedTuple):
@@ -98,13 +104,16 @@ def pairs(block: MoEBlock, ids: torch.Tensor, weights: torch.Tensor) -> Pairs:
     ids = ids.reshape(-1).long()  # [S]
     valid = (ids >= 0) & (ids < block.E)  # [S]
     expert = torch.where(valid, ids, torch.full_like(ids, block.E))  # [S]
-    wt = torch.where(valid, weights.reshape(-1).float(), torch.zeros((), dtype=torch.float32, device=ids.device))
+    wt = torch.where(
+        valid, weights.reshape(-1).float(), torch.zeros((), dtype=torch.float32, device=ids.device)
+    )
     tok = torch.arange(T, device=ids.device).repeat_interleave(k)  # [S]
     return Pairs(tok, expert, wt, valid)
 
 
-def input_rows(block: MoEBlock, x: torch.Tensor, tok: torch.Tensor, weight: torch.Tensor,
-               dtype: torch.dtype) -> torch.Tensor:
+def input_rows(
+    block: MoEBlock, x: torch.Tensor, tok: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """x rows of the given pairs [n, D] in the weight dtype; scaled by the routing weight when the
     block applies it on the input side."""
     xs = x.index_select(0, tok)  # [n, D]
@@ -135,8 +144,16 @@ def expert_ffn(block: MoEBlock, w: ExpertTensors, e: int, xs: torch.Tensor) -> t
     return y
 
 
-def combine_sorted(how: Combine, block: MoEBlock, T: int, k: int, y_s: torch.Tensor, order: torch.Tensor,
-                   p: Pairs, out_dtype: torch.dtype) -> torch.Tensor:
+def combine_sorted(
+    how: Combine,
+    block: MoEBlock,
+    T: int,
+    k: int,
+    y_s: torch.Tensor,
+    order: torch.Tensor,
+    p: Pairs,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """Rows in expert-sorted order y_s [S, D] → out [T, D] (float32 sum, then out_dtype)."""
     valid_s = p.valid.index_select(0, order).unsqueeze(1)  # [S, 1]
     y_s = torch.where(valid_s, y_s.float(), torch.zeros((), dtype=torch.float32, device=y_s.device))  # [S, D]
@@ -151,7 +168,9 @@ def combine_sorted(how: Combine, block: MoEBlock, T: int, k: int, y_s: torch.Ten
     return y_s.index_select(0, inv).view(T, k, -1).sum(1).to(out_dtype)  # [T, D]
 
 
-def combine_pairs(block: MoEBlock, T: int, k: int, y: torch.Tensor, p: Pairs, out_dtype: torch.dtype) -> torch.Tensor:
+def combine_pairs(
+    block: MoEBlock, T: int, k: int, y: torch.Tensor, p: Pairs, out_dtype: torch.dtype
+) -> torch.Tensor:
     """Rows in pair order y [S, D] → out [T, D]."""
     y = torch.where(p.valid.unsqueeze(1), y.float(), torch.zeros((), dtype=torch.float32, device=y.device))
     if block.weight_application == "output":
@@ -179,6 +198,7 @@ def weight_dtype(w: ExpertTensors) -> torch.dtype:
 
 
 # ---------------------------------------------------------------- cost model (flops, bytes) ----
+
 
 def expected_distinct(E: int, k: int, T: int) -> float:
     """Expected number of experts with m_e ≥ 1 under uniform routing: E·(1 − (1 − k/E)^T)."""
@@ -208,8 +228,27 @@ def ceil_div(a: int, b: int) -> int:
 
 
 __all__ = [
-    "COMBINES", "GATHER_WORKSPACE_BYTES", "GroupedGemmParams", "Pairs", "activate", "activation_bytes",
-    "ceil_div", "check_chunk", "check_combine", "combine_pairs", "combine_sorted", "empty_out",
-    "expected_distinct", "expert_ffn", "ffn_flops", "gather_refusal", "grouped_mm_refusal", "input_rows",
-    "kn", "pairs", "params_repr", "sort_pairs", "weight_dtype",
+    "COMBINES",
+    "GATHER_WORKSPACE_BYTES",
+    "GroupedGemmParams",
+    "Pairs",
+    "activate",
+    "activation_bytes",
+    "ceil_div",
+    "check_chunk",
+    "check_combine",
+    "combine_pairs",
+    "combine_sorted",
+    "empty_out",
+    "expected_distinct",
+    "expert_ffn",
+    "ffn_flops",
+    "gather_refusal",
+    "grouped_mm_refusal",
+    "input_rows",
+    "kn",
+    "pairs",
+    "params_repr",
+    "sort_pairs",
+    "weight_dtype",
 ]

@@ -1,9 +1,9 @@
 """The torch backend: CPU schedule variants behind the `Backend` contract (registered as "torch").
 
-    kind          params               implementation (one file each)
-    grouped_gemm  GroupedGemmParams    sorted_gemm.py (host loop of torch.mm) | grouped_mm.py (torch grouped GEMM)
-    stream_gemv   GatheredParams       gathered.py (chunks of gathered bmm, one row per pair)
-    hybrid        HybridParams         hybrid.py (GEMM for experts with ≥ R rows, gathered GEMV for the rest)
+    kind          params             implementation (one file each)
+    grouped_gemm  GroupedGemmParams  sorted_gemm.py (host loop of torch.mm) | grouped_mm.py (grouped GEMM)
+    stream_gemv   GatheredParams     gathered.py (chunks of gathered bmm, one row per pair)
+    hybrid        HybridParams       hybrid.py (GEMM for experts with ≥ R rows, gathered GEMV for the rest)
 
 Every variant reads the model's own tensors through views, handles every activation and layout of
 the IR (swiglu, clamped_swiglu; standard, transposed, interleaved, biases; weight on the output or
@@ -45,7 +45,9 @@ class TorchBackend:
 
     def _chunks(self, block: MoEBlock, kind: str) -> tuple[int, ...]:
         if kind not in PARAMS_TYPES:
-            raise UnsupportedSchedule(f"torch backend: unknown schedule kind {kind!r}; known {', '.join(PARAMS_TYPES)}")
+            raise UnsupportedSchedule(
+                f"torch backend: unknown schedule kind {kind!r}; known {', '.join(PARAMS_TYPES)}"
+            )
         why = self.kinds(block)[kind]
         if why:
             raise UnsupportedSchedule(f"torch {kind} refused: {why}")
@@ -68,7 +70,9 @@ class TorchBackend:
 
     def _params(self, block: MoEBlock, schedule: Schedule):
         if schedule.backend not in (None, "torch"):
-            raise UnsupportedSchedule(f"torch backend given a {schedule.backend} schedule: {schedule.describe()}")
+            raise UnsupportedSchedule(
+                f"torch backend given a {schedule.backend} schedule: {schedule.describe()}"
+            )
         want = PARAMS_TYPES.get(schedule.kind)
         if want is None:
             raise UnsupportedSchedule(f"torch backend: unknown schedule kind {schedule.kind!r}")
@@ -76,7 +80,9 @@ class TorchBackend:
         if params is None:
             params = self.default(block, schedule.kind, block.T_max).params
         if not isinstance(params, want):
-            raise UnsupportedSchedule(f"torch {schedule.kind} needs {want.__name__}, got {type(params).__name__}")
+            raise UnsupportedSchedule(
+                f"torch {schedule.kind} needs {want.__name__}, got {type(params).__name__}"
+            )
         return params
 
     def build(self, block: MoEBlock, schedule: Schedule) -> ExpertsFn:

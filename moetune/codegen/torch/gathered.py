@@ -49,15 +49,16 @@ class GatheredParams:
 SPACE = ParamSpace(GatheredParams, (("chunk", (4, 16, 64, 256)),))
 
 
-def gathered_expert_rows(block: MoEBlock, w: ExpertTensors, xs: torch.Tensor, e: torch.Tensor,
-                         chunk: int) -> torch.Tensor:
+def gathered_expert_rows(
+    block: MoEBlock, w: ExpertTensors, xs: torch.Tensor, e: torch.Tensor, chunk: int
+) -> torch.Tensor:
     """Rows xs [n, D] with expert ids e [n] (all in [0, E)) → y [n, D], chunk pairs per bmm."""
     out = []
     for s in range(0, xs.shape[0], chunk):
-        e_c = e[s:s + chunk]  # [c]
+        e_c = e[s : s + chunk]  # [c]
         # gather in the stored layout (a plain row copy), then view as [c, K, N]: bmm takes the view
         gu_w = kn(block, w.gate_up.index_select(0, e_c))  # [c, D, 2F]
-        gu = torch.bmm(xs[s:s + chunk].unsqueeze(1), gu_w).squeeze(1)  # [c, 2F]
+        gu = torch.bmm(xs[s : s + chunk].unsqueeze(1), gu_w).squeeze(1)  # [c, 2F]
         if w.gate_up_bias is not None:
             gu = gu + w.gate_up_bias.index_select(0, e_c)
         h = activate(block, gu)  # [c, F]

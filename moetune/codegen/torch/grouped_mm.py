@@ -40,8 +40,9 @@ SPACE = ParamSpace(GroupedGemmParams, (("impl", ("grouped_mm",)), ("combine", CO
 _grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
 
 
-def grouped_expert_rows(block: MoEBlock, w: ExpertTensors, xs_s: torch.Tensor, e_s: torch.Tensor,
-                        offs: torch.Tensor) -> torch.Tensor:
+def grouped_expert_rows(
+    block: MoEBlock, w: ExpertTensors, xs_s: torch.Tensor, e_s: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
     """Expert-sorted rows xs_s [n, D], their expert ids e_s [n] (sentinel E allowed at the tail) and
     int32 cumulative row ends offs [E] → y_s [n, D] (tail rows undefined)."""
     e_c = e_s.clamp(max=block.E - 1)  # [n] in-bounds bias gather for the tail
@@ -61,15 +62,18 @@ def build(block: MoEBlock, params: GroupedGemmParams) -> ExpertsFn:
         raise UnsupportedSchedule(why)
     combine = params.combine
 
-    def grouped_mm(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
+    def grouped_mm(
+        x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors
+    ) -> torch.Tensor:
         T, k = ids.shape
         if T == 0:
             return empty_out(x)
         p = pairs(block, ids, weights)
         order, e_s, counts = sort_pairs(p, block.E)  # [S], [S], [E+1]
         offs = torch.cumsum(counts[: block.E], 0, dtype=torch.int32)  # [E]
-        xs_s = input_rows(block, x, p.tok.index_select(0, order), p.weight.index_select(0, order),
-                          weight_dtype(w))  # [S, D]
+        xs_s = input_rows(
+            block, x, p.tok.index_select(0, order), p.weight.index_select(0, order), weight_dtype(w)
+        )  # [S, D]
         y_s = grouped_expert_rows(block, w, xs_s, e_s, offs)  # [S, D]
         return combine_sorted(combine, block, T, k, y_s, order, p, x.dtype)
 

@@ -50,7 +50,9 @@ class HybridParams:
 
     def __post_init__(self) -> None:
         if self.heavy not in ("sorted_gemm", "grouped_mm"):
-            raise UnsupportedSchedule(f"HybridParams.heavy = {self.heavy!r}: supported sorted_gemm, grouped_mm")
+            raise UnsupportedSchedule(
+                f"HybridParams.heavy = {self.heavy!r}: supported sorted_gemm, grouped_mm"
+            )
         check_chunk("HybridParams", self.chunk)
 
 
@@ -73,8 +75,9 @@ def build(block: MoEBlock, params: HybridParams, row_threshold: int) -> ExpertsF
             return empty_out(x)
         p = pairs(block, ids, weights)
         order, e_s, counts = sort_pairs(p, E)  # [S], [S], [E+1]
-        xs_s = input_rows(block, x, p.tok.index_select(0, order), p.weight.index_select(0, order),
-                          weight_dtype(w))  # [S, D]
+        xs_s = input_rows(
+            block, x, p.tok.index_select(0, order), p.weight.index_select(0, order), weight_dtype(w)
+        )  # [S, D]
         rows_e = counts[e_s.clamp(max=E - 1)]  # [S] rows of each pair's expert
         is_heavy = (rows_e >= R) & (e_s < E)  # [S]
         is_light = (rows_e < R) & (e_s < E)  # [S]
@@ -91,8 +94,9 @@ def build(block: MoEBlock, params: HybridParams, row_threshold: int) -> ExpertsF
             y_s.index_copy_(0, heavy_idx, y_h.to(y_s.dtype))
         light_idx = is_light.nonzero().squeeze(1)  # [n_l]
         if light_idx.numel():
-            y_l = gathered_expert_rows(block, w, xs_s.index_select(0, light_idx), e_s.index_select(0, light_idx),
-                                       chunk)  # [n_l, D]
+            y_l = gathered_expert_rows(
+                block, w, xs_s.index_select(0, light_idx), e_s.index_select(0, light_idx), chunk
+            )  # [n_l, D]
             y_s.index_copy_(0, light_idx, y_l.to(y_s.dtype))
         return combine_sorted("unsort_sum", block, T, k, y_s, order, p, x.dtype)
 
@@ -106,8 +110,12 @@ def cost(block: MoEBlock, params: HybridParams, tokens: int, row_threshold: int)
     heavy_share, heavy_rows_share = binomial_tail(tokens, block.k / block.E, row_threshold)
     heavy_e = block.E * heavy_share  # expected experts with m_e ≥ R
     light_rows = max(0.0, S - block.E * heavy_rows_share)
-    b = (heavy_e * block.weight_bytes_per_expert + 3.0 * light_rows * block.weight_bytes_per_expert
-         + activation_bytes(block, tokens) + 2 * S * block.D * 4)
+    b = (
+        heavy_e * block.weight_bytes_per_expert
+        + 3.0 * light_rows * block.weight_bytes_per_expert
+        + activation_bytes(block, tokens)
+        + 2 * S * block.D * 4
+    )
     return ffn_flops(block, S), b
 
 

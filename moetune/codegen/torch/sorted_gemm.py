@@ -35,14 +35,16 @@ from ._common import (
 SPACE = ParamSpace(GroupedGemmParams, (("impl", ("sorted_gemm",)), ("combine", COMBINES)))
 
 
-def sorted_expert_rows(block: MoEBlock, w: ExpertTensors, xs_s: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def sorted_expert_rows(
+    block: MoEBlock, w: ExpertTensors, xs_s: torch.Tensor, counts: list[int]
+) -> torch.Tensor:
     """Expert-sorted rows xs_s [n, D] with counts[e] rows of expert e → y_s [n, D] (rows past the
     active experts, i.e. sentinels, are zero)."""
     y_s = xs_s.new_zeros(xs_s.shape)  # [n, D]
     start = 0
     for e, m in enumerate(counts):
         if m:
-            y_s[start:start + m] = expert_ffn(block, w, e, xs_s[start:start + m])  # [m_e, D]
+            y_s[start : start + m] = expert_ffn(block, w, e, xs_s[start : start + m])  # [m_e, D]
             start += m
     return y_s
 
@@ -50,14 +52,17 @@ def sorted_expert_rows(block: MoEBlock, w: ExpertTensors, xs_s: torch.Tensor, co
 def build(block: MoEBlock, params: GroupedGemmParams) -> ExpertsFn:
     combine = params.combine
 
-    def sorted_gemm(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
+    def sorted_gemm(
+        x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors
+    ) -> torch.Tensor:
         T, k = ids.shape
         if T == 0:
             return empty_out(x)
         p = pairs(block, ids, weights)
         order, _, counts = sort_pairs(p, block.E)  # [S], [S], [E+1]
-        xs_s = input_rows(block, x, p.tok.index_select(0, order), p.weight.index_select(0, order),
-                          weight_dtype(w))  # [S, D]
+        xs_s = input_rows(
+            block, x, p.tok.index_select(0, order), p.weight.index_select(0, order), weight_dtype(w)
+        )  # [S, D]
         y_s = sorted_expert_rows(block, w, xs_s, counts[: block.E].tolist())  # [S, D]  (host loop)
         return combine_sorted(combine, block, T, k, y_s, order, p, x.dtype)
 
