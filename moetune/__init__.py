@@ -2,9 +2,25 @@
 
 __version__ = "0.1.0"
 
-# Importing the runtime registers "moetune" in transformers' ExpertsInterface and defines the custom op
-# moetune::experts, so that from_pretrained(..., experts_implementation="moetune") works after `import moetune`.
-from .runtime.compiled import compile, uncompile  # noqa: E402,A004
+from .runtime import install_experts_hook as _install_experts_hook  # noqa: E402
+
+# "moetune" becomes a registered transformers experts implementation (now, or when transformers loads
+# its MoE integration), so from_pretrained(..., experts_implementation="moetune") works after this import.
+_install_experts_hook()
+
+
+def compile(model, cache=None, backend=None, **kwargs):  # noqa: A001
+    """Run `model`'s captured MoE experts through moetune (see moetune.runtime.compiled.compile)."""
+    from .runtime.compiled import compile as _compile
+
+    return _compile(model, cache, backend, **kwargs)
+
+
+def uncompile(model):
+    """Undo `compile`: the previous experts implementation, no plans attached."""
+    from .runtime.compiled import uncompile as _uncompile
+
+    return _uncompile(model)
 
 
 def explain(model, *, print_: bool = True, check: bool = True):

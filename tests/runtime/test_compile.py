@@ -217,3 +217,22 @@ def test_torch_compile_fullgraph():
     with torch.inference_mode():
         got = compiled(input_ids=ids, use_cache=False).logits
     torch.testing.assert_close(got.float(), logits(model, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_import_moetune_is_light_and_registers_when_transformers_loads():
+    """`import moetune` pulls in neither torch nor transformers, yet the name is registered before any
+    model can be built: at once if transformers' MoE integration is loaded, else when it loads."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, moetune\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+        "from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS\n"
+        "assert 'moetune' in ALL_EXPERTS_FUNCTIONS\n"
+        "import importlib; importlib.reload(sys.modules['moetune'])\n"
+        "assert 'moetune' in ALL_EXPERTS_FUNCTIONS\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
