@@ -86,6 +86,16 @@ def _experts_fake(x, ids, weights, gate_up, down, gate_up_bias, down_bias, plan_
     return x.new_empty(x.shape)
 
 
+def _no_backward(ctx, grad):
+    raise MoetuneError(
+        "moetune::experts has no backward: moetune compiles MoE blocks for inference; "
+        "call moetune.uncompile(model) before training"
+    )
+
+
+experts_op.register_autograd(_no_backward)
+
+
 # ------------------------------------------------------------------ transformers experts hook --
 
 

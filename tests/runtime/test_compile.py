@@ -236,3 +236,11 @@ def test_import_moetune_is_light_and_registers_when_transformers_loads():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_forward_with_grad_works_and_backward_says_why_not():
+    model = moetune.compile(build("qwen3_moe"))
+    out = model(input_ids=input_ids(4)).logits  # grad mode, cache on: the forward runs
+    with pytest.raises(MoetuneError, match="for inference.*uncompile"):
+        out.sum().backward()
+    moetune.uncompile(model)
