@@ -14,7 +14,6 @@ rows @ view is the projection), so nothing here copies or repacks a weight.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -219,14 +218,6 @@ def activation_bytes(block: MoEBlock, tokens: int) -> float:
     return b * (tokens * block.D + S * (block.D + 3 * block.F + block.D) + tokens * block.D)
 
 
-def params_repr(params) -> str:
-    return ", ".join(f"{f.name}={getattr(params, f.name)}" for f in dataclasses.fields(params))
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b) if b else 0
-
-
 __all__ = [
     "COMBINES",
     "GATHER_WORKSPACE_BYTES",
@@ -234,7 +225,6 @@ __all__ = [
     "Pairs",
     "activate",
     "activation_bytes",
-    "ceil_div",
     "check_chunk",
     "check_combine",
     "combine_pairs",
@@ -248,7 +238,6 @@ __all__ = [
     "input_rows",
     "kn",
     "pairs",
-    "params_repr",
     "sort_pairs",
     "weight_dtype",
 ]
