@@ -244,3 +244,41 @@ def test_forward_with_grad_works_and_backward_says_why_not():
     with pytest.raises(MoetuneError, match="for inference.*uncompile"):
         out.sum().backward()
     moetune.uncompile(model)
+
+
+def test_vlm_language_model_compiles_and_restores():
+    """Qwen3.5-MoE as a VLM: the experts sit under model.language_model and the implementation is
+    set per sub-config; uncompile restores every sub-config."""
+    import tiny_models as tm
+    import transformers
+
+    _, text_cfg = tm.FAMILIES["qwen3_5_moe"]()
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=2,
+        out_hidden_size=tm.D,
+        patch_size=4,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        in_channels=3,
+    )
+    cfg = transformers.Qwen3_5MoeConfig(text_config=text_cfg.to_dict(), vision_config=vision)
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5MoeForConditionalGeneration._from_config(cfg, dtype=torch.float32).eval()
+    ids = input_ids(6)
+    ref = logits(model, ids)
+    before = model.get_experts_implementation()
+    moetune.compile(model)
+    ps = plans(model)
+    assert [p.path for p in ps] == [f"model.language_model.layers.{i}.mlp" for i in (0, 1)]
+    assert model.get_experts_implementation()["text_config"] == "moetune"
+    assert rel_err(logits(model, ids), ref) <= 1e-5
+    saved = {p.id: PLANS.pop(p.id) for p in ps}  # the op is what runs
+    with pytest.raises(MoetuneError, match="not registered"):
+        logits(model, ids)
+    PLANS.update(saved)
+    moetune.uncompile(model)
+    assert model.get_experts_implementation() == before
+    assert torch.equal(logits(model, ids), ref)
