@@ -282,3 +282,14 @@ def test_vlm_language_model_compiles_and_restores():
     moetune.uncompile(model)
     assert model.get_experts_implementation() == before
     assert torch.equal(logits(model, ids), ref)
+
+
+def test_generate_decodes_the_same_tokens():
+    """Prefill T = 15, then decode steps of T = 3 (one row per request) with the KV cache."""
+    model = build("qwen3_moe")
+    ids = input_ids(5, B=3)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ref = model.generate(input_ids=ids, **kw)
+    moetune.compile(model)
+    assert torch.equal(model.generate(input_ids=ids, **kw), ref)
+    moetune.uncompile(model)
