@@ -323,10 +323,7 @@ class DispatchTable:
             if status != "ok":
                 raise CacheError(f"dispatch table {self.path}: corrupt ({status})")
             if create:
-                self.db.enable_wal()
-                self.db[TABLE].create(
-                    {c: t for c, t in COLUMNS.items()}, pk=PK, not_null=NOT_NULL, if_not_exists=True
-                )
+                self._setup()
             self._check_schema()
         except CacheError:
             self._conn.close()
@@ -334,6 +331,22 @@ class DispatchTable:
         except sqlite3.Error as e:
             self._conn.close()
             raise CacheError(f"dispatch table {self.path}: not a readable SQLite file ({e})") from e
+
+    def _setup(self, wait_s: float = 60.0) -> None:
+        """WAL mode and the table. Switching the journal mode may answer "locked" at once, without
+        waiting (another tuner is creating the same file): retry until `wait_s` is spent."""
+        import time
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.db.enable_wal()
+                self.db[TABLE].create(dict(COLUMNS), pk=PK, not_null=NOT_NULL, if_not_exists=True)
+                return
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) and "busy" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def _check_schema(self) -> None:
         if TABLE not in self.db.table_names():

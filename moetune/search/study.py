@@ -57,7 +57,7 @@ class TuneOptions:
     seed: int = 0
     strict: bool = False
     keep_going: bool = False
-    storage: str | None = None
+    storage: object = None  # RDB URL, journal file, or an optuna storage; shared by workers
     device: str | None = None  # None: cuda for GPU backends, cpu for torch
 
     def __post_init__(self) -> None:
@@ -119,10 +119,12 @@ def bucket_inputs(block: MoEBlock, bucket: Bucket, w, *, routings: int, seed: in
     return BucketInputs(T, tuple(cases), tuple(sorted({bucket.lo, T, bucket.hi})), sampler)
 
 
-def open_storage(storage: str | None):
-    """None → in memory; "sqlite:///…", "postgresql://…" → RDB; anything else → a journal file."""
-    if storage is None:
-        return None
+def open_storage(storage):
+    """None → in memory (this study only); "sqlite:///…", "postgresql://…" → RDB; another string → a
+    journal file; an Optuna storage object is used as it is."""
+    if storage is None or not isinstance(storage, str | os.PathLike):
+        return storage
+    storage = str(storage)
     if "://" in storage:
         return storage
     import optuna
@@ -288,13 +290,15 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
                     st.fail(trial)
                 raise
             n_trials = len(st.study.trials)
-            tried = len(set(outcomes) | set(scored)) + len(refused)
+            tried = len(set(outcomes) | set(scored))
+            if untried.size == space.size():  # not listed: params refusals count as tried points
+                tried += len(refused)
             if floor_s and best <= floor_s / (1 - options.margin):
                 stopped = f"within {options.margin:.0%} of the floor"
             elif since_best >= options.patience:
                 stopped = f"no {options.min_gain:.0%} gain in {since_best} trials"
-            elif tried >= space.size():
-                stopped = f"space exhausted ({space.size()} points)"
+            elif tried >= untried.size:
+                stopped = f"space exhausted ({untried.size} points)"
             elif n_trials >= options.max_trials:
                 stopped = f"{n_trials} trials"
             elif time.monotonic() >= deadline:
@@ -336,16 +340,15 @@ class _Untried:
         import random
 
         self.st, self.space, self.rng = st, space, random.Random(seed)
-        self.points: list[tuple[str, Schedule]] | None = None
+        self.points: list[tuple[str, Schedule]] = []
+        self.size = space.size()  # points the backend accepts (all of them when too many to list)
+        if self.size <= self.LIMIT:
+            self.points = [(key(s), s) for s in space.grid() if isinstance(s, Schedule)]
+            self.size = len(self.points)
+            self.rng.shuffle(self.points)
         self.enqueued: set[str] = set()
 
     def suggest_one(self, tried: set[str]) -> None:
-        if self.points is None:
-            if self.space.size() > self.LIMIT:
-                self.points = []
-            else:
-                self.points = [(key(s), s) for s in self.space.grid() if isinstance(s, Schedule)]
-                self.rng.shuffle(self.points)
         while self.points:
             k, s = self.points.pop()
             if k not in tried and k not in self.enqueued:

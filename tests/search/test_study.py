@@ -1,0 +1,196 @@
+"""Studies on a backend with planted faults and a fake timer: the known best wins, broken candidates never
+do, failures keep their reasons, early stops, and two workers sharing one Optuna journal and one table."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+
+import optuna
+import pytest
+import toy_backend as tb
+import torch
+
+from moetune.ir import UnsupportedSchedule
+from moetune.runtime.table import DispatchTable, Versions
+from moetune.search.objective import CandidateError, expert_tensors, trace_sampler
+from moetune.search.study import TuneOptions, bucket_inputs, tune_bucket
+from moetune.search.timing import FakeTimer
+
+VERSIONS = Versions("0.1.0", "toyhash", "toy 1", torch.__version__, "toy device", "toy")
+FASTEST = {("stream_gemv", 64, 1), ("grouped_gemm", 64, 1), ("hybrid", 64, 1)}  # cost 1 µs: tb.cost
+
+
+def run(backend, *, bucket=None, cost=tb.cost, table=None, **opts):
+    b = bucket or tb.bucket()
+    w = expert_tensors(tb.BLOCK)
+    inputs = bucket_inputs(tb.BLOCK, b, w, routings=2)
+    options = TuneOptions(**{"budget_s": 60, **opts})
+    return tune_bucket(tb.BLOCK, backend, "toy-target", b, inputs, FakeTimer(cost), options, table=table,
+                       versions=VERSIONS)
+
+
+def trials(storage, backend: str, bucket=(1, 8)) -> list:
+    """The trials of a bucket's study in `storage` (a journal file or a storage object)."""
+    if isinstance(storage, str):
+        storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage))
+    name = f"moetune:toy-target:{backend}:{tb.BLOCK.signature_hash()}:{bucket[0]}-{bucket[1]}"
+    return optuna.load_study(study_name=name, storage=storage).trials
+
+
+def test_fake_timer_picks_the_known_best_and_writes_it(tmp_path):
+    faults = {p: "wrong" for p in FASTEST}
+    be = tb.toy("toy-best", faults=faults)
+    with DispatchTable(tmp_path / "d.sqlite") as t:
+        r = run(be, table=t)
+        rows = t.entries()
+    assert (r.winner.kind, r.winner.params.tile, r.winner.params.stages) == tb.BEST
+    assert r.time_s == pytest.approx(tb.cost(r.winner))
+    assert r.written and len(rows) == 1
+    e = rows[0]
+    assert e.schedule(tb.BLOCK) == r.winner and e.time_us == pytest.approx(r.time_s * 1e6)
+    assert e.floor_us == pytest.approx(1.0) and e.pct_of_floor == pytest.approx(100 * 1.0 / e.time_us)
+    assert e.default_time_us == pytest.approx(r.default_time_s * 1e6) and e.default_time_us >= e.time_us
+    assert e.baseline == "transformers:grouped_mm" and e.baseline_time_us == pytest.approx(50.0)
+    assert r.failures.get("wrong", 0) >= 1  # the fastest points were tried, and lost
+
+
+FAULT_CASES = [
+    # (fault on the fastest points, the status it is scored with)
+    ("wrong", "wrong"),
+    ("nan", "nonfinite"),
+    ("refuse_build", "refused"),
+    ("oom", "resource"),
+]
+
+
+@pytest.mark.parametrize("fault,status", FAULT_CASES)
+def test_a_broken_candidate_never_wins_and_keeps_its_reason(tmp_path, fault, status):
+    be = tb.toy(f"toy-{fault}", faults={p: fault for p in FASTEST})
+    storage = optuna.storages.InMemoryStorage()
+    r = run(be, storage=storage)
+    assert (r.winner.kind, r.winner.params.tile, r.winner.params.stages) == tb.BEST
+    faulty = [t for t in trials(storage, be.name)
+              if (t.params[f"{t.params['kind']}:tile"], t.params[f"{t.params['kind']}:stages"]) == (64, 1)]
+    assert faulty, "the faulty points were never tried"
+    for t in faulty:
+        assert math.isinf(t.value) and t.user_attrs["status"] == status and t.user_attrs["reason"]
+
+
+def test_the_default_heuristics_are_tried_first(tmp_path):
+    j = str(tmp_path / "j.log")
+    r = run(tb.toy("toy-first"), storage=j)
+    first = trials(j, "toy-first")[0]
+    assert first.user_attrs["schedule"] == r.default.describe()
+    assert first.value == pytest.approx(tb.cost(r.default))
+
+
+def test_unknown_error_is_reraised_with_a_repro_that_reproduces():
+    be = tb.toy("toy-crash", faults={("grouped_gemm", 16, 1): "crash", ("stream_gemv", 16, 1): "crash",
+                                     ("hybrid", 16, 1): "crash"})
+    with pytest.raises(CandidateError) as ei:
+        run(be)
+    e = ei.value
+    assert "illegal memory access" in str(e) and "repro:" in str(e) and "ToyParams" in e.repro
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        exec(e.repro, {})
+
+
+def test_keep_going_scores_an_unknown_error_inf():
+    be = tb.toy("toy-crash-kg", faults={p: "crash" for p in FASTEST})
+    r = run(be, keep_going=True)
+    assert (r.winner.kind, r.winner.params.tile, r.winner.params.stages) == tb.BEST
+    assert r.failures.get("launch_failed", 0) >= 1
+
+
+@pytest.mark.parametrize("fault", ["oom", "refuse_build"])
+def test_strict_reraises_even_known_failures(fault):
+    be = tb.toy(f"toy-strict-{fault}", faults={("grouped_gemm", 16, 1): fault, ("stream_gemv", 16, 1): fault,
+                                               ("hybrid", 16, 1): fault})
+    with pytest.raises(CandidateError):
+        run(be, strict=True)
+
+
+def test_params_refused_by_the_backend_are_scored_not_raised():
+    be = tb.toy("toy-params")
+    r = run(be, bucket=tb.bucket(floor_s=1e-9), patience=1000)  # walk the whole space: ToyParams(64, 3) refuses itself (4 of 36 points)
+    assert r.stopped == "space exhausted (32 points)" and r.evaluated == 32
+
+
+def test_stops_once_within_the_margin_of_the_floor():
+    be = tb.toy("toy-floor", faults={p: "wrong" for p in FASTEST})
+    r = run(be, bucket=tb.bucket(floor_s=9.5e-6), margin=0.1, patience=1000)
+    assert r.stopped == "within 10% of the floor"
+    assert r.evaluated < 32 and r.pct_of_floor == pytest.approx(95.0)
+
+
+def test_stops_when_trials_stop_improving():
+    be = tb.toy("toy-flat")
+    r = run(be, cost=lambda s: 7e-6, patience=5, batch=2)
+    assert r.stopped == "no 1% gain in 5 trials" or r.stopped == "no 1% gain in 6 trials"
+    assert r.evaluated <= 8
+
+
+def test_a_bucket_with_nothing_to_try_names_its_reasons():
+    be = tb.toy("toy-refuses", refuse_kinds={"grouped_gemm": "no tiles", "stream_gemv": "no gemv",
+                                             "hybrid": "no hybrid"})
+    with pytest.raises(UnsupportedSchedule, match=r"bucket \[1,8\].*no gemv"):
+        run(be)
+
+
+def test_tuning_inputs_come_from_the_trace():
+    rows = torch.tensor([[0, 1], [1, 0], [0, 1]])  # a trace that only ever routes to experts 0 and 1
+    b = tb.bucket(lo=2, hi=16)
+    inp = bucket_inputs(tb.BLOCK, b, expert_tensors(tb.BLOCK), routings=4, sampler=trace_sampler(tb.BLOCK, rows))
+    for c in inp.cases:
+        assert set(c.ids.unique().tolist()) <= {0, 1} and c.tokens == inp.tokens
+    assert inp.tokens == 4 and inp.check_tokens == (2, 4, 16)
+    with pytest.raises(UnsupportedSchedule, match="E = 8"):
+        trace_sampler(tb.BLOCK, torch.tensor([[0, 9]]))
+
+
+# ------------------------------------------------------------------------ two workers, one study
+
+def _worker(journal: str, table: str, seed: int, out) -> None:
+    try:
+        be = tb.toy("toy-shared", faults={p: "wrong" for p in FASTEST})
+        results = []
+        with DispatchTable(table) as t:
+            for lo, hi in ((1, 8), (9, 16)):
+                r = run(be, bucket=tb.bucket(lo, hi), table=t, storage=journal, seed=seed, patience=12, batch=2)
+                results.append((r.bucket, r.evaluated, r.time_s))
+        out.put(results)
+    except BaseException:
+        import traceback
+
+        out.put(traceback.format_exc())
+
+
+def test_two_workers_share_one_journal_study_and_one_table(tmp_path):
+    journal, table = str(tmp_path / "study.log"), str(tmp_path / "d.sqlite")
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(journal, table, seed, q)) for seed in (1, 2)]
+    for p in procs:
+        p.start()
+    got = [q.get(timeout=120) for _ in procs]
+    assert not [g for g in got if isinstance(g, str)], got
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    with DispatchTable(table, create=False) as t:
+        rows = {e.bucket: e for e in t.entries()}
+    assert set(rows) == {(1, 8), (9, 16)}
+    best = min(r[2] for g in got for r in g)
+    for e in rows.values():
+        assert e.time_us == pytest.approx(best * 1e6)
+    for bucket in ((1, 8), (9, 16)):
+        ts = trials(journal, "toy-shared", bucket)
+        states = {t.state for t in ts}
+        # none lost half-way (WAITING: points enqueued for later workers)
+        assert states <= {optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.WAITING}, states
+        done = [t for t in ts if t.state == optuna.trial.TrialState.COMPLETE]
+        workers = {t.user_attrs["worker"] for t in done}
+        assert len(workers) == 2
+        evaluated = [t for t in done if not t.user_attrs.get("duplicate")]
+        assert len(evaluated) >= max(r[1] for g in got for r in g if r[0] == bucket)
