@@ -240,7 +240,7 @@ def variants(E: int, k: int, D: int, F: int, T: int):
     distinct = E * (1 - (1 - k / E) ** T)
     rows = T * k / distinct
     kp = 1 << (k - 1).bit_length()
-    tdn = max(2, 32 // kp)  # token-mode down: KP·BN·BK accumulators
+    tdn = max(2, 32 // kp)  # token-mode down: KP·BN·128 accumulators
     split = 2 if F <= 1024 else 1
     out = []
 
@@ -254,17 +254,21 @@ def variants(E: int, k: int, D: int, F: int, T: int):
         out.append((tag, Schedule("hybrid", row_threshold=r, backend="triton", params=HybridParams(**kw))))
 
     if rows <= 1.5:
-        gemv("ga", block_n=16, block_k=512, num_warps=8, down_block_n=tdn, down_block_k=256, down_warps=8)
-        gemv("gb", block_n=8, block_k=512, num_warps=4, down_block_n=tdn, down_block_k=512, down_warps=8)
-        gemv("gc", block_n=4, block_k=1024, num_warps=4, down_block_n=8, down_block_k=256, down_mode="expert",
-             split_k=split)
+        gemv("ga", block_n=8, block_k=256, num_warps=4, num_stages=4, down_block_n=tdn, down_block_k=128,
+             down_warps=4)
+        gemv("gb", block_n=4, block_k=256, num_warps=2, num_stages=4, down_block_n=max(1, tdn // 2),
+             down_block_k=128, down_warps=2)
+        gemv("gc", block_n=16, block_k=256, num_warps=4, num_stages=4, down_block_n=4, down_block_k=128,
+             down_warps=2, down_mode="expert", split_k=split)
+        gemv("gd", block_n=8, block_k=512, num_warps=4, num_stages=3, down_block_n=tdn, down_block_k=256,
+             down_warps=4)
     if 1.05 <= rows <= 6:
-        gemv("gr2", rows=2, block_n=8, block_k=256, num_warps=4, down_block_n=8, down_block_k=256,
-             down_mode="expert", split_k=split)
-        gemv("gr4", rows=4, block_n=8, block_k=256, num_warps=8, down_block_n=8, down_block_k=256,
-             down_warps=8, down_mode="expert", split_k=split)
-        hyb("h4", 4, block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, gemv_block_n=8,
-            gemv_block_k=256, down_block_n=64, down_block_k=128, down_gemv_block_n=8, down_gemv_block_k=256,
+        gemv("gr2", rows=2, block_n=8, block_k=128, num_warps=4, num_stages=4, down_block_n=8,
+             down_block_k=128, down_mode="expert", split_k=split)
+        gemv("gr4", rows=4, block_n=4, block_k=128, num_warps=4, num_stages=4, down_block_n=4,
+             down_block_k=128, down_mode="expert", split_k=split)
+        hyb("h4", 4, block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, gemv_block_n=4,
+            gemv_block_k=128, down_block_n=64, down_block_k=128, down_gemv_block_n=4, down_gemv_block_k=128,
             down_stages=4)
     if 2.5 <= rows <= 48:
         gemv("g16", rows=16, block_n=64, block_k=128, num_warps=4, num_stages=4, down_block_n=64,
@@ -273,21 +277,55 @@ def variants(E: int, k: int, D: int, F: int, T: int):
         gemm("m16", block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, down_block_n=64,
              down_block_k=128, down_stages=4)
     if 4 <= rows <= 32:
-        hyb("h8", 8, block_m=16, block_n=64, block_k=128, num_warps=8, num_stages=4, gemv_block_n=4,
-            gemv_block_k=256, down_block_n=64, down_block_k=128, down_gemv_block_n=4, down_gemv_block_k=256,
-            down_warps=8, down_stages=4)
+        hyb("h8", 8, block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, gemv_block_n=2,
+            gemv_block_k=128, down_block_n=64, down_block_k=128, down_gemv_block_n=2, down_gemv_block_k=128,
+            down_warps=4, down_stages=4)
     if rows >= 12:
         gemm("m64", block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=4, down_block_n=128,
              down_block_k=64, down_warps=8, down_stages=4)
+        gemm("m64n64", block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4, down_block_n=128,
+             down_block_k=64, down_warps=4, down_stages=4)
     if rows >= 48:
         gemm("m128", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, down_block_n=128,
              down_block_k=64, down_warps=8, down_stages=3)
-        gemm("m128w4", block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, down_block_n=64,
-             down_block_k=64, down_warps=4, down_stages=4)
+        gemm("m128n64", block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=4, down_block_n=128,
+             down_block_k=64, down_warps=8, down_stages=4)
     return out
 
 
 # ------------------------------------------------------------------------------------------ main
+
+
+def probe(out_dir: Path) -> None:
+    """One eager call per GEMV configuration inside cudaProfilerStart/Stop, for
+    `ncu --profile-from-start off`: per-kernel time, DRAM bytes, registers and occupancy."""
+    from moetune.codegen.triton import BACKEND, GemvParams
+
+    dev = torch.device("cuda")
+    plan = []
+    for shape, T in (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 4), ("deepseek-v3", 1)):
+        E, k, D, F = SHAPES[shape]
+        block = MoEBlock(E=E, k=k, D=D, F=F, name=shape)
+        w = ExpertTensors(torch.randn(E, 2 * F, D, device=dev, dtype=torch.bfloat16) / math.sqrt(D),
+                          torch.randn(E, D, F, device=dev, dtype=torch.bfloat16) / math.sqrt(F))
+        x, ids, wt = routings(T, E, k, D, dev, seed=7)[0]
+        cfgs = []
+        for bn, bk, nw, st in ((8, 256, 4, 4), (4, 256, 2, 4), (16, 256, 4, 4), (8, 512, 4, 3), (4, 128, 2, 4),
+                               (8, 128, 4, 4), (16, 128, 4, 4), (8, 256, 4, 2)):
+            cfgs.append(dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=st, down_block_n=max(2, bn // 2),
+                             down_block_k=128, down_warps=nw))
+        for c in cfgs:
+            fn = BACKEND.build(block, Schedule("stream_gemv", backend="triton", params=GemvParams(**c)))
+            fn(x, ids, wt, w)
+            fn(x, ids, wt, w)
+            torch.cuda.synchronize()
+            plan.append((shape, T, c, fn, x, ids, wt, w))
+    torch.cuda.profiler.start()
+    for shape, T, c, fn, x, ids, wt, w in plan:
+        fn(x, ids, wt, w)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    (out_dir / "probe_plan.json").write_text(json.dumps([(s, t, c) for s, t, c, *_ in plan]))
 
 
 def main() -> None:
@@ -298,7 +336,12 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=540.0)
     ap.add_argument("--baselines", default="grouped_mm,batched_mm,eager")
     ap.add_argument("--eager-tokens", default="1")
+    ap.add_argument("--probe", action="store_true", help="GEMV configurations for ncu, then exit")
     args = ap.parse_args()
+    if args.probe:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        probe(Path(args.out))
+        return
     t_start = time.time()
     dev = torch.device("cuda")
     from moetune.codegen.triton import BACKEND

@@ -212,61 +212,49 @@ def _fused_pairs(match, mrank, c, ROWS: tl.constexpr, BP: tl.constexpr):
 
 @triton.jit
 def _row_gate_up(x_ptr, s_xt, tok, w_e, sn, sk, up, n0, N, K,
-                 BN: tl.constexpr, BK: tl.constexpr):
+                 BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     """One row: (gate [BN], up [BN]) = W[n0:n0+BN] · x[tok], fp32; FMA into [BN, BK], one final sum.
-    The next K chunk is loaded before the current one is used: two chunks in flight per program."""
+    The K loop is software-pipelined (cp.async into shared memory, STAGES deep): the bytes in flight
+    cost no registers, so many programs per SM keep HBM busy."""
     offs_n = n0 + tl.arange(0, BN)
     nm = offs_n < N
     accg = tl.zeros([BN, BK], dtype=tl.float32)
     accu = tl.zeros([BN, BK], dtype=tl.float32)
     wrow = w_e + offs_n[:, None] * sn  # [BN, 1]
     xrow = x_ptr + tok.to(tl.int64) * s_xt
-    offs_k = tl.arange(0, BK)
-    km = offs_k < K
-    m2 = nm[:, None] & km[None, :]
-    xv = tl.load(xrow + offs_k, mask=km, other=0.0)  # [BK]
-    wg = tl.load(wrow + offs_k[None, :] * sk, mask=m2, other=0.0, eviction_policy="evict_first")  # [BN, BK]
-    wu = tl.load(wrow + offs_k[None, :] * sk + up, mask=m2, other=0.0, eviction_policy="evict_first")
-    for k0 in range(BK, K + BK, BK):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BK)
         km = offs_k < K
         m2 = nm[:, None] & km[None, :]
-        xn = tl.load(xrow + offs_k, mask=km, other=0.0)
-        wgn = tl.load(wrow + offs_k[None, :] * sk, mask=m2, other=0.0, eviction_policy="evict_first")
-        wun = tl.load(wrow + offs_k[None, :] * sk + up, mask=m2, other=0.0, eviction_policy="evict_first")
-        xf = xv.to(tl.float32)[None, :]
-        accg += wg.to(tl.float32) * xf
-        accu += wu.to(tl.float32) * xf
-        xv, wg, wu = xn, wgn, wun
+        xv = tl.load(xrow + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]  # [1, BK]
+        wg = tl.load(wrow + offs_k[None, :] * sk, mask=m2, other=0.0, eviction_policy="evict_first")  # [BN, BK]
+        wu = tl.load(wrow + offs_k[None, :] * sk + up, mask=m2, other=0.0, eviction_policy="evict_first")
+        accg += wg.to(tl.float32) * xv
+        accu += wu.to(tl.float32) * xv
     return tl.sum(accg, axis=1), tl.sum(accu, axis=1)
 
 
 @triton.jit
-def _row_down(h_row, w_e, sn, sk, n0, N, k_lo, k_hi, BN: tl.constexpr, BK: tl.constexpr):
-    """One row: y [BN] = W[n0:n0+BN, k_lo:k_hi] · h[k_lo:k_hi], fp32 (next chunk loaded ahead)."""
+def _row_down(h_row, w_e, sn, sk, n0, N, k_lo, k_hi, BN: tl.constexpr, BK: tl.constexpr,
+              STAGES: tl.constexpr):
+    """One row: y [BN] = W[n0:n0+BN, k_lo:k_hi] · h[k_lo:k_hi], fp32 (pipelined K loop)."""
     offs_n = n0 + tl.arange(0, BN)
     nm = offs_n < N
     acc = tl.zeros([BN, BK], dtype=tl.float32)
     wrow = w_e + offs_n[:, None] * sn
-    offs_k = k_lo + tl.arange(0, BK)
-    km = offs_k < k_hi
-    hv = tl.load(h_row + offs_k, mask=km, other=0.0)  # [BK]
-    wv = tl.load(wrow + offs_k[None, :] * sk, mask=nm[:, None] & km[None, :], other=0.0,
-                 eviction_policy="evict_first")  # [BN, BK]
-    for k0 in range(k_lo + BK, k_hi + BK, BK):
+    for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BK)
         km = offs_k < k_hi
-        hn = tl.load(h_row + offs_k, mask=km, other=0.0)
-        wn = tl.load(wrow + offs_k[None, :] * sk, mask=nm[:, None] & km[None, :], other=0.0,
-                     eviction_policy="evict_first")
-        acc += wv.to(tl.float32) * hv.to(tl.float32)[None, :]
-        hv, wv = hn, wn
+        hv = tl.load(h_row + offs_k, mask=km, other=0.0).to(tl.float32)  # [BK]
+        wv = tl.load(wrow + offs_k[None, :] * sk, mask=nm[:, None] & km[None, :], other=0.0,
+                     eviction_policy="evict_first")  # [BN, BK]
+        acc += wv.to(tl.float32) * hv[None, :]
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
 def _rows_gate_up(x_ptr, s_xt, toks, rmask, w_e, sn, sk, up, n0, N, K,
-                  RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                  RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     """RP rows of one expert from one read of each weight chunk: (gate, up) [RP, BN] fp32 (FMA)."""
     offs_n = n0 + tl.arange(0, BN)
     nm = offs_n < N
@@ -274,7 +262,7 @@ def _rows_gate_up(x_ptr, s_xt, toks, rmask, w_e, sn, sk, up, n0, N, K,
     accu = tl.zeros([RP, BN, BK], dtype=tl.float32)
     wrow = w_e + offs_n[:, None] * sn  # [BN, 1]
     xrow = x_ptr + toks.to(tl.int64)[:, None] * s_xt  # [RP, 1]
-    for k0 in range(0, K, BK):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BK)
         km = offs_k < K
         xv = tl.load(xrow + offs_k[None, :], mask=rmask[:, None] & km[None, :], other=0.0).to(tl.float32)
@@ -288,14 +276,14 @@ def _rows_gate_up(x_ptr, s_xt, toks, rmask, w_e, sn, sk, up, n0, N, K,
 
 @triton.jit
 def _rows_down(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n0, N, k_lo, k_hi,
-               RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+               RP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     """RP rows of one expert from one read of each down chunk: y [RP, BN] fp32 (FMA)."""
     offs_n = n0 + tl.arange(0, BN)
     nm = offs_n < N
     acc = tl.zeros([RP, BN, BK], dtype=tl.float32)
     wrow = w_e + offs_n[:, None] * sn
     hrow = h_ptr + pairs.to(tl.int64)[:, None] * s_hp  # [RP, 1]
-    for k0 in range(k_lo, k_hi, BK):
+    for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BK)
         km = offs_k < k_hi
         hv = tl.load(hrow + offs_k[None, :], mask=rmask[:, None] & km[None, :], other=0.0).to(tl.float32)
@@ -308,9 +296,9 @@ def _rows_down(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n0, N, k_lo, k_hi,
 @triton.jit
 def _token_down(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr, sbe, sbn, n0, N, K,
                 K_TOP: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                HAS_BIAS: tl.constexpr, W_IN: tl.constexpr):
+                HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, STAGES: tl.constexpr):
     """out[t, n0:n0+BN] = Σ_j w_tj · down[e_tj] · h[t·k + j]: all k experts of the token in one
-    [KP, BN, BK] tile per K chunk (k weight streams in flight at once), next chunk loaded ahead."""
+    [KP, BN, BK] tile per K chunk (k weight streams in flight at once), pipelined K loop."""
     jk = tl.arange(0, KP)
     jm = jk < K_TOP
     p = t * K_TOP + jk  # [KP]
@@ -324,19 +312,13 @@ def _token_down(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr, s
     hbase = h_ptr + p.to(tl.int64)[:, None] * s_hp  # [KP, 1]
     m3 = ok[:, None, None] & nm[None, :, None]
     acc = tl.zeros([KP, BN, BK], dtype=tl.float32)
-    offs_k = tl.arange(0, BK)
-    km = offs_k < K
-    hv = tl.load(hbase + offs_k[None, :], mask=ok[:, None] & km[None, :], other=0.0)  # [KP, BK]
-    wv = tl.load(wbase + offs_k[None, None, :] * sk, mask=m3 & km[None, None, :], other=0.0,
-                 eviction_policy="evict_first")  # [KP, BN, BK]
-    for k0 in range(BK, K + BK, BK):
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BK)
         km = offs_k < K
-        hn = tl.load(hbase + offs_k[None, :], mask=ok[:, None] & km[None, :], other=0.0)
-        wn = tl.load(wbase + offs_k[None, None, :] * sk, mask=m3 & km[None, None, :], other=0.0,
-                     eviction_policy="evict_first")
+        hv = tl.load(hbase + offs_k[None, :], mask=ok[:, None] & km[None, :], other=0.0)  # [KP, BK]
+        wv = tl.load(wbase + offs_k[None, None, :] * sk, mask=m3 & km[None, None, :], other=0.0,
+                     eviction_policy="evict_first")  # [KP, BN, BK]
         acc += wv.to(tl.float32) * hv.to(tl.float32)[:, None, :]
-        hv, wv = hn, wn
     y = tl.sum(acc, axis=2)  # [KP, BN]
     if HAS_BIAS:
         b = tl.load(b_ptr + ec[:, None] * sbe + offs_n[None, :] * sbn, mask=ok[:, None] & nm[None, :],
@@ -363,8 +345,8 @@ def _tile_gate_up(x_ptr, s_xt, tok, rmask, w_e, sn, sk, up, n0, N, K, k_end,
         a = tl.load(arow + offs_k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)  # [BM, BK]
         bp = bcol + offs_k[:, None] * sk  # [BK, BN]
         bm2 = km[:, None] & nm[None, :]
-        bg = tl.load(bp, mask=bm2, other=0.0, eviction_policy="evict_first")
-        bu = tl.load(bp + up, mask=bm2, other=0.0, eviction_policy="evict_first")
+        bg = tl.load(bp, mask=bm2, other=0.0)
+        bu = tl.load(bp + up, mask=bm2, other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             bg = bg.to(tl.float32)
@@ -389,8 +371,7 @@ def _tile_down(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n0, N, k_lo, k_hi,
         offs_k = k0 + tl.arange(0, BK)
         km = offs_k < k_hi
         a = tl.load(arow + offs_k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-        b = tl.load(bcol + offs_k[:, None] * sk, mask=km[:, None] & nm[None, :], other=0.0,
-                    eviction_policy="evict_first")
+        b = tl.load(bcol + offs_k[:, None] * sk, mask=km[:, None] & nm[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)

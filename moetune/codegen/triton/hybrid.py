@@ -102,6 +102,7 @@ def hybrid_kernel(
     PROJ: tl.constexpr, K_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNV: tl.constexpr, BKV: tl.constexpr, RP: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < n_gemm:
@@ -138,20 +139,20 @@ def hybrid_kernel(
             if PROJ == 0:
                 if RP == 1:
                     v_g1, v_u1 = _row_gate_up(x_ptr, s_xt, tl.sum(v_pairs, axis=0) // K_TOP, w_ptr + v_ec * se, sn, sk,
-                                          up, v_n0, N, K, BNV, BKV)
+                                          up, v_n0, N, K, BNV, BKV, STAGES)
                     v_g = v_g1[None, :]
                     v_u = v_u1[None, :]
                 else:
                     v_g, v_u = _rows_gate_up(x_ptr, s_xt, v_pairs // K_TOP, v_rmask, w_ptr + v_ec * se, sn, sk, up, v_n0,
-                                         N, K, RP, BNV, BKV)
+                                         N, K, RP, BNV, BKV, STAGES)
                 _store_h(h_ptr, s_hp, v_pairs, v_rmask, v_g, v_u, v_wt, b_ptr + v_ec * sbe, sbn, bup,
                          v_n0, N, alpha, limit, BNV, ACT, HAS_BIAS, W_IN)
             else:
                 if RP == 1:
                     v_y = _row_down(h_ptr + tl.sum(v_pairs, axis=0).to(tl.int64) * s_hp, w_ptr + v_ec * se, sn, sk,
-                                  v_n0, N, 0, K, BNV, BKV)[None, :]
+                                  v_n0, N, 0, K, BNV, BKV, STAGES)[None, :]
                 else:
-                    v_y = _rows_down(h_ptr, s_hp, v_pairs, v_rmask, w_ptr + v_ec * se, sn, sk, v_n0, N, 0, K, RP, BNV, BKV)
+                    v_y = _rows_down(h_ptr, s_hp, v_pairs, v_rmask, w_ptr + v_ec * se, sn, sk, v_n0, N, 0, K, RP, BNV, BKV, STAGES)
                 _store_y(y_ptr, v_pairs, v_rmask, v_y, v_wt, b_ptr + v_ec * sbe, sbn, 1.0, v_n0, N, BNV,
                          HAS_BIAS, W_IN)
 
@@ -187,7 +188,7 @@ def build(block: MoEBlock, schedule: Schedule):
             w.gate_up, gs.se, gs.sn, gs.sk, gs.up, gb, gs.sbe, gs.sbn, gs.bup,
             h, h.stride(0), h, P, E, F, D, R, g_tiles, n_gemm, alpha, limit,
             PROJ=0, BN=p.block_n, BK=p.block_k, BNV=p.gemv_block_n, BKV=p.gemv_block_k,
-            num_warps=p.num_warps, num_stages=p.num_stages, **meta)
+            num_warps=p.num_warps, num_stages=p.num_stages, STAGES=p.num_stages, **meta)
         y = torch.empty(1, P, D, dtype=torch.float32, device=x.device)  # [1, P, D]
         n_gemm = g_tiles * triton.cdiv(D, p.down_block_n)
         hybrid_kernel[(n_gemm + v_slots * triton.cdiv(D, p.down_gemv_block_n),)](
@@ -195,7 +196,7 @@ def build(block: MoEBlock, schedule: Schedule):
             w.down, ds.se, ds.sn, ds.sk, 0, db, ds.sbe, ds.sbn, 0,
             h, h.stride(0), y, P, E, D, F, R, g_tiles, n_gemm, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, BNV=p.down_gemv_block_n, BKV=p.down_gemv_block_k,
-            num_warps=p.down_warps, num_stages=p.down_stages, **meta)
+            num_warps=p.down_warps, num_stages=p.down_stages, STAGES=p.down_stages, **meta)
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         return _combine.combine(y, ids, out, E)
 

@@ -113,6 +113,7 @@ def stream_gemv_kernel(
     PROJ: tl.constexpr, K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, BP: tl.constexpr,
     FUSED: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     n0 = tl.program_id(1) * BN
     offs_n = n0 + tl.arange(0, BN)
@@ -120,7 +121,7 @@ def stream_gemv_kernel(
     if PROJ == 2:
         t = tl.program_id(0)
         out = _token_down(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr, sbe, sbn, n0, N, K,
-                          K_TOP, KP, BN, BK, HAS_BIAS, W_IN)
+                          K_TOP, KP, BN, BK, HAS_BIAS, W_IN, STAGES)
         tl.store(y_ptr + t.to(tl.int64) * s_yt + offs_n, out.to(y_ptr.dtype.element_ty), mask=nm)
     else:
         slot = tl.program_id(0)
@@ -146,18 +147,18 @@ def stream_gemv_kernel(
             if ROWS == 1:
                 pair = tl.sum(pairs, axis=0)
                 if PROJ == 0:
-                    g1, u1 = _row_gate_up(x_ptr, s_xt, pair // K_TOP, w_e, sn, sk, up, n0, N, K, BN, BK)
+                    g1, u1 = _row_gate_up(x_ptr, s_xt, pair // K_TOP, w_e, sn, sk, up, n0, N, K, BN, BK, STAGES)
                     g = g1[None, :]
                     u = u1[None, :]
                 else:
                     acc = _row_down(h_ptr + pair.to(tl.int64) * s_hp, w_e, sn, sk, n0, N, k_lo, k_hi,
-                                    BN, BK)[None, :]
+                                    BN, BK, STAGES)[None, :]
             elif ROWS < 16:
                 if PROJ == 0:
                     g, u = _rows_gate_up(x_ptr, s_xt, pairs // K_TOP, rmask, w_e, sn, sk, up, n0, N, K,
-                                         ROWS, BN, BK)
+                                         ROWS, BN, BK, STAGES)
                 else:
-                    acc = _rows_down(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n0, N, k_lo, k_hi, ROWS, BN, BK)
+                    acc = _rows_down(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n0, N, k_lo, k_hi, ROWS, BN, BK, STAGES)
             else:
                 if PROJ == 0:
                     g, u = _tile_gate_up(x_ptr, s_xt, pairs // K_TOP, rmask, w_e, sn, sk, up, n0, N, K, K,
@@ -203,7 +204,8 @@ def build(block: MoEBlock, schedule: Schedule):
             x, x.stride(0), ids_f, wts_f, counts, sorted_pairs,
             w.gate_up, gs.se, gs.sn, gs.sk, gs.up, gb, gs.sbe, gs.sbn, gs.bup,
             h, h.stride(0), h, 0, P, E, F, D, D, alpha, limit,
-            PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta)
+            PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages,
+            STAGES=p.num_stages, **meta)
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         if p.down_mode == "token":
             stream_gemv_kernel[(T, triton.cdiv(D, p.down_block_n), 1)](
@@ -211,7 +213,7 @@ def build(block: MoEBlock, schedule: Schedule):
                 w.down, ds.se, ds.sn, ds.sk, 0, db, ds.sbe, ds.sbn, 0,
                 h, h.stride(0), out, out.stride(0), P, E, D, F, F, alpha, limit,
                 PROJ=2, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps,
-                num_stages=p.num_stages, **meta)
+                num_stages=p.num_stages, STAGES=p.num_stages, **meta)
             return out
         k_split = triton.cdiv(triton.cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = triton.cdiv(F, k_split)
@@ -221,7 +223,7 @@ def build(block: MoEBlock, schedule: Schedule):
             w.down, ds.se, ds.sn, ds.sk, 0, db, ds.sbe, ds.sbn, 0,
             h, h.stride(0), y, 0, P, E, D, F, k_split, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps,
-            num_stages=p.num_stages, **meta)
+            num_stages=p.num_stages, STAGES=p.num_stages, **meta)
         return _combine.combine(y, ids, out, E)
 
     return run
