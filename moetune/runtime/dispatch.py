@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codegen.backend import Backend
+from ..codegen.backend import Backend, get
 from ..codegen.common import ExpertsFn, ExpertTensors
 from ..ir import IRError, MoEBlock, MoetuneError, Schedule
 from .default import default_schedule, representative_tokens, rows_per_active
@@ -134,12 +134,15 @@ class Dispatcher:
         buckets: Sequence[tuple[int, int]] | None = None,
         default_factory: DefaultFactory | None = None,
     ) -> Dispatcher:
-        """Every bucket on the default heuristic (no table)."""
+        """Every bucket on the default heuristic (no table). A default the backend cannot build runs
+        the torch backend's default instead, with one DispatchWarning naming the buckets."""
         factory = default_factory or _default_factory(block, backend)
+        notes: list[str] = []
         routes = [
-            _build(block, backend, lo, hi, factory(lo, hi), "default")
+            _build_default(block, backend, lo, hi, factory, "default", notes)
             for lo, hi in (buckets or default_buckets(block))
         ]
+        _warn_fallbacks(block, backend, notes)
         return cls(block, backend, routes)
 
     @classmethod
@@ -164,6 +167,7 @@ class Dispatcher:
                 raise IRError(node, "entries", ((lo1, hi1), (lo2, hi2)), "overlapping buckets")
         routes: list[Route] = []
         missing: list[str] = []
+        notes: list[str] = []
         for lo, hi, sch in entries:
             if not 1 <= lo <= hi:
                 raise IRError(node, "entry", (lo, hi), "need 1 ≤ lo ≤ hi")
@@ -171,16 +175,18 @@ class Dispatcher:
                 routes.append(_build(block, backend, lo, hi, sch, "table"))
             except MoetuneError as e:
                 why = f"entry {sch.describe()} refused: {e}"
-                routes.append(_build(block, backend, lo, hi, factory(lo, hi), f"default ({why})"))
+                routes.append(_build_default(block, backend, lo, hi, factory, f"default ({why})", notes))
                 missing.append(f"[{lo},{hi}] ({why})")
         end = max(block.T_max, entries[-1][1] if entries else 0)
-        covered = [(r.lo, r.hi) for r in routes]
-        for lo, hi in _gaps(covered, end):
-            for blo, bhi in default_buckets(block.replace(T_max=max(block.T_max, hi))):
+        gaps = _gaps([(r.lo, r.hi) for r in routes], end)
+        defaults = default_buckets(block if end == block.T_max else block.replace(T_max=end)) if gaps else []
+        for lo, hi in gaps:
+            for blo, bhi in defaults:
                 a, b = max(lo, blo), min(hi, bhi)
                 if a <= b:
-                    routes.append(_build(block, backend, a, b, factory(a, b), "default (no entry)"))
+                    routes.append(_build_default(block, backend, a, b, factory, "default (no entry)", notes))
                     missing.append(f"[{a},{b}]")
+        _warn_fallbacks(block, backend, notes)
         if missing:
             warnings.warn(
                 f"{node}, backend {backend.name}: no usable entry for bucket(s) {', '.join(missing)}; "
@@ -197,6 +203,39 @@ def _default_factory(block: MoEBlock, backend: Backend) -> DefaultFactory:
 
 def _build(block: MoEBlock, backend: Backend, lo: int, hi: int, sch: Schedule, source: str) -> Route:
     return Route(lo, hi, sch, source, backend.build(block, sch))
+
+
+def _build_default(
+    block: MoEBlock,
+    backend: Backend,
+    lo: int,
+    hi: int,
+    factory: DefaultFactory,
+    source: str,
+    notes: list[str],
+) -> Route:
+    """The bucket's default on `backend`; if that backend cannot build it, torch's default (which runs
+    wherever torch does), noted in `notes` for the one warning."""
+    try:
+        sch = factory(lo, hi)
+        return _build(block, backend, lo, hi, sch, source)
+    except MoetuneError as e:
+        if backend.name == "torch":
+            raise
+        torch_be = get("torch")
+        alt = default_schedule(block, torch_be, representative_tokens(lo, hi))
+        notes.append(f"[{lo},{hi}] ({e}; runs {alt.describe()})")
+        return _build(block, torch_be, lo, hi, alt, f"{source}, torch fallback")
+
+
+def _warn_fallbacks(block: MoEBlock, backend: Backend, notes: list[str]) -> None:
+    if notes:
+        warnings.warn(
+            f"{block.name or block.signature_hash()}: backend {backend.name} cannot build its default in "
+            f"bucket(s) {', '.join(notes)}",
+            DispatchWarning,
+            stacklevel=3,
+        )
 
 
 def _gaps(covered: list[tuple[int, int]], end: int) -> list[tuple[int, int]]:

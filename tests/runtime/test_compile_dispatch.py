@@ -155,3 +155,27 @@ def test_gaps_are_rejected_in_hand_built_routes():
     fn = TORCH.build(block(), GEMM)
     with pytest.raises(IRError, match="gap"):
         Dispatcher(block(), TORCH, [Route(1, 4, GEMM, "x", fn), Route(6, 256, GEMM, "x", fn)])
+
+
+class _CannotBuild(type(TORCH)):
+    name = "cannot-build-test"
+
+    def build(self, blk, schedule):
+        from moetune.ir import UnsupportedSchedule
+
+        raise UnsupportedSchedule(f"{self.name} builds nothing")
+
+
+def test_default_the_backend_cannot_build_runs_torch_with_one_warning():
+    b = block()
+    with pytest.warns(DispatchWarning, match=r"cannot-build-test cannot build its default.*\[1,1\]") as rec:
+        d = Dispatcher.default(b, _CannotBuild())
+    assert len(rec) == 1
+    assert all(r.source == "default, torch fallback" and r.schedule.backend == "torch" for r in d.routes)
+    w = _tensors(b)
+    x, ids, wt = (
+        torch.randn(3, b.D),
+        torch.stack([torch.randperm(b.E)[: b.k] for _ in range(3)]),
+        torch.rand(3, b.k),
+    )
+    torch.testing.assert_close(d(x, ids, wt, w), experts_reference(b, x, ids, wt, w), rtol=1e-5, atol=1e-5)
