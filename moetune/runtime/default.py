@@ -14,7 +14,7 @@ and the first kind in that order is taken unless the backend refuses it for the 
 from `backend.kinds`) or, for the memory-bound kinds (stream_gemv, hybrid), its own cost model says
 it moves more than COST_SLACK × the bytes of the cheapest kind at T (`backend.cost`). The second
 guard is what keeps the torch backend on GEMM on CPU: its gathered GEMV copies every pair's weights
-(3·T·k·W bytes against distinct·W for the GEMM), and measured 3.7–7.5× slower than the GEMM loop
+(3·T·k·W bytes against distinct·W for the GEMM), and measured 4.2–7.6× slower than the GEMM loop
 at T = 1–4 on E=64 k=8 D=1024 F=512 fp32 (one thread); a device backend whose GEMV streams each
 expert once keeps the GEMV. The backend supplies the parameters (`backend.default`).
 """
