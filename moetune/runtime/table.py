@@ -96,7 +96,8 @@ class Versions:
         from .. import __version__
 
         name, cap = device_identity(device)
-        return cls(__version__, kernel_source_hash(backend), backend_version(backend), torch.__version__, name, cap)
+        return cls(__version__, kernel_source_hash(backend), backend_version(backend), torch.__version__,
+                   name, cap)
 
 
 _BACKEND_PACKAGES = {"torch": "torch", "triton": "triton", "pallas": "pallas"}
@@ -162,7 +163,8 @@ def judge(entry: DispatchEntry, current: Versions) -> str | None:
     """Why `entry` must not be used here ("foreign: …" / "stale: …"), or None when it is sound."""
     v = entry.versions
     if (v.device, v.capability) != (current.device, current.capability):
-        return f"foreign: tuned on {v.device} ({v.capability}), this is {current.device} ({current.capability})"
+        return (f"foreign: tuned on {v.device} ({v.capability}), "
+                f"this is {current.device} ({current.capability})")
     if v.kernel_hash != current.kernel_hash:
         return f"stale: kernel sources {v.kernel_hash} changed to {current.kernel_hash}"
     if v.backend_version != current.backend_version:
@@ -224,8 +226,8 @@ class DispatchEntry:
             fusion=json.dumps(dataclasses.asdict(schedule.fusion), sort_keys=True),
             time_us=float(time_us), floor_us=floor_us,
             pct_of_floor=None if not floor_us else 100.0 * floor_us / time_us,
-            default_time_us=default_time_us, baseline_time_us=baseline_time_us, baseline=baseline, timer=timer,
-            trials=trials, versions=versions,
+            default_time_us=default_time_us, baseline_time_us=baseline_time_us, baseline=baseline,
+            timer=timer, trials=trials, versions=versions,
             tuned_at=tuned_at or _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         )
 
@@ -246,7 +248,8 @@ class DispatchEntry:
                 space = get(self.backend).space(block, self.kind)
                 ptype = space.params_type
                 if ptype.__name__ != self.params_type:
-                    raise CacheError(f"{where}: params class {self.params_type}, backend now has {ptype.__name__}")
+                    raise CacheError(f"{where}: params class {self.params_type}, "
+                                     f"backend now has {ptype.__name__}")
                 values = {k: _tuplify(v) for k, v in json.loads(self.params).items()}
                 params = ptype(**values)
             fusion = Fusion(**json.loads(self.fusion))
@@ -287,8 +290,8 @@ class Lookup:
         if not self.rejected:
             return None
         parts = [f"[{e.bucket_lo},{e.bucket_hi}] {why}" for e, why in self.rejected]
-        return f"dispatch table {self.path}: {len(parts)} entr{'y' if len(parts) == 1 else 'ies'} not used: " + \
-            "; ".join(parts)
+        noun = "entry" if len(parts) == 1 else "entries"
+        return f"dispatch table {self.path}: {len(parts)} {noun} not used: " + "; ".join(parts)
 
 
 # -------------------------------------------------------------------------------------------- table
@@ -358,7 +361,8 @@ class DispatchTable:
         want = {c: _SQL_TYPES[t] for c, t in COLUMNS.items()}
         if have != want:
             diff = sorted(set(have.items()) ^ set(want.items()))
-            raise CacheError(f"dispatch table {self.path}: table {TABLE} has other columns than expected: {diff}")
+            raise CacheError(f"dispatch table {self.path}: table {TABLE} has other columns than expected: "
+                             f"{diff}")
 
     # context management
     def close(self) -> None:
@@ -418,8 +422,15 @@ class DispatchTable:
         not (foreign device, stale kernel or backend version, unbuildable schedule) with the reason."""
         current = versions or Versions.current(backend, device)
         usable, rejected = [], []
-        for e in self.entries(target, backend, block.signature_hash()):
+        # Tuning runs over different token ranges bucket differently: where entries overlap, the most
+        # recently tuned one is kept (a schedule is never borrowed across buckets).
+        newest_first = sorted(self.entries(target, backend, block.signature_hash()),
+                              key=lambda e: (e.tuned_at, e.bucket_lo), reverse=True)
+        for e in newest_first:
             why = judge(e, current)
+            clash = next(((lo, hi) for lo, hi, _ in usable if lo <= e.bucket_hi and e.bucket_lo <= hi), None)
+            if why is None and clash is not None:
+                why = f"overlaps [{clash[0]},{clash[1]}], which was tuned later"
             if why is None:
                 try:
                     usable.append((e.bucket_lo, e.bucket_hi, e.schedule(block)))
@@ -427,6 +438,8 @@ class DispatchTable:
                 except CacheError as err:
                     why = f"stale: {err}"
             rejected.append((e, why))
+        usable.sort(key=lambda u: u[0])
+        rejected.sort(key=lambda r: r[0].bucket_lo)
         return Lookup(tuple(usable), tuple(rejected), str(self.path))
 
 
@@ -489,7 +502,8 @@ def show(path: str | os.PathLike) -> str:
                       f"  device {v.device} ({v.capability}), {v.backend_version}, torch {v.torch}, "
                       f"moetune {v.moetune}, kernels {v.kernel_hash}",
                       f"  {'bucket':>12}  {'winner':<44} {'time µs':>9} {'floor µs':>9} {'% floor':>8} "
-                      f"{'default µs':>10} {'vs default':>10} {'baseline µs':>11} {'vs baseline':>11}  tuned at"]
+                      f"{'default µs':>10} {'vs default':>10} {'baseline µs':>11} {'vs baseline':>11}"
+                      "  tuned at"]
         vs_d = None if not e.default_time_us else e.default_time_us / e.time_us
         vs_b = None if not e.baseline_time_us else e.baseline_time_us / e.time_us
         lines.append(
@@ -506,7 +520,8 @@ def run(args) -> int:
         return 0
     if args.action == "merge":
         read, written = merge(args.inputs, args.output)
-        print(f"merged {len(args.inputs)} table(s) into {args.output}: {read} entries read, {written} written")
+        print(f"merged {len(args.inputs)} table(s) into {args.output}: "
+              f"{read} entries read, {written} written")
         print(show(args.output))
         return 0
     raise CacheError(f"unknown table action {args.action!r}")

@@ -42,9 +42,10 @@ def baseline_fn(block: MoEBlock, name: str = "grouped_mm") -> tuple[ExpertsFn | 
 
     def fn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
         mod = types.SimpleNamespace(
-            num_experts=block.E, has_gate=True, has_bias=block.layout.has_bias, is_transposed=block.layout.transposed,
-            is_concatenated=True, has_post_expert_norm=False, _is_expert_parallel=False,
-            gate_up_proj=w.gate_up, down_proj=w.down, gate_up_proj_bias=w.gate_up_bias, down_proj_bias=w.down_bias,
+            num_experts=block.E, has_gate=True, has_bias=block.layout.has_bias,
+            is_transposed=block.layout.transposed, is_concatenated=True, has_post_expert_norm=False,
+            _is_expert_parallel=False, gate_up_proj=w.gate_up, down_proj=w.down,
+            gate_up_proj_bias=w.gate_up_bias, down_proj_bias=w.down_bias,
             _apply_gate=apply_gate, act_fn=torch.nn.functional.silu,
         )
         return forward(mod, x, ids, weights)  # [T, D]

@@ -44,9 +44,11 @@ def parse_budget(s: str) -> float:
 
 
 def _block(args) -> MoEBlock:
-    given = [f"--{n.replace('_', '-')}" for n in ("preset", "config", "model_dir", "tiny") if getattr(args, n, None)]
+    names = ("preset", "config", "model_dir", "tiny")
+    given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None)]
     if len(given) != 1:
-        raise CaptureError(f"moetune tune needs one of --preset, --config, --model-dir, --tiny; got {given or 'none'}")
+        raise CaptureError("moetune tune needs one of --preset, --config, --model-dir, --tiny; "
+                           f"got {given or 'none'}")
     dtype = getattr(args, "dtype", None)
     if getattr(args, "tiny", None):
         return tiny_block(args.tiny, dtype)
@@ -116,7 +118,8 @@ def table_lines(results: list[BucketResult], device: str) -> list[str]:
         lines.append(
             f"{f'[{r.bucket[0]},{r.bucket[1]}]':>12} {r.tokens:>5}  {win[:46]:<46} {_us(r.time_s):>9} "
             f"{_us(r.floor.time_s if r.floor else None):>9} {('–' if pct is None else f'{pct:.1f}%'):>8} "
-            f"{_ratio(r.default_time_s, r.time_s):>10} {_ratio(r.baseline_time_s, r.time_s):>11}  {r.stopped}")
+            f"{_ratio(r.default_time_s, r.time_s):>10} {_ratio(r.baseline_time_s, r.time_s):>11}  "
+            f"{r.stopped}")
     base = next((r.baseline for r in results), "")
     lines.append(f"device: {device}; time: median at the bucket's T; floor at the target's roofs; "
                  f"vs default: the untuned heuristic's time / winner's; vs baseline: {base} / winner's")
@@ -135,9 +138,10 @@ def run(args) -> int:
     options = TuneOptions(storage=args.storage, strict=getattr(args, "strict", False),
                           keep_going=getattr(args, "keep_going", False), device=device,
                           seed=getattr(args, "seed", 0) or 0)
-    print(f"moetune tune: {block.name or block.signature_hash()} [{block.signature_hash()}] on {dev_name} ({cap}), "
-          f"backend {backend}, target {target}, T ∈ [{lo},{hi}], budget {budget:.0f} s"
-          + (f", trace {args.trace}" if args.trace else "") + (f", storage {args.storage}" if args.storage else ""))
+    print(f"moetune tune: {block.name or block.signature_hash()} [{block.signature_hash()}] "
+          f"on {dev_name} ({cap}), backend {backend}, target {target}, T ∈ [{lo},{hi}], budget {budget:.0f} s"
+          + (f", trace {args.trace}" if args.trace else "")
+          + (f", storage {args.storage}" if args.storage else ""))
     print(f"  {block.signature()}")
     tty = sys.stdout.isatty()
     t0 = time.monotonic()
@@ -159,7 +163,8 @@ def run(args) -> int:
         line = (f"  [{i + 1}/{n}] bucket [{r.bucket[0]},{r.bucket[1]}] T={r.tokens}: "
                 f"{r.evaluated} candidates ({r.trials} trials), best {_us(r.time_s)} µs"
                 + (f" ({pct:.1f}% of floor)" if pct is not None else "")
-                + f", default {_us(r.default_time_s)} µs; {r.stopped}" + (f"; failed: {fails}" if fails else "")
+                + f", default {_us(r.default_time_s)} µs; {r.stopped}"
+                + (f"; failed: {fails}" if fails else "")
                 + f"  [{time.monotonic() - t0:.0f} s]")
         print(("\r" if tty else "") + line + (" " * 8 if tty else ""), flush=True)
 

@@ -33,8 +33,8 @@ class CandidateError(MoetuneError):
 
     def __init__(self, schedule: Schedule, stage: str, error: BaseException, repro: str):
         self.schedule, self.stage, self.error, self.repro = schedule, stage, error, repro
-        super().__init__(f"candidate {schedule.describe()} failed to {stage}: {type(error).__name__}: {error}\n"
-                         f"repro:\n{textwrap.indent(repro, '    ')}")
+        super().__init__(f"candidate {schedule.describe()} failed to {stage}: "
+                         f"{type(error).__name__}: {error}\nrepro:\n{textwrap.indent(repro, '    ')}")
 
 
 def tolerance(dtype: str) -> float:
@@ -98,7 +98,8 @@ def make_cases(block: MoEBlock, w: ExpertTensors, tokens: int, n: int, gen: torc
     for _ in range(n):
         x = torch.randn(tokens, block.D, generator=gen).to(dtype=dt, device=device)  # [T, D]
         ids = sampler(tokens, gen).to(device)  # [T, k]
-        wts = torch.softmax(torch.randn(tokens, block.k, generator=gen), dim=1).to(dtype=rw, device=device)  # [T, k]
+        wts = torch.softmax(torch.randn(tokens, block.k, generator=gen), dim=1)  # [T, k]
+        wts = wts.to(dtype=rw, device=device)
         cases.append(Case(x, ids, wts, w))
     return cases
 
@@ -107,8 +108,8 @@ def reference(block: MoEBlock, case: Case, max_bytes: int = 1 << 30) -> torch.Te
     """experts_reference in chunks of tokens, so its gathered fp32 weights stay under `max_bytes`."""
     per_token = block.k * 3 * block.D * block.F * 4
     chunk = max(1, max_bytes // per_token)
-    outs = [experts_reference(block, case.x[i:i + chunk], case.ids[i:i + chunk], case.weights[i:i + chunk], case.w)
-            for i in range(0, case.tokens, chunk)]
+    outs = [experts_reference(block, case.x[i:i + chunk], case.ids[i:i + chunk], case.weights[i:i + chunk],
+                              case.w) for i in range(0, case.tokens, chunk)]
     return torch.cat(outs)  # [T, D] float32
 
 
@@ -202,7 +203,8 @@ class Objective:
                                                            self.device)) from e
         if status is None:
             status = f"{stage.split()[0]}_failed"
-            why = f"{type(e).__name__}: {e}\nrepro:\n{repro(self.block, schedule, self.check_tokens[0], self.device)}"
+            code = repro(self.block, schedule, self.check_tokens[0], self.device)
+            why = f"{type(e).__name__}: {e}\nrepro:\n{code}"
         else:
             why = f"{type(e).__name__}: {e}"
         return Outcome(schedule, status, reason=why, build_s=build_s)
@@ -222,11 +224,12 @@ class Objective:
             except Exception as e:  # noqa: BLE001
                 return self._fail(schedule, f"launch at T={T}", e, built.seconds)
             if tuple(out.shape) != (T, self.block.D):
-                return Outcome(schedule, "wrong", reason=f"T={T}: output shape {tuple(out.shape)}, "
-                                                         f"expected {(T, self.block.D)}", build_s=built.seconds)
+                why = f"T={T}: output shape {tuple(out.shape)}, expected {(T, self.block.D)}"
+                return Outcome(schedule, "wrong", reason=why, build_s=built.seconds)
             out = out.float()
             if not bool(torch.isfinite(out).all()):
-                return Outcome(schedule, "nonfinite", reason=f"T={T}: output has NaN or inf", build_s=built.seconds)
+                return Outcome(schedule, "nonfinite", reason=f"T={T}: output has NaN or inf",
+                               build_s=built.seconds)
             ref = reference(self.block, case)
             err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
             worst = max(worst, err)

@@ -105,8 +105,8 @@ class SearchSpace:
             d[f"{ks.kind}:{n}"] = getattr(p, n)
         for name, vals in ks.choices():
             if d[name] not in vals:
-                raise UnsupportedSchedule(f"bucket {self.bucket}: {schedule.describe()} has {name} = {d[name]!r}, "
-                                          f"outside the search space {vals}")
+                raise UnsupportedSchedule(f"bucket {self.bucket}: {schedule.describe()} has "
+                                          f"{name} = {d[name]!r}, outside the search space {vals}")
             d[name] = _encode(vals)[vals.index(d[name])]
         return d
 
@@ -137,7 +137,8 @@ class SearchSpace:
         for ks in self.kinds:
             dims = [f"{n.split(':', 1)[1]}∈{list(v)}" for n, v in ks.choices()]
             parts.append(f"{ks.kind} ({ks.size()}: {', '.join(dims) or 'no knobs'})")
-        s = f"bucket [{self.bucket[0]},{self.bucket[1]}] {self.backend}: {self.size()} points: " + "; ".join(parts)
+        s = f"bucket [{self.bucket[0]},{self.bucket[1]}] {self.backend}: {self.size()} points: "
+        s += "; ".join(parts)
         if self.refusals:
             s += "  refused: " + "; ".join(f"{k}: {r}" for k, r in self.refusals)
         return s
@@ -168,7 +169,8 @@ def build_space(block: MoEBlock, backend: Backend, bucket: Bucket) -> SearchSpac
                                             f"{bucket.label} (need 2 ≤ R ≤ {bucket.hi})"))
                 continue
         if any(ks.kind == cand.kind for ks in kinds):
-            refusals.append((cand.kind, f"rule {cand.rule}: duplicate candidate of kind {cand.kind}, first kept"))
+            refusals.append((cand.kind, f"rule {cand.rule}: duplicate candidate of kind {cand.kind}, "
+                                        "first kept"))
             continue
         kinds.append(KindSpace(cand.kind, rts, cand.fusion, backend.space(block, cand.kind), cand.rule))
     if not kinds:

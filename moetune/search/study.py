@@ -183,8 +183,8 @@ class _Study:
                                                  constant_liar=True, n_startup_trials=8)
         self.optuna = optuna
         self.space = space
-        self.study = optuna.create_study(study_name=name, storage=open_storage(options.storage), sampler=sampler,
-                                         direction="minimize", load_if_exists=True)
+        self.study = optuna.create_study(study_name=name, storage=open_storage(options.storage),
+                                         sampler=sampler, direction="minimize", load_if_exists=True)
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
 
     def enqueue(self, schedules: Sequence[Schedule]) -> None:
@@ -223,7 +223,8 @@ class _Study:
 
 def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, inputs: BucketInputs,
                 timer: Timer, options: TuneOptions, *, table: DispatchTable | None = None,
-                versions: Versions | None = None, progress: Callable[[dict], None] | None = None) -> BucketResult:
+                versions: Versions | None = None,
+                progress: Callable[[dict], None] | None = None) -> BucketResult:
     """Tune one bucket (see the module doc); write the winner to `table` when given."""
     t_start = time.monotonic()
     deadline = t_start + options.budget_s
@@ -283,8 +284,8 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
                         since_best += 1
                         best = min(best, out.time_s)
                     if progress:
-                        progress({"bucket": (bucket.lo, bucket.hi), "evaluated": len(outcomes), "best_s": best,
-                                  "floor_s": floor_s, "last": out})
+                        progress({"bucket": (bucket.lo, bucket.hi), "evaluated": len(outcomes),
+                                  "best_s": best, "floor_s": floor_s, "last": out})
             except BaseException:
                 for trial, _, _ in todo[told:]:
                     st.fail(trial)
@@ -314,7 +315,8 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
     base_s = objective.time_fn(base_fn).median_s if base_fn is not None else None
     result = BucketResult(
         bucket=(bucket.lo, bucket.hi), tokens=inputs.tokens, winner=winner, time_s=win_s, floor=floor,
-        default=default, default_time_s=default_s, baseline=blabel if base_fn is not None else f"none ({blabel})",
+        default=default, default_time_s=default_s,
+        baseline=blabel if base_fn is not None else f"none ({blabel})",
         baseline_time_s=base_s, trials=len(st.study.trials), evaluated=len(outcomes), failures=failures,
         stopped=stopped, space=space.describe(),
     )
@@ -332,7 +334,7 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
 
 
 class _Untried:
-    """When TPE proposes a point already scored, enqueue a random point not yet tried instead (small spaces)."""
+    """When TPE proposes a point already scored, enqueue a random untried one instead (small spaces)."""
 
     LIMIT = 20000
 
@@ -361,7 +363,9 @@ def _placeholder(trial) -> Schedule:
     """A Schedule to hang a refusal on when the sampled parameters could not make one."""
     kind = trial.params.get("kind", "grouped_gemm")
     rt = trial.params.get(f"{kind}:row_threshold") if kind == "hybrid" else None
-    return Schedule(kind, row_threshold=rt if isinstance(rt, int) and rt >= 2 else (2 if kind == "hybrid" else None))
+    if kind != "hybrid":
+        return Schedule(kind)
+    return Schedule(kind, row_threshold=rt if isinstance(rt, int) and rt >= 2 else 2)
 
 
 def _replace(r: BucketResult, **kw) -> BucketResult:
@@ -448,7 +452,8 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
         share = max(left / (len(buckets) - i), 1e-3)
         opts = _replace_opts(options, budget_s=share, device=device)
         inputs = bucket_inputs(block, b, w, routings=routings, seed=options.seed, sampler=sampler)
-        r = tune_bucket(block, be, target, b, inputs, timer, opts, table=table, versions=versions, progress=progress)
+        r = tune_bucket(block, be, target, b, inputs, timer, opts, table=table, versions=versions,
+                        progress=progress)
         results.append(r)
         if on_bucket:
             on_bucket(i, len(buckets), r)

@@ -152,7 +152,8 @@ class CudaGraphTimer:
         del graphs
         return Timing(statistics.median(times), _iqr(times), len(times), self.name, host)
 
-    def _host_launched(self, fn: ExpertsFn, cases: Sequence[Case], buf: torch.Tensor, sink: torch.Tensor) -> float:
+    def _host_launched(self, fn: ExpertsFn, cases: Sequence[Case], buf: torch.Tensor,
+                       sink: torch.Tensor) -> float:
         times = []
         with torch.inference_mode():
             for i in range(max(20, self.reps // 4)):

@@ -58,9 +58,9 @@ def test_versioned_typed_columns_and_wal(tmp_path):
         assert cols == {c: {str: "TEXT", int: "INTEGER", float: "REAL"}[ty] for c, ty in COLUMNS.items()}
         assert tuple(t.db[TABLE].pks) == PK
         assert t.db.journal_mode == "wal"
-        for need in ("signature_text", "kind", "row_threshold", "params", "params_type", "fusion", "time_us",
-                     "floor_us", "pct_of_floor", "default_time_us", "baseline_time_us", "moetune", "kernel_hash",
-                     "backend_version", "torch", "device", "capability", "tuned_at"):
+        for need in ("signature_text", "kind", "row_threshold", "params", "params_type", "fusion",
+                     "time_us", "floor_us", "pct_of_floor", "default_time_us", "baseline_time_us", "moetune",
+                     "kernel_hash", "backend_version", "torch", "device", "capability", "tuned_at"):
             assert need in cols
 
 
@@ -130,7 +130,8 @@ def test_put_replaces_an_entry_measured_with_other_kernels_but_merge_does_not(tm
 def test_keys_are_distinct_per_target_backend_signature_bucket(tmp_path):
     b2 = BLOCK.replace(F=48)
     with DispatchTable(tmp_path / "d.sqlite") as t:
-        for e in (entry(1, 4, 1.0), entry(5, 8, 1.0), entry(1, 4, 1.0, target="h200"), entry(1, 4, 1.0, block=b2)):
+        for e in (entry(1, 4, 1.0), entry(5, 8, 1.0), entry(1, 4, 1.0, target="h200"),
+                  entry(1, 4, 1.0, block=b2)):
             assert t.put(e)
         assert len(t.entries()) == 4
         assert len(t.entries("cpu", "torch", BLOCK.signature_hash())) == 2
@@ -178,7 +179,7 @@ JUDGE_CASES = [
     ({"capability": "sm_90"}, "foreign"),
     ({"kernel_hash": "deadbeefdeadbeef"}, "stale: kernel sources"),
     ({"backend_version": "torch 2.0.0"}, "stale: tuned with torch 2.0.0"),
-    ({"moetune": "0.0.1", "torch": "2.0.0"}, None),  # code identity is the kernel hash, not the version string
+    ({"moetune": "0.0.1", "torch": "2.0.0"}, None),  # code identity: the kernel hash, not the version
 ]
 
 
@@ -205,7 +206,8 @@ def test_load_entries_leaves_stale_and_foreign_out_with_one_warning(tmp_path):
     assert got[0][2] == sched("stream_gemv", 1)
     msgs = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
     assert len(msgs) == 1, msgs
-    assert str(path) in msgs[0] and "[2,2] foreign" in msgs[0] and "[3,7] stale" in msgs[0] and "[8,16] stale" in msgs[0]
+    assert str(path) in msgs[0] and "[2,2] foreign" in msgs[0]
+    assert "[3,7] stale" in msgs[0] and "[8,16] stale" in msgs[0]
 
 
 def test_load_entries_of_another_block_or_target_is_empty_without_warning(tmp_path):
@@ -320,3 +322,19 @@ def test_runtime_table_imports_neither_search_nor_optuna():
             "bad = [m for m in sys.modules if m.startswith(('optuna', 'moetune.search'))]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_overlapping_entries_of_two_tuning_runs_keep_the_newer(tmp_path):
+    path = tmp_path / "d.sqlite"
+    import dataclasses
+
+    old = [dataclasses.replace(entry(lo, hi, 1.0), tuned_at="2026-01-01T00:00:00+00:00")
+           for lo, hi in ((1, 1), (2, 2), (3, 7), (8, 8))]
+    new = [dataclasses.replace(entry(lo, hi, 2.0), tuned_at="2026-02-01T00:00:00+00:00")
+           for lo, hi in ((3, 7), (8, 17))]
+    with DispatchTable(path) as t:
+        for e in old + new:
+            t.put(e)
+    with pytest.warns(CacheWarning, match=r"\[8,8\] overlaps \[8,17\]"):
+        got = load_entries(path, BLOCK, "cpu", "torch")
+    assert [(lo, hi) for lo, hi, _ in got] == [(1, 1), (2, 2), (3, 7), (8, 17)]

@@ -8,8 +8,8 @@ import multiprocessing as mp
 
 import optuna
 import pytest
-import toy_backend as tb
 import torch
+import toy_backend as tb
 
 from moetune.ir import UnsupportedSchedule
 from moetune.runtime.table import DispatchTable, Versions
@@ -113,7 +113,8 @@ def test_strict_reraises_even_known_failures(fault):
 
 def test_params_refused_by_the_backend_are_scored_not_raised():
     be = tb.toy("toy-params")
-    r = run(be, bucket=tb.bucket(floor_s=1e-9), patience=1000)  # walk the whole space: ToyParams(64, 3) refuses itself (4 of 36 points)
+    # walk the whole space: ToyParams(64, 3) refuses itself (4 of 36 points)
+    r = run(be, bucket=tb.bucket(floor_s=1e-9), patience=1000)
     assert r.stopped == "space exhausted (32 points)" and r.evaluated == 32
 
 
@@ -141,7 +142,8 @@ def test_a_bucket_with_nothing_to_try_names_its_reasons():
 def test_tuning_inputs_come_from_the_trace():
     rows = torch.tensor([[0, 1], [1, 0], [0, 1]])  # a trace that only ever routes to experts 0 and 1
     b = tb.bucket(lo=2, hi=16)
-    inp = bucket_inputs(tb.BLOCK, b, expert_tensors(tb.BLOCK), routings=4, sampler=trace_sampler(tb.BLOCK, rows))
+    sampler = trace_sampler(tb.BLOCK, rows)
+    inp = bucket_inputs(tb.BLOCK, b, expert_tensors(tb.BLOCK), routings=4, sampler=sampler)
     for c in inp.cases:
         assert set(c.ids.unique().tolist()) <= {0, 1} and c.tokens == inp.tokens
     assert inp.tokens == 4 and inp.check_tokens == (2, 4, 16)
@@ -157,7 +159,8 @@ def _worker(journal: str, table: str, seed: int, out) -> None:
         results = []
         with DispatchTable(table) as t:
             for lo, hi in ((1, 8), (9, 16)):
-                r = run(be, bucket=tb.bucket(lo, hi), table=t, storage=journal, seed=seed, patience=12, batch=2)
+                r = run(be, bucket=tb.bucket(lo, hi), table=t, storage=journal, seed=seed, patience=12,
+                        batch=2)
                 results.append((r.bucket, r.evaluated, r.time_s))
         out.put(results)
     except BaseException:

@@ -24,8 +24,8 @@ class ToyParams:
 
     def __post_init__(self) -> None:
         if self.tile == 64 and self.stages == 3:
-            raise UnsupportedSchedule("ToyParams(tile=64, stages=3): needs 200 KiB shared memory, limit 100 KiB; "
-                                      "lower stages")
+            raise UnsupportedSchedule("ToyParams(tile=64, stages=3): needs 200 KiB shared memory, "
+                                      "limit 100 KiB; lower stages")
 
 
 SPACE = ParamSpace(ToyParams, (("tile", (16, 32, 64)), ("stages", (1, 2, 3))))
@@ -48,7 +48,8 @@ class ToyBackend:
         return SPACE
 
     def default(self, block: MoEBlock, kind: str, tokens: int) -> Schedule:
-        return Schedule(kind, row_threshold=2 if kind == "hybrid" else None, backend=self.name, params=ToyParams())
+        rt = 2 if kind == "hybrid" else None
+        return Schedule(kind, row_threshold=rt, backend=self.name, params=ToyParams())
 
     def build(self, block: MoEBlock, schedule: Schedule):
         p = schedule.params
@@ -79,7 +80,8 @@ def toy(name: str, **kw) -> ToyBackend:
     return register(ToyBackend(name, **kw))
 
 
-BLOCK = MoEBlock(E=8, k=2, D=32, F=16, weight_dtype="float32", routing_weight_dtype="float32", T_max=64, name="toy")
+BLOCK = MoEBlock(E=8, k=2, D=32, F=16, weight_dtype="float32", routing_weight_dtype="float32", T_max=64,
+                 name="toy")
 
 
 def bucket(lo: int = 1, hi: int = 8, floor_s: float = 1e-6, rts: tuple[int, ...] = (2, 4, 16)) -> Bucket:

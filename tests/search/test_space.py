@@ -1,0 +1,89 @@
+"""The search space: the passes' candidates × the backend's ParamSpace, and the Optuna round trip."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+import toy_backend as tb
+
+from moetune.codegen.backend import get
+from moetune.ir import Bucket, CandidateSpace, Fusion, MoEBlock, Refusal, Schedule, UnsupportedSchedule
+from moetune.search.space import build_space, key
+
+
+def kinds_of(space) -> dict:
+    return {ks.kind: ks.row_thresholds for ks in space.kinds}
+
+
+CROSS_CASES = [
+    # (bucket, backend refusals, expected kinds → thresholds, expected refused kinds)
+    (tb.bucket(1, 8), {}, {"grouped_gemm": (), "stream_gemv": (), "hybrid": (2, 4)}, set()),  # R=16 dropped
+    (tb.bucket(1, 32), {}, {"grouped_gemm": (), "stream_gemv": (), "hybrid": (2, 4, 16)}, set()),
+    (tb.bucket(1, 1), {}, {"grouped_gemm": (), "stream_gemv": ()}, {"hybrid"}),  # no R ≤ 1
+    (tb.bucket(1, 8), {"stream_gemv": "no gemv kernel"}, {"grouped_gemm": (), "hybrid": (2, 4)},
+     {"stream_gemv"}),
+]
+
+
+@pytest.mark.parametrize("bucket,refuse,kinds,refused", CROSS_CASES)
+def test_space_crosses_candidates_with_backend_kinds(bucket, refuse, kinds, refused):
+    be = tb.toy(f"toy-space-{len(refuse)}", refuse_kinds=refuse)
+    space = build_space(tb.BLOCK, be, bucket)
+    assert kinds_of(space) == kinds
+    assert {k for k, _ in space.refusals} == refused
+    for _, why in space.refusals:
+        assert why  # every refusal carries its reason
+    assert space.size() == sum(max(1, len(r)) * 9 for r in kinds.values())
+
+
+def test_refusals_of_the_passes_are_kept():
+    b = Bucket(1, 4, candidates=(CandidateSpace("stream_gemv"),),
+               refusals=(Refusal("grouped_gemm", "grouped_gemm", "one-row regime"),))
+    space = build_space(tb.BLOCK, tb.toy("toy-space-r"), b)
+    assert ("grouped_gemm", "grouped_gemm: one-row regime") in space.refusals
+
+
+def test_nothing_left_is_refused_with_every_reason():
+    be = tb.toy("toy-space-none", refuse_kinds={"stream_gemv": "no gemv kernel"})
+    b = Bucket(3, 7, candidates=(CandidateSpace("stream_gemv"),),
+               refusals=(Refusal("grouped_gemm", "grouped_gemm", "one-row regime"),))
+    with pytest.raises(UnsupportedSchedule, match=r"\[3,7\].*one-row regime.*no gemv kernel"):
+        build_space(tb.BLOCK, be, b)
+
+
+def test_grid_round_trips_through_optuna_params():
+    space = build_space(tb.BLOCK, tb.toy("toy-space-grid"), tb.bucket(1, 8))
+    points = list(space.grid())
+    ok = [p for p in points if isinstance(p, Schedule)]
+    refused = [p for p in points if isinstance(p, UnsupportedSchedule)]
+    assert len(points) == space.size() == 36 and len(refused) == 4  # ToyParams(64, 3) per kind and R
+    assert len({key(s) for s in ok}) == len(ok)
+    for s in ok:
+        params = space.params_of(s)
+        assert space.schedule_of(params) == s
+        trial = optuna.trial.FixedTrial(params)
+        assert space.suggest(trial) == s
+    outside = Schedule("hybrid", row_threshold=16, backend=ok[0].backend, params=tb.ToyParams())
+    assert not space.contains(outside)
+
+
+def test_candidate_fusion_reaches_the_schedule():
+    f = Fusion(combine_in_down=False)
+    b = Bucket(1, 8, candidates=(CandidateSpace("grouped_gemm", fusion=f),))
+    space = build_space(tb.BLOCK, tb.toy("toy-space-f"), b)
+    assert all(s.fusion == f for s in space.grid() if isinstance(s, Schedule))
+
+
+def test_every_bucket_of_the_passes_has_a_torch_space():
+    from moetune.passes.pipeline import schedule_block
+
+    block = MoEBlock(E=16, k=4, D=64, F=40, weight_dtype="float32", routing_weight_dtype="float32")
+    sb = schedule_block(block, "cpu", tokens=(1, 1024))
+    torch_be = get("torch")
+    for b in sb.buckets:
+        space = build_space(block, torch_be, b)
+        assert space.size() >= 1
+        assert {ks.kind for ks in space.kinds} <= {c.kind for c in b.candidates}
+        for s in space.grid():
+            assert isinstance(s, Schedule) and s.backend == "torch"
+            torch_be.build(block, s)  # every point builds

@@ -1,0 +1,76 @@
+"""Timers: the CPU timer's median, rotation and thread handling; the fake timer; the CUDA timer on a GPU."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import toy_backend as tb
+
+from moetune.search.objective import expert_tensors, make_cases
+from moetune.search.timing import CpuTimer, CudaGraphTimer, FakeTimer, timer_for
+
+
+def cases(n: int = 4, T: int = 3):
+    return make_cases(tb.BLOCK, expert_tensors(tb.BLOCK), T, n, torch.Generator().manual_seed(0))
+
+
+def test_cpu_timer_takes_the_median_and_rotates_the_routings():
+    cs = cases(4)
+    seen = []
+    slow = {id(cs[0].x)}  # one routing in four is slow: the median must not see it
+
+    def fn(x, ids, weights, w):
+        seen.append(id(x))
+        time.sleep(0.02 if id(x) in slow else 0.002)
+        return x
+
+    t = CpuTimer(warmup=2, reps=12, max_time_s=5.0)(fn, cs)
+    assert t.reps == 12 and len(seen) == 14
+    assert all(a != b for a, b in zip(seen, seen[1:], strict=False))  # never the same routing twice in a row
+    assert {id(c.x) for c in cs} == set(seen)
+    assert 0.002 <= t.median_s < 0.01
+    assert t.spread_s >= 0
+
+
+def test_cpu_timer_stops_at_its_time_cap():
+    calls = []
+
+    def fn(x, ids, weights, w):
+        calls.append(1)
+        time.sleep(0.01)
+
+    t = CpuTimer(warmup=0, reps=1000, max_time_s=0.05)(fn, cases(2))
+    assert 5 <= t.reps < 20
+
+
+def test_cpu_timer_runs_on_its_threads_and_restores_them():
+    before = torch.get_num_threads()
+    inside = []
+    CpuTimer(warmup=0, reps=2, threads=1)(lambda *a: inside.append(torch.get_num_threads()), cases(2))
+    assert inside == [1, 1] and torch.get_num_threads() == before
+
+
+def test_fake_timer_runs_the_kernel_once_and_reports_the_cost():
+    calls = []
+    s = tb.toy("toy-timing").default(tb.BLOCK, "stream_gemv", 1)
+    t = FakeTimer(tb.cost)(lambda *a: calls.append(1), cases(2), s)
+    assert calls == [1] and t.median_s == tb.cost(s)
+
+
+def test_timer_for_the_device():
+    assert isinstance(timer_for("cpu"), CpuTimer)
+    assert isinstance(timer_for("cuda:0"), CudaGraphTimer)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph timing needs a CUDA device")
+def test_cuda_graph_timer_on_a_gpu():  # pragma: no cover - GPU only
+    block = tb.BLOCK.replace(weight_dtype="bfloat16", routing_weight_dtype="bfloat16")
+    w = expert_tensors(block, "cuda")
+    cs = make_cases(block, w, 4, 8, torch.Generator().manual_seed(0))
+    from moetune.search.baseline import baseline_fn
+
+    fn, _ = baseline_fn(block, "batched_mm")
+    t = CudaGraphTimer(reps=20, warmup=2)(fn, cs)
+    assert 0 < t.median_s < 0.1 and t.host_median_s is not None

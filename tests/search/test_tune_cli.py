@@ -1,0 +1,116 @@
+"""`moetune tune` end to end on CPU: a tiny model's block tuned with the torch backend into a table that
+`moetune show` lists and that a compiled tiny model uses, with the same logits as the original."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from moetune.cli import main as cli_main
+from moetune.runtime.table import CacheWarning, DispatchTable, load_entries
+from moetune.search.cli import parse_budget, parse_tokens, tiny_block
+
+FAMILY = "qwen3_moe"
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tune") / "cpu-tiny.sqlite"
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli_main(["tune", "--tiny", FAMILY, "--tokens", "1-8", "--budget", "12s", "--cache", str(path)])
+    return rc, out.getvalue(), path
+
+
+def test_tune_prints_a_line_per_bucket_and_the_final_table(tuned):
+    rc, out, path = tuned
+    assert rc == 0, out
+    block = tiny_block(FAMILY)
+    assert block.signature_hash() in out and "cpu:" in out  # the block and the device are named
+    lines = out.splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.strip().startswith("bucket"))
+    rows = [ln for ln in lines[header + 2:] if ln.strip().startswith("[")]
+    progress = [ln for ln in lines[:header] if "] bucket [" in ln]
+    assert len(rows) == len(progress) >= 3
+    for ln in rows:
+        assert "%" in ln and "×" in ln
+    assert "device: cpu:" in out and "transformers:grouped_mm" in out
+
+
+def test_the_table_holds_every_bucket_and_the_runtime_reads_it(tuned):
+    _, out, path = tuned
+    block = tiny_block(FAMILY)
+    with DispatchTable(path, create=False) as t:
+        rows = t.entries("cpu", "torch", block.signature_hash())
+    spans = [(e.bucket_lo, e.bucket_hi) for e in rows]
+    assert spans[0][0] == 1 and spans[-1][1] == 8
+    assert all(b[0] == a[1] + 1 for a, b in zip(spans, spans[1:], strict=False))  # no gap, no overlap
+    for e in rows:
+        assert e.time_us > 0 and e.floor_us > 0 and e.default_time_us > 0 and e.baseline_time_us > 0
+        assert e.pct_of_floor == pytest.approx(100 * e.floor_us / e.time_us)
+        assert e.timer.startswith("cpu:") and e.versions.device.startswith("cpu:")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)
+        got = load_entries(path, block, "cpu", "torch")
+    assert [(lo, hi) for lo, hi, _ in got] == spans
+
+
+def test_show_lists_the_tuned_table(tuned, capsys):
+    _, _, path = tuned
+    assert cli_main(["show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "target cpu  backend torch" in out and "% floor" in out
+
+
+def test_a_compiled_tiny_model_with_the_tuned_table_gives_the_same_logits(tuned):
+    _, _, path = tuned
+    from moetune.runtime import compile as mt_compile
+    from moetune.runtime import uncompile
+    from moetune.tiny import build
+
+    model = build(FAMILY)
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want = model(input_ids=ids, use_cache=False).logits.float()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # buckets above the tuned range fall back to the default, once
+        mt_compile(model, cache=str(path), backend="torch", T_max=8)
+    try:
+        from moetune.runtime import plans
+
+        ps = plans(model)
+        assert ps, "no block was compiled"
+        for p in ps:  # every tuned bucket runs the table's schedule
+            tuned = [r.source for r in p.dispatcher.routes if r.hi <= 8]
+            assert tuned and set(tuned) == {"table"}
+        with torch.inference_mode():
+            got = model(input_ids=ids, use_cache=False).logits.float()
+    finally:
+        uncompile(model)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+PARSE_CASES = [("1-1024", (1, 1024)), ("8", (8, 8)), (" 2 - 16 ", (2, 16))]
+
+
+@pytest.mark.parametrize("text,want", PARSE_CASES)
+def test_parse_tokens(text, want):
+    assert parse_tokens(text) == want
+
+
+@pytest.mark.parametrize("text,want", [("90s", 90), ("10m", 600), ("1.5h", 5400), ("45", 45)])
+def test_parse_budget(text, want):
+    assert parse_budget(text) == want
+
+
+@pytest.mark.parametrize("argv", [["tune", "--tokens", "8-1", "--tiny", FAMILY], ["tune", "--budget", "soon",
+                                                                                  "--tiny", FAMILY],
+                                  ["tune"], ["tune", "--tiny", FAMILY, "--preset", "qwen3-30b-a3b"]])
+def test_bad_arguments_are_errors_not_tracebacks(argv, capsys):
+    assert cli_main(argv) == 2
+    assert "moetune tune:" in capsys.readouterr().err
