@@ -15,7 +15,7 @@ import importlib.abc
 import sys
 
 _LAZY = {
-    "compiled": ("PLANS", "Plan", "compile", "experts_forward", "plans", "uncompile"),
+    "compiled": ("PLANS", "Plan", "compile", "describe", "experts_forward", "plans", "uncompile"),
     "default": ("default_kind", "default_schedule", "rows_per_active"),
     "dispatch": ("Dispatcher", "DispatchWarning", "Route", "default_buckets", "regime_buckets"),
 }

@@ -258,3 +258,18 @@ def uncompile(model: torch.nn.Module) -> torch.nn.Module:
 def plans(model: torch.nn.Module) -> list[Plan]:
     """The plans attached to `model`'s experts modules, in module order."""
     return [m._moetune_plan for m in model.modules() if getattr(m, "_moetune_plan", None) is not None]
+
+
+def describe(model: torch.nn.Module) -> str:
+    """Each compiled experts module with its buckets and their schedules (and where they came from)."""
+    state: CompileState | None = getattr(model, "_moetune_state", None)
+    if state is None:
+        return f"{type(model).__name__}: not compiled by moetune"
+    lines = [f"{type(model).__name__}: backend {state.backend}, table {state.cache or '(none: defaults)'}"]
+    for p in plans(model):
+        lines.append(f"{p.path}  [{p.block.signature_hash()}]  plan {p.id}")
+        lines.append(p.dispatcher.describe())
+    for c in state.captured:
+        if c.block is None:
+            lines.append(f"{c.path}: left as is ({c.reason})")
+    return "\n".join(lines)

@@ -293,3 +293,17 @@ def test_generate_decodes_the_same_tokens():
     moetune.compile(model)
     assert torch.equal(model.generate(input_ids=ids, **kw), ref)
     moetune.uncompile(model)
+
+
+def test_describe_lists_buckets_and_left_blocks():
+    from moetune.runtime import describe
+
+    model = build("qwen3_moe")
+    assert "not compiled" in describe(model)
+    moetune.compile(model)
+    text = describe(model)
+    assert "model.layers.0.mlp" in text and "model.layers.1.mlp" in text and "T∈[1,1]" in text
+    assert "torch:grouped_gemm" in text and "table (none: defaults)" in text
+    moetune.uncompile(model)
+    llama = moetune.compile(build("llama4"))
+    assert "left as is" in describe(llama)
