@@ -3,10 +3,12 @@
     moetune tune --preset NAME | --config FILE | --model-dir DIR | --tiny FAMILY
                  [--tokens 1-1024] [--trace FILE] [--budget 10m] [--cache PATH] [--storage URL]
                  [--backend torch|triton] [--target NAME] [--dtype D] [--strict] [--keep-going]
+                 [--exhaustive]
 
 One line per bucket while it tunes, then a table: bucket, winner, time, floor, % of floor, vs the
 default heuristic, vs transformers' baseline; the device is named. Winners go to `--cache`
-(default cache/<target>.sqlite), replacing only slower entries.
+(default cache/<target>.sqlite; cache/<target>-tiny.sqlite for --tiny), replacing only slower entries.
+`--exhaustive` times every point of each bucket's space (to check the TPE winner against a grid).
 """
 
 from __future__ import annotations
@@ -133,11 +135,12 @@ def run(args) -> int:
     device = "cpu" if backend == "torch" else "cuda"
     target = getattr(args, "target", None) or _default_target(device)
     block = _block(args)
-    cache = Path(args.cache or f"cache/{target}.sqlite")
+    cache = Path(args.cache or (f"cache/{target}-tiny.sqlite" if getattr(args, "tiny", None)
+                                else f"cache/{target}.sqlite"))
     dev_name, cap = device_identity(device)
     options = TuneOptions(storage=args.storage, strict=getattr(args, "strict", False),
                           keep_going=getattr(args, "keep_going", False), device=device,
-                          seed=getattr(args, "seed", 0) or 0)
+                          seed=getattr(args, "seed", 0) or 0, exhaustive=getattr(args, "exhaustive", False))
     print(f"moetune tune: {block.name or block.signature_hash()} [{block.signature_hash()}] "
           f"on {dev_name} ({cap}), backend {backend}, target {target}, T ∈ [{lo},{hi}], budget {budget:.0f} s"
           + (f", trace {args.trace}" if args.trace else "")

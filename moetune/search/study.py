@@ -58,6 +58,7 @@ class TuneOptions:
     strict: bool = False
     keep_going: bool = False
     storage: object = None  # RDB URL, journal file, or an optuna storage; shared by workers
+    exhaustive: bool = False  # every point of the space, no early stop (to check TPE against a grid)
     device: str | None = None  # None: cuda for GPU backends, cpu for torch
 
     def __post_init__(self) -> None:
@@ -174,7 +175,11 @@ class _Study:
     """One bucket's Optuna study driven with ask/tell."""
 
     def __init__(self, name: str, space: SearchSpace, options: TuneOptions):
-        import optuna
+        try:
+            import optuna
+        except ImportError as e:
+            raise UnsupportedSchedule("moetune tune needs Optuna: pip install 'moetune[tune]' "
+                                      f"(optuna==5.0.0); {e}") from e
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         with warnings.catch_warnings():
@@ -237,6 +242,8 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
     st = _Study(name, space, options)
     default = runtime_default(block, backend, bucket)
     st.enqueue(default_schedules(block, backend, space, inputs.tokens, first=default))
+    if options.exhaustive:
+        st.enqueue([s for s in space.grid() if isinstance(s, Schedule)])
 
     outcomes: dict[str, Outcome] = {}
     refused: set[str] = set()  # parameter combinations the backend's params class refuses
@@ -294,13 +301,13 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
             tried = len(set(outcomes) | set(scored))
             if untried.size == space.size():  # not listed: params refusals count as tried points
                 tried += len(refused)
-            if floor_s and best <= floor_s / (1 - options.margin):
+            if floor_s and best <= floor_s / (1 - options.margin) and not options.exhaustive:
                 stopped = f"within {options.margin:.0%} of the floor"
-            elif since_best >= options.patience:
+            elif since_best >= options.patience and not options.exhaustive:
                 stopped = f"no {options.min_gain:.0%} gain in {since_best} trials"
             elif tried >= untried.size:
                 stopped = f"space exhausted ({untried.size} points)"
-            elif n_trials >= options.max_trials:
+            elif n_trials >= options.max_trials and not options.exhaustive:
                 stopped = f"{n_trials} trials"
             elif time.monotonic() >= deadline:
                 stopped = f"budget {options.budget_s:.0f} s spent"
@@ -312,7 +319,12 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
     winner, win_s, default_s = _final(st, space, objective, outcomes, default, options)
     bname = options.baseline or default_baseline(objective.device)
     base_fn, blabel = baseline_fn(block, bname)
-    base_s = objective.time_fn(base_fn).median_s if base_fn is not None else None
+    base_s = None
+    if base_fn is not None:
+        try:
+            base_s = objective.time_fn(base_fn).median_s
+        except Exception as e:  # noqa: BLE001 - a baseline that cannot be timed here is reported, not fatal
+            base_fn, blabel = None, f"{blabel} failed: {type(e).__name__}: {e}"[:200]
     result = BucketResult(
         bucket=(bucket.lo, bucket.hi), tokens=inputs.tokens, winner=winner, time_s=win_s, floor=floor,
         default=default, default_time_s=default_s,

@@ -22,7 +22,12 @@ from typing import Protocol
 import torch
 
 from ..codegen.common import ExpertsFn, ExpertTensors
-from ..ir import Schedule
+from ..ir import Schedule, UnsupportedSchedule
+
+
+class NotCapturable(UnsupportedSchedule):
+    """A kernel that cannot be captured in a CUDA graph (it synchronises, or allocates on the host):
+    a compiled model must stay capturable, so the search scores it as refused."""
 
 
 @dataclass(frozen=True)
@@ -131,8 +136,12 @@ class CudaGraphTimer:
             torch.cuda.synchronize(device)
             for c in cases:
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, stream=stream):
-                    fn(c.x, c.ids, c.weights, c.w)
+                try:
+                    with torch.cuda.graph(g, stream=stream):
+                        fn(c.x, c.ids, c.weights, c.w)
+                except RuntimeError as e:
+                    torch.cuda.synchronize(device)
+                    raise NotCapturable(f"not CUDA-graph capturable: {type(e).__name__}: {e}") from e
                 graphs.append(g)
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)

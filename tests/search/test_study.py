@@ -197,3 +197,11 @@ def test_two_workers_share_one_journal_study_and_one_table(tmp_path):
         assert len(workers) == 2
         evaluated = [t for t in done if not t.user_attrs.get("duplicate")]
         assert len(evaluated) >= max(r[1] for g in got for r in g if r[0] == bucket)
+
+
+def test_exhaustive_mode_times_every_point_and_agrees_with_tpe():
+    be = tb.toy("toy-grid", faults={p: "wrong" for p in FASTEST})
+    grid = run(be, exhaustive=True, bucket=tb.bucket(floor_s=9.9e-6))  # the floor stop is off in a grid
+    tpe = run(be)
+    assert grid.evaluated == 32 and grid.stopped == "space exhausted (32 points)"
+    assert grid.winner == tpe.winner and grid.time_s == tpe.time_s

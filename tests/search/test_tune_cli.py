@@ -95,6 +95,28 @@ def test_a_compiled_tiny_model_with_the_tuned_table_gives_the_same_logits(tuned)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_tune_from_a_skewed_trace(tmp_path):
+    from moetune.passes.trace import synthetic_trace
+
+    block = tiny_block(FAMILY)
+    trace = synthetic_trace(block.E, block.k, tokens=512, zipf=1.5).save(tmp_path / "skewed")
+    path = tmp_path / "t.sqlite"
+    rc = cli_main(["tune", "--tiny", FAMILY, "--tokens", "1-4", "--budget", "4s", "--cache", str(path),
+                   "--trace", str(trace)])
+    assert rc == 0
+    with DispatchTable(path, create=False) as t:
+        assert t.entries()[-1].bucket_hi == 4
+
+
+def test_a_foreign_trace_is_an_error_naming_it(tmp_path, capsys):
+    from moetune.passes.trace import synthetic_trace
+
+    trace = synthetic_trace(8, 2, tokens=64).save(tmp_path / "other")  # another E and k
+    rc = cli_main(["tune", "--tiny", FAMILY, "--tokens", "1-2", "--budget", "2s", "--cache",
+                   str(tmp_path / "t.sqlite"), "--trace", str(trace)])
+    assert rc == 2 and "E=8" in capsys.readouterr().err
+
+
 PARSE_CASES = [("1-1024", (1, 1024)), ("8", (8, 8)), (" 2 - 16 ", (2, 16))]
 
 
