@@ -115,7 +115,7 @@ def table_lines(results: list[BucketResult], device: str) -> list[str]:
            f"{'vs default':>10} {'vs baseline':>11}  stopped")
     lines = [hdr, "-" * len(hdr)]
     for r in results:
-        win = r.winner.describe().split(":", 1)[-1] if r.winner else "(none: every candidate failed)"
+        win = r.winner.describe().split(":", 1)[-1] if r.winner else "(none: the runtime keeps its default)"
         pct = r.pct_of_floor
         lines.append(
             f"{f'[{r.bucket[0]},{r.bucket[1]}]':>12} {r.tokens:>5}  {win[:46]:<46} {_us(r.time_s):>9} "

@@ -72,13 +72,18 @@ def trace_sampler(block: MoEBlock, rows: torch.Tensor) -> RoutingSampler:
 
 
 def expert_tensors(block: MoEBlock, device: str | torch.device = "cpu", seed: int = 0) -> ExpertTensors:
-    """Random weights in the block's layout and dtype: N(0, 1/D) for gate/up, N(0, 1/F) for down."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights in the block's layout and dtype: N(0, 1/D) for gate/up, N(0, 1/F) for down.
+
+    Drawn on the device one expert at a time, so a large block never has an fp32 copy of itself."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     dt = TORCH_DTYPES[block.weight_dtype]
     lay = block.layout
 
     def randn(shape, std):
-        return (torch.randn(shape, generator=gen) * std).to(dtype=dt, device=device)
+        out = torch.empty(shape, dtype=dt, device=device)
+        for e in range(shape[0]):  # [2F, D], [D, F], ... of one expert
+            out[e] = torch.randn(shape[1:], generator=gen, device=device) * std
+        return out
 
     gu = randn(lay.gate_up_shape(block.E, block.D, block.F), block.D ** -0.5)  # [E, 2F, D] or [E, D, 2F]
     dn = randn(lay.down_shape(block.E, block.D, block.F), block.F ** -0.5)  # [E, D, F] or [E, F, D]
@@ -186,6 +191,25 @@ class Objective:
         self.strict, self.keep_going = strict, keep_going
         self._gen = torch.Generator().manual_seed(seed + 7919)
         self.tol = tolerance(block.weight_dtype)
+        self._pool: dict[int, list[tuple[Case, torch.Tensor]]] = {}
+        self._turn = 0
+
+    # fresh inputs for every candidate; where the fp32 reference is costly (large blocks at large T),
+    # a pool of POOL fresh cases per token count, each candidate checked on the next one in turn
+    POOL = 4
+    FRESH_REFERENCE_BYTES = 2 << 30
+
+    def _check_case(self, T: int) -> tuple[Case, torch.Tensor]:
+        b = self.block
+        if T * b.k * 3 * b.D * b.F * 4 <= self.FRESH_REFERENCE_BYTES:
+            case = make_cases(b, self.w, T, 1, self._gen, self.sampler)[0]
+            return case, reference(b, case)
+        pool = self._pool.get(T)
+        if pool is None:
+            cases = make_cases(b, self.w, T, self.POOL, self._gen, self.sampler)
+            pool = self._pool[T] = [(c, reference(b, c)) for c in cases]
+        self._turn += 1
+        return pool[self._turn % len(pool)]
 
     # stage 1: build (thread-safe; run ahead of timing in a pool)
     def build(self, schedule: Schedule) -> Built:
@@ -217,7 +241,7 @@ class Objective:
         fn = built.fn
         worst = 0.0
         for T in self.check_tokens:
-            case = make_cases(self.block, self.w, T, 1, self._gen, self.sampler)[0]
+            case, ref = self._check_case(T)
             try:
                 with torch.inference_mode():
                     out = fn(case.x, case.ids, case.weights, case.w)  # [T, D]
@@ -230,7 +254,6 @@ class Objective:
             if not bool(torch.isfinite(out).all()):
                 return Outcome(schedule, "nonfinite", reason=f"T={T}: output has NaN or inf",
                                build_s=built.seconds)
-            ref = reference(self.block, case)
             err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
             worst = max(worst, err)
             if not err < self.tol:

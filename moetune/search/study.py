@@ -464,8 +464,14 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
         share = max(left / (len(buckets) - i), 1e-3)
         opts = _replace_opts(options, budget_s=share, device=device)
         inputs = bucket_inputs(block, b, w, routings=routings, seed=options.seed, sampler=sampler)
-        r = tune_bucket(block, be, target, b, inputs, timer, opts, table=table, versions=versions,
-                        progress=progress)
+        try:
+            r = tune_bucket(block, be, target, b, inputs, timer, opts, table=table, versions=versions,
+                            progress=progress)
+        except UnsupportedSchedule as e:  # nothing to tune here: the runtime keeps its default
+            if options.strict:
+                raise
+            r = BucketResult((b.lo, b.hi), inputs.tokens, None, math.inf, b.floor, None, None, "–", None,
+                             0, 0, {}, f"not tuned: {e}", "")
         results.append(r)
         if on_bucket:
             on_bucket(i, len(buckets), r)
