@@ -205,3 +205,35 @@ def test_exhaustive_mode_times_every_point_and_agrees_with_tpe():
     tpe = run(be)
     assert grid.evaluated == 32 and grid.stopped == "space exhausted (32 points)"
     assert grid.winner == tpe.winner and grid.time_s == tpe.time_s
+
+
+def test_tune_block_reports_a_bucket_with_nothing_to_try_and_goes_on(tmp_path):
+    from moetune.search.study import tune_block
+
+    tb.toy("toy-block-none", refuse_kinds={k: "not here" for k in ("grouped_gemm", "stream_gemv", "hybrid")})
+    with DispatchTable(tmp_path / "d.sqlite") as t:
+        rs = tune_block(tb.BLOCK, "toy-block-none", "cpu", (1, 4), table=t, timer=FakeTimer(tb.cost),
+                        options=TuneOptions(device="cpu"), budget_s=5)
+        assert t.entries() == []
+    assert rs and all(r.winner is None and r.stopped.startswith("not tuned:") and "not here" in r.stopped
+                      for r in rs)
+    with pytest.raises(UnsupportedSchedule):
+        tune_block(tb.BLOCK, "toy-block-none", "cpu", (1, 4), timer=FakeTimer(tb.cost),
+                   options=TuneOptions(device="cpu", strict=True), budget_s=5)
+
+
+def test_tune_block_covers_the_token_range_with_the_passes_buckets(tmp_path):
+    from moetune.search.study import tune_block
+
+    tb.toy("toy-block", faults={p: "wrong" for p in FASTEST})
+    with DispatchTable(tmp_path / "d.sqlite") as t:
+        rs = tune_block(tb.BLOCK, "toy-block", "cpu", (1, 16), table=t, timer=FakeTimer(tb.cost),
+                        options=TuneOptions(device="cpu"), budget_s=20)
+        rows = t.entries()
+    spans = [r.bucket for r in rs]
+    assert spans[0][0] == 1 and spans[-1][1] == 16
+    assert all(b[0] == a[1] + 1 for a, b in zip(spans, spans[1:], strict=False))
+    assert [e.bucket for e in rows] == spans
+    for r in rs:
+        assert r.winner is not None and (r.winner.params.tile, r.winner.params.stages) != (64, 1)
+        assert r.floor is not None and r.floor.target == "cpu"
