@@ -258,28 +258,21 @@ def variants(E: int, k: int, D: int, F: int, T: int):
              down_warps=4)
         gemv("gb", block_n=4, block_k=256, num_warps=2, num_stages=4, down_block_n=max(1, tdn // 2),
              down_block_k=128, down_warps=2)
-        gemv("gc", block_n=16, block_k=256, num_warps=4, num_stages=4, down_block_n=4, down_block_k=128,
-             down_warps=2, down_mode="expert", split_k=split)
         gemv("gd", block_n=8, block_k=512, num_warps=4, num_stages=3, down_block_n=tdn, down_block_k=256,
              down_warps=4)
-    if 1.05 <= rows <= 6:
+    if 1.3 <= rows <= 3:
         gemv("gr2", rows=2, block_n=8, block_k=128, num_warps=4, num_stages=4, down_block_n=8,
              down_block_k=128, down_mode="expert", split_k=split)
-        gemv("gr4", rows=4, block_n=4, block_k=128, num_warps=4, num_stages=4, down_block_n=4,
-             down_block_k=128, down_mode="expert", split_k=split)
-        hyb("h4", 4, block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, gemv_block_n=4,
-            gemv_block_k=128, down_block_n=64, down_block_k=128, down_gemv_block_n=4, down_gemv_block_k=128,
+    if 1.05 <= rows <= 3:
+        hyb("h2", 2, block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, gemv_block_n=8,
+            gemv_block_k=256, down_block_n=64, down_block_k=128, down_gemv_block_n=4, down_gemv_block_k=128,
             down_stages=4)
     if 2.5 <= rows <= 48:
         gemv("g16", rows=16, block_n=64, block_k=128, num_warps=4, num_stages=4, down_block_n=64,
              down_block_k=128, down_warps=4, down_mode="expert", fused_route=False)
-    if 1.5 <= rows <= 24:
+    if 1.05 <= rows <= 24:
         gemm("m16", block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, down_block_n=64,
              down_block_k=128, down_stages=4)
-    if 4 <= rows <= 32:
-        hyb("h8", 8, block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, gemv_block_n=2,
-            gemv_block_k=128, down_block_n=64, down_block_k=128, down_gemv_block_n=2, down_gemv_block_k=128,
-            down_warps=4, down_stages=4)
     if rows >= 12:
         gemm("m64", block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=4, down_block_n=128,
              down_block_k=64, down_warps=8, down_stages=4)
@@ -288,8 +281,10 @@ def variants(E: int, k: int, D: int, F: int, T: int):
     if rows >= 48:
         gemm("m128", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, down_block_n=128,
              down_block_k=64, down_warps=8, down_stages=3)
-        gemm("m128n64", block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=4, down_block_n=128,
+        gemm("m128s4", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, down_block_n=256,
              down_block_k=64, down_warps=8, down_stages=4)
+        gemm("m128k128", block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=3, down_block_n=128,
+             down_block_k=128, down_warps=8, down_stages=3)
     return out
 
 
