@@ -125,10 +125,19 @@ def open_storage(storage):
     journal file; an Optuna storage object is used as it is."""
     if storage is None or not isinstance(storage, str | os.PathLike):
         return storage
+    import optuna
+
     storage = str(storage)
     if "://" in storage:
-        return storage
-    import optuna
+        # Workers starting together may race to create the schema: the loser retries.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                return optuna.storages.RDBStorage(storage)
+            except Exception:  # noqa: BLE001 - sqlalchemy's errors; re-raised once the minute is spent
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1 + 0.2 * (os.getpid() % 5) / 5)
 
     return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage))
 
@@ -208,9 +217,19 @@ class _Study:
         return out
 
     def fail(self, trial) -> None:
-        self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
+        try:
+            self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
+        except (ValueError, self.optuna.exceptions.UpdateFinishedTrialError):
+            pass
 
     def tell(self, trial, outcome: Outcome, duplicate: bool = False) -> None:
+        try:
+            self._tell(trial, outcome, duplicate)
+        except (ValueError, self.optuna.exceptions.UpdateFinishedTrialError):
+            # An RDB storage on SQLite can hand one enqueued trial to two workers; the other one told it.
+            pass
+
+    def _tell(self, trial, outcome: Outcome, duplicate: bool) -> None:
         trial.set_user_attr("status", outcome.status)
         trial.set_user_attr("schedule", outcome.schedule.describe())
         trial.set_user_attr("worker", self.worker)

@@ -31,8 +31,8 @@ def run(backend, *, bucket=None, cost=tb.cost, table=None, **opts):
 
 
 def trials(storage, backend: str, bucket=(1, 8)) -> list:
-    """The trials of a bucket's study in `storage` (a journal file or a storage object)."""
-    if isinstance(storage, str):
+    """The trials of a bucket's study in `storage` (a journal file, an RDB URL or a storage object)."""
+    if isinstance(storage, str) and "://" not in storage:
         storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage))
     name = f"moetune:toy-target:{backend}:{tb.BLOCK.signature_hash()}:{bucket[0]}-{bucket[1]}"
     return optuna.load_study(study_name=name, storage=storage).trials
@@ -169,8 +169,10 @@ def _worker(journal: str, table: str, seed: int, out) -> None:
         out.put(traceback.format_exc())
 
 
-def test_two_workers_share_one_journal_study_and_one_table(tmp_path):
-    journal, table = str(tmp_path / "study.log"), str(tmp_path / "d.sqlite")
+@pytest.mark.parametrize("kind", ["journal", "rdb"])
+def test_two_workers_share_one_study_and_one_table(tmp_path, kind):
+    journal = str(tmp_path / "study.log") if kind == "journal" else f"sqlite:///{tmp_path / 'study.db'}"
+    table = str(tmp_path / "d.sqlite")
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(journal, table, seed, q)) for seed in (1, 2)]
