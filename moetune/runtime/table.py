@@ -498,9 +498,11 @@ def show(path: str | os.PathLike) -> str:
         if g != group:
             group = g
             v = e.versions
+            libs = v.backend_version if v.backend_version.startswith("torch ") else \
+                f"{v.backend_version}, torch {v.torch}"
             lines += ["", f"target {e.target}  backend {e.backend}  block {e.signature}: {e.signature_text}",
-                      f"  device {v.device} ({v.capability}), {v.backend_version}, torch {v.torch}, "
-                      f"moetune {v.moetune}, kernels {v.kernel_hash}",
+                      f"  device {v.device} ({v.capability}), {libs}, moetune {v.moetune}, "
+                      f"kernels {v.kernel_hash}",
                       f"  {'bucket':>12}  {'winner':<44} {'time µs':>9} {'floor µs':>9} {'% floor':>8} "
                       f"{'default µs':>10} {'vs default':>10} {'baseline µs':>11} {'vs baseline':>11}"
                       "  tuned at"]

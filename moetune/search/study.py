@@ -274,10 +274,9 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
     try:
         while not stopped:
             scored = st.scored() if options.storage else {}
-            asked, todo = [], []
+            todo: list[tuple] = []  # (trial, schedule, key) to build, check and time this round
             for _ in range(batch):
                 trial = st.study.ask()
-                asked.append(trial)
                 try:
                     s = space.suggest(trial)
                 except UnsupportedSchedule as e:
@@ -291,7 +290,7 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
                 if k in outcomes or k in scored:
                     prior = outcomes.get(k) or Outcome(s, "scored elsewhere", scored[k])
                     st.tell(trial, prior, duplicate=True)
-                    untried.suggest_one(set(outcomes) | set(scored) | {k for _, s, k in todo})
+                    untried.suggest_one(set(outcomes) | set(scored) | {t[2] for t in todo})
                 else:
                     todo.append((trial, s, k))
             builds = list(pool.map(objective.build, [s for _, s, _ in todo]))  # parallel, ahead of timing
