@@ -96,10 +96,12 @@ def _default_backend() -> str:
 
 
 def _default_target(device: str) -> str:
-    if not device.startswith("cuda"):
-        return "cpu"
-    name = device_identity(device)[0].lower()
-    return "h200" if "h200" in name else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+    """The same target name `moetune.compile` looks the table up under for this device."""
+    import torch
+
+    from ..runtime.compiled import _target
+
+    return _target(torch.device(device))
 
 
 def _us(s: float | None) -> str:
