@@ -46,3 +46,53 @@ def compile_sm90(kernel, constexprs: dict, *, fp32_out: bool = False, **options)
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(kernel, sig, constexprs=cx, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def representative() -> list[tuple[str, object, dict, dict]]:
+    """(label, kernel, constexprs, options): one config per kernel path the bench's winners use."""
+    from moetune.codegen.triton.combine import combine_kernel
+    from moetune.codegen.triton.grouped_gemm import grouped_gemm_kernel
+    from moetune.codegen.triton.hybrid import hybrid_kernel
+    from moetune.codegen.triton.routing import route_kernel
+    from moetune.codegen.triton.stream_gemv import stream_gemv_kernel
+
+    base = dict(ACT=0, HAS_BIAS=False, W_IN=False, UPCAST=False)
+    gv = dict(base, K_TOP=8, KP=8, BLOCK_E=128, BP=16, FUSED=True, ROWS=1, STAGES=4)
+    return [
+        ("route/one", route_kernel, dict(PHASE=2, BLOCK_E=128, C=64), dict(num_warps=4)),
+        ("route/scatter", route_kernel, dict(PHASE=1, BLOCK_E=512, C=16), dict(num_warps=4)),
+        ("gemv/gate_up", stream_gemv_kernel, dict(gv, PROJ=0, BN=8, BK=256), dict(num_warps=4, num_stages=4)),
+        ("gemv/down_token", stream_gemv_kernel, dict(gv, PROJ=2, BN=4, BK=128), dict(num_warps=4, num_stages=4)),
+        ("gemv/down_expert", stream_gemv_kernel, dict(gv, PROJ=1, FUSED=False, BN=8, BK=128),
+         dict(num_warps=4, num_stages=4)),
+        ("gemv/gate_up_rows16", stream_gemv_kernel, dict(gv, PROJ=0, FUSED=False, ROWS=16, BN=64, BK=128),
+         dict(num_warps=4, num_stages=4)),
+        ("gemm/gate_up_m16", grouped_gemm_kernel,
+         dict(base, PROJ=0, K_TOP=8, BLOCK_E=128, BM=16, BN=64, BK=128, GROUP_M=8), dict(num_warps=4, num_stages=4)),
+        ("gemm/gate_up_m128", grouped_gemm_kernel,
+         dict(base, PROJ=0, K_TOP=2, BLOCK_E=16, BM=128, BN=128, BK=64, GROUP_M=8), dict(num_warps=8, num_stages=4)),
+        ("gemm/down_m128", grouped_gemm_kernel,
+         dict(base, PROJ=1, K_TOP=2, BLOCK_E=16, BM=128, BN=256, BK=64, GROUP_M=8), dict(num_warps=8, num_stages=4)),
+        ("hybrid/gate_up", hybrid_kernel,
+         dict(base, PROJ=0, K_TOP=8, BLOCK_E=128, BM=16, BN=64, BK=128, BNV=8, BKV=256, RP=1, STAGES=4),
+         dict(num_warps=4, num_stages=4)),
+        ("combine", combine_kernel, dict(K_TOP=8, BD=512), dict(num_warps=4)),
+    ]
+
+
+def main() -> None:
+    """Compile `representative()` (run with TRITON_INTERPRET unset); one JSON line per config."""
+    import json
+    import re
+
+    for label, kernel, cx, opts in representative():
+        k = compile_sm90(kernel, cx, fp32_out=cx.get("PROJ") == 1 or label == "combine", **opts)
+        ptx = k.asm["ptx"]
+        print(json.dumps(dict(label=label, shared=k.metadata.shared,
+                              cp_async=len(re.findall(r"cp\.async\.c[ag]", ptx)),
+                              local=len(re.findall(r"(ld|st)\.local", ptx)),
+                              mma=len(re.findall(r"\bmma\.|wgmma", ptx)))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

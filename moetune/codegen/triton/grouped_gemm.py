@@ -68,10 +68,11 @@ class GemmParams:
             ("down", dot_smem_bytes(self.block_m, self.down_block_n, self.down_block_k, self.down_stages, 1)),
         ):
             if smem > H200_SMEM_LIMIT:
+                bn, bk, st = ((self.block_n, self.block_k, self.num_stages) if name == "gate/up"
+                              else (self.down_block_n, self.down_block_k, self.down_stages))
                 raise UnsupportedSchedule(
-                    f"GemmParams {name} tile {self.block_m}×{self.block_n}×{self.block_k} × "
-                    f"{self.num_stages if name == 'gate/up' else self.down_stages} stages needs "
-                    f"{smem // 1024} KiB shared memory, limit {H200_SMEM_LIMIT // 1024} KiB; "
+                    f"GemmParams {name} tile block_m={self.block_m} block_n={bn} block_k={bk} stages={st}: "
+                    f"needs {smem // 1024} KiB shared memory, limit {H200_SMEM_LIMIT // 1024} KiB; "
                     "lower block_k or the stages")
 
 

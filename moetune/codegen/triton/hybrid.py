@@ -72,7 +72,8 @@ class HybridParams:
         ):
             if smem > H200_SMEM_LIMIT:
                 raise UnsupportedSchedule(
-                    f"HybridParams {name} GEMM tile needs {smem // 1024} KiB shared memory, limit "
+                    f"HybridParams {name} GEMM tile (block_m={self.block_m}, stages={self.num_stages}/"
+                    f"{self.down_stages}) needs {smem // 1024} KiB shared memory, limit "
                     f"{H200_SMEM_LIMIT // 1024} KiB; lower block_k or the stages")
 
 
