@@ -108,6 +108,23 @@ def test_tune_from_a_skewed_trace(tmp_path):
         assert t.entries()[-1].bucket_hi == 4
 
 
+def test_tune_from_a_config_file(tmp_path, capsys):
+    import json
+
+    cfg = {"model_type": "qwen3_moe", "hidden_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 24, "norm_topk_prob": True, "hidden_act": "silu", "dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    path = tmp_path / "t.sqlite"
+    rc = cli_main(["tune", "--config", str(tmp_path / "config.json"), "--tokens", "1-2", "--budget", "4s",
+                   "--cache", str(path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "E=8 k=2 D=48 F=24" in out
+    with DispatchTable(path, create=False) as t:
+        assert {e.signature_text for e in t.entries()} == {next(ln.strip() for ln in out.splitlines()
+                                                                 if ln.strip().startswith("moe/v1"))}
+
+
 def test_a_foreign_trace_is_an_error_naming_it(tmp_path, capsys):
     from moetune.passes.trace import synthetic_trace
 
