@@ -285,6 +285,10 @@ def variants(E: int, k: int, D: int, F: int, T: int):
              down_block_k=64, down_warps=8, down_stages=4)
         gemm("m128k128", block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=3, down_block_n=128,
              down_block_k=128, down_warps=8, down_stages=3)
+        gemm("m128g1", block_m=128, block_n=128, block_k=64, group_m=1, num_warps=8, num_stages=4,
+             down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
+        gemm("m128g32", block_m=128, block_n=128, block_k=64, group_m=32, num_warps=8, num_stages=4,
+             down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
     return out
 
 
@@ -323,6 +327,32 @@ def probe(out_dir: Path) -> None:
     (out_dir / "probe_plan.json").write_text(json.dumps([(s, t, c) for s, t, c, *_ in plan]))
 
 
+def probe_gemm(out_dir: Path) -> None:
+    """The large-T GEMM path of mixtral-8x7b (T = 512, 1024) inside cudaProfilerStart/Stop for ncu:
+    kernels in order route (×2), gate/up, down, combine per call."""
+    from moetune.codegen.triton import BACKEND
+
+    dev = torch.device("cuda")
+    E, k, D, F = SHAPES["mixtral-8x7b"]
+    block = MoEBlock(E=E, k=k, D=D, F=F, name="mixtral-8x7b")
+    w = ExpertTensors(torch.randn(E, 2 * F, D, device=dev, dtype=torch.bfloat16) / math.sqrt(D),
+                      torch.randn(E, D, F, device=dev, dtype=torch.bfloat16) / math.sqrt(F))
+    plan = []
+    for T in (512, 1024):
+        x, ids, wt = routings(T, E, k, D, dev, seed=7)[0]
+        s = dict(variants(E, k, D, F, T))["m128s4"]
+        fn = BACKEND.build(block, s)
+        fn(x, ids, wt, w)
+        torch.cuda.synchronize()
+        plan.append((T, s.describe(), fn, x, ids, wt))
+    torch.cuda.profiler.start()
+    for T, _, fn, x, ids, wt in plan:
+        fn(x, ids, wt, w)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    (out_dir / "probe_gemm_plan.json").write_text(json.dumps([(t, d) for t, d, *_ in plan]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
@@ -332,7 +362,12 @@ def main() -> None:
     ap.add_argument("--baselines", default="grouped_mm,batched_mm,eager")
     ap.add_argument("--eager-tokens", default="1")
     ap.add_argument("--probe", action="store_true", help="GEMV configurations for ncu, then exit")
+    ap.add_argument("--probe-gemm", action="store_true", help="mixtral large-T GEMM for ncu, then exit")
     args = ap.parse_args()
+    if args.probe_gemm:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        probe_gemm(Path(args.out))
+        return
     if args.probe:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         probe(Path(args.out))
