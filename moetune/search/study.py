@@ -59,6 +59,7 @@ class TuneOptions:
     keep_going: bool = False
     storage: object = None  # RDB URL, journal file, or an optuna storage; shared by workers
     exhaustive: bool = False  # every point of the space, no early stop (to check TPE against a grid)
+    warm_in_build: bool | None = None  # launch each candidate once in the build pool (None: on GPUs)
     device: str | None = None  # None: cuda for GPU backends, cpu for torch
 
     def __post_init__(self) -> None:
@@ -254,7 +255,8 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
     deadline = t_start + options.budget_s
     space = build_space(block, backend, bucket)
     objective = Objective(block, backend, timer, inputs.cases, inputs.check_tokens, sampler=inputs.sampler,
-                          seed=options.seed + bucket.lo, strict=options.strict, keep_going=options.keep_going)
+                          seed=options.seed + bucket.lo, strict=options.strict, keep_going=options.keep_going,
+                          warm_in_build=options.warm_in_build)
     floor = bucket.floor
     floor_s = floor.time_s if floor is not None else 0.0
     name = f"moetune:{target}:{backend.name}:{block.signature_hash()}:{bucket.lo}-{bucket.hi}"

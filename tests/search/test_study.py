@@ -239,3 +239,15 @@ def test_tune_block_covers_the_token_range_with_the_passes_buckets(tmp_path):
     for r in rs:
         assert r.winner is not None and (r.winner.params.tile, r.winner.params.stages) != (64, 1)
         assert r.floor is not None and r.floor.target == "cpu"
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_a_launch_failure_is_scored_whether_it_shows_at_warm_up_or_at_the_check(warm):
+    be = tb.toy(f"toy-warm-{warm}", faults={p: "crash" for p in FASTEST})
+    r = run(be, keep_going=True, warm_in_build=warm)
+    assert (r.winner.kind, r.winner.params.tile, r.winner.params.stages) == tb.BEST
+    assert r.failures.get("launch_failed", 0) >= 1
+    with pytest.raises(CandidateError, match="warm-up" if warm else "launch at T="):
+        run(tb.toy(f"toy-warm-raise-{warm}", faults={("grouped_gemm", 16, 1): "crash",
+                                                     ("stream_gemv", 16, 1): "crash",
+                                                     ("hybrid", 16, 1): "crash"}), warm_in_build=warm)
