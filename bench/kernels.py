@@ -96,11 +96,11 @@ def ceilings(dev: torch.device) -> dict:
     b = torch.empty(n // 2, dtype=torch.bfloat16, device=dev)
     ms = t_ms(lambda: b.copy_(a[: n // 2]))
     res["d2d_copy_rw_TBps"] = 2 * n / ms / 1e9
-    del a, b
+    a = b = None
     m = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
     ms = t_ms(lambda: m @ m, reps=10)
     res["bf16_matmul_TFLOPs"] = 2 * 8192**3 / ms / 1e9
-    del m
+    m = None
     torch.cuda.empty_cache()
     return res
 
@@ -309,10 +309,10 @@ def probe(out_dir: Path) -> None:
                           torch.randn(E, D, F, device=dev, dtype=torch.bfloat16) / math.sqrt(F))
         x, ids, wt = routings(T, E, k, D, dev, seed=7)[0]
         cfgs = []
-        for bn, bk, nw, st in ((8, 256, 4, 4), (4, 256, 2, 4), (16, 256, 4, 4), (8, 512, 4, 3), (4, 128, 2, 4),
-                               (8, 128, 4, 4), (16, 128, 4, 4), (8, 256, 4, 2)):
-            cfgs.append(dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=st, down_block_n=max(2, bn // 2),
-                             down_block_k=128, down_warps=nw))
+        for bn, bk, nw, st in ((8, 256, 4, 4), (4, 256, 2, 4), (16, 256, 4, 4), (8, 512, 4, 3),
+                               (4, 128, 2, 4), (8, 128, 4, 4), (16, 128, 4, 4), (8, 256, 4, 2)):
+            cfgs.append(dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=st,
+                             down_block_n=max(2, bn // 2), down_block_k=128, down_warps=nw))
         for c in cfgs:
             fn = BACKEND.build(block, Schedule("stream_gemv", backend="triton", params=GemvParams(**c)))
             fn(x, ids, wt, w)
@@ -320,7 +320,7 @@ def probe(out_dir: Path) -> None:
             torch.cuda.synchronize()
             plan.append((shape, T, c, fn, x, ids, wt, w))
     torch.cuda.profiler.start()
-    for shape, T, c, fn, x, ids, wt, w in plan:
+    for *_, fn, x, ids, wt, w in plan:
         fn(x, ids, wt, w)
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
@@ -346,7 +346,7 @@ def probe_gemm(out_dir: Path) -> None:
         torch.cuda.synchronize()
         plan.append((T, s.describe(), fn, x, ids, wt))
     torch.cuda.profiler.start()
-    for T, _, fn, x, ids, wt in plan:
+    for *_, fn, x, ids, wt in plan:
         fn(x, ids, wt, w)
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
@@ -408,7 +408,8 @@ def main() -> None:
             x0, ids0, wt0 = sets[0]
             ref = reference(x0, ids0, wt0, w)
             best_open = BEST_OPEN[shape][TOKENS.index(T)] if T in TOKENS else None
-            cands = [(f"moetune:{s.kind}", tag, s, BACKEND.build(block, s)) for tag, s in variants(E, k, D, F, T)]
+            cands = [(f"moetune:{s.kind}", tag, s, BACKEND.build(block, s))
+                     for tag, s in variants(E, k, D, F, T)]
             for b in baselines:
                 if b == "batched_mm" and (T > 64 or T * k * 3 * D * F * 2 > 24e9):
                     continue
@@ -464,17 +465,20 @@ def main() -> None:
 
 def table(records: list[dict], ceil: dict, name: str) -> str:
     lines = [f"# moetune Triton experts kernels on {name}", "",
-             "ceilings measured in the same run: " + ", ".join(f"{k} {v:.3g}" for k, v in ceil.items()), "",
-             "| shape | T | floor µs | best moetune µs | % floor | kind/variant | best open-source µs | speedup |"
-             " grouped_mm | batched_mm | eager (host) | GEMV best | GEMM best | hybrid best | rel_err | extra MiB |",
+             "ceilings measured in the same run: " + ", ".join(f"{k} {v:.3g}" for k, v in ceil.items()),
+             "",
+             "| shape | T | floor µs | best moetune µs | % floor | kind/variant | best open-source µs "
+             "| speedup | grouped_mm | batched_mm | eager (host) | GEMV best | GEMM best | hybrid best "
+             "| rel_err | extra MiB |",
              "|" + "---|" * 16]
-    cells = sorted({(r["shape"], r["tokens"]) for r in records}, key=lambda c: (list(SHAPES).index(c[0]), c[1]))
+    cells = sorted({(r["shape"], r["tokens"]) for r in records},
+                   key=lambda c: (list(SHAPES).index(c[0]), c[1]))
     for shape, T in cells:
         rs = [r for r in records if r["shape"] == shape and r["tokens"] == T]
         timed = [r for r in rs if "time_us" in r]
         mine = [r for r in timed if r["impl"].startswith("moetune")]
 
-        def best_of(pred):
+        def best_of(pred, timed=timed):
             c = [r for r in timed if pred(r)]
             return min(c, key=lambda r: r["time_us"]) if c else None
 
@@ -483,20 +487,23 @@ def table(records: list[dict], ceil: dict, name: str) -> str:
         b = best_of(lambda r: r["impl"].startswith("moetune"))
         fl = rs[0]["floor_us"]
         bo = rs[0]["best_open_us"]
+        if not b:
+            lines.append(f"| {shape} | {T} | {fl:.1f} | – (no moetune kernel timed) |")
+            continue
+
+        def named(name, best_of=best_of):
+            return fmt(best_of(lambda rec: rec["impl"] == name))
         lines.append(
             f"| {shape} | {T} | {fl:.1f} | {fmt(b)} | {100 * fl / b['time_us']:.0f}% | "
             f"{b['impl'].split(':')[1]}/{b['variant']} | {bo} | "
             f"{(bo / b['time_us']) if bo else float('nan'):.2f}× | "
-            f"{fmt(best_of(lambda r: r['impl'] == 'grouped_mm'))} | {fmt(best_of(lambda r: r['impl'] == 'batched_mm'))} | "
-            f"{fmt(best_of(lambda r: r['impl'] == 'eager'))} | "
-            f"{fmt(best_of(lambda r: r['impl'] == 'moetune:stream_gemv'))} | "
-            f"{fmt(best_of(lambda r: r['impl'] == 'moetune:grouped_gemm'))} | "
-            f"{fmt(best_of(lambda r: r['impl'] == 'moetune:hybrid'))} | {max(r['rel_err'] for r in mine):.1e} | "
-            f"{b['extra_mem_bytes'] / 2**20:.2f} |" if b else f"| {shape} | {T} | {fl:.1f} | – (no moetune kernel timed) |")
+            f"{named('grouped_mm')} | {named('batched_mm')} | {named('eager')} | "
+            f"{named('moetune:stream_gemv')} | {named('moetune:grouped_gemm')} | {named('moetune:hybrid')} | "
+            f"{max(r['rel_err'] for r in mine):.1e} | {b['extra_mem_bytes'] / 2**20:.2f} |")
     errs = [r for r in records if "error" in r]
     if errs:
-        lines += ["", "Failures:"] + [f"- {r['shape']} T={r['tokens']} {r['impl']}/{r['variant']}: {r['error']}"
-                                      for r in errs]
+        lines += ["", "Failures:"] + [
+            f"- {r['shape']} T={r['tokens']} {r['impl']}/{r['variant']}: {r['error']}" for r in errs]
     return "\n".join(lines) + "\n"
 
 

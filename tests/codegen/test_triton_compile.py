@@ -34,9 +34,9 @@ def test_representative_configs_fit_h200():
     rows = _compile("import triton_sm90; triton_sm90.main()")
     assert len(rows) >= 10
     for r in rows:
-        assert r["shared"] <= H200_SMEM_LIMIT, f"{r['label']}: {r['shared']} B shared memory > {H200_SMEM_LIMIT}"
+        assert r["shared"] <= H200_SMEM_LIMIT, f"{r['label']}: {r['shared']} B shared > {H200_SMEM_LIMIT}"
         assert r["local"] == 0, f"{r['label']}: register spills to local memory"
-        if r["label"].startswith("gemv/") or r["label"].startswith("gemm/") or r["label"].startswith("hybrid/"):
+        if r["label"].split("/")[0] in ("gemv", "gemm", "hybrid"):
             assert r["cp_async"] > 0, f"{r['label']}: weight loads not pipelined (no cp.async)"
         if "m16" in r["label"] or "m128" in r["label"] or "rows16" in r["label"] or "hybrid" in r["label"]:
             assert r["mma"] > 0, f"{r['label']}: no tensor-core instruction"
@@ -71,8 +71,8 @@ for shape, (E, k, D, F) in B.SHAPES.items():
                          ROWS=p.rows, STAGES=p.num_stages)
                 cc(lab, stream_gemv_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k),
                    num_warps=p.num_warps, num_stages=p.num_stages)
-                cc(lab, stream_gemv_kernel, dict(m, PROJ=2 if p.down_mode == "token" else 1, BN=p.down_block_n,
-                   BK=p.down_block_k), num_warps=p.down_warps, num_stages=p.num_stages)
+                cc(lab, stream_gemv_kernel, dict(m, PROJ=2 if p.down_mode == "token" else 1,
+                   BN=p.down_block_n, BK=p.down_block_k), num_warps=p.down_warps, num_stages=p.num_stages)
             elif s.kind == "grouped_gemm":
                 m = dict(base, K_TOP=k, BLOCK_E=be, BM=p.block_m, GROUP_M=p.group_m)
                 cc(lab, grouped_gemm_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k),
@@ -91,6 +91,8 @@ for shape, (E, k, D, F) in B.SHAPES.items():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("MOETUNE_SLOW"), reason="full sweep compiles ~100 configs (minutes); "
+                    "set MOETUNE_SLOW=1")
 def test_every_bench_config_fits_h200():
     rows = _compile(SWEEP)
     assert rows

@@ -18,8 +18,13 @@ from moetune.codegen.torch.reference import experts_reference
 from moetune.ir import Activation, MoEBlock, Schedule, UnsupportedSchedule, WeightLayout
 
 triton_backend = pytest.importorskip("moetune.codegen.triton")
-from moetune.codegen.triton import BACKEND, GemmParams, GemvParams, HybridParams  # noqa: E402
-from moetune.codegen.triton import routing  # noqa: E402
+from moetune.codegen.triton import (  # noqa: E402
+    BACKEND,
+    GemmParams,
+    GemvParams,
+    HybridParams,
+    routing,  # noqa: E402
+)
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 DEV = "cuda" if ON_GPU else "cpu"
@@ -100,8 +105,10 @@ def make_problem(E, k, D, F, T, kind, dtype, overrides, seed=0):
     def rnd(*shape, scale):
         return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEV)
 
-    w = ExpertTensors(rnd(*lay.gate_up_shape(E, D, F), scale=D**-0.5), rnd(*lay.down_shape(E, D, F), scale=F**-0.5),
-                      rnd(E, 2 * F, scale=0.1) if lay.has_bias else None, rnd(E, D, scale=0.1) if lay.has_bias else None)
+    bias = lay.has_bias
+    w = ExpertTensors(rnd(*lay.gate_up_shape(E, D, F), scale=D**-0.5),
+                      rnd(*lay.down_shape(E, D, F), scale=F**-0.5),
+                      rnd(E, 2 * F, scale=0.1) if bias else None, rnd(E, D, scale=0.1) if bias else None)
     x = rnd(T, D, scale=1.0)
     ids = make_ids(kind, T, E, k, gen).to(DEV)
     weights = torch.softmax(torch.randn(T, k, generator=gen), -1).to(dtype).to(DEV)

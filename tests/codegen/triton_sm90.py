@@ -21,7 +21,6 @@ ALIGNED_INTS = {"s_xt", "se", "sn", "up", "sbe", "bup", "s_hp", "s_yt", "N", "K"
 
 
 def compile_sm90(kernel, constexprs: dict, *, fp32_out: bool = False, **options):
-    fn = kernel.fn if hasattr(kernel, "fn") else kernel
     names = list(kernel.arg_names)
     sig, cx, attrs = {}, {}, {}
     for i, n in enumerate(names):
@@ -58,24 +57,25 @@ def representative() -> list[tuple[str, object, dict, dict]]:
 
     base = dict(ACT=0, HAS_BIAS=False, W_IN=False, UPCAST=False)
     gv = dict(base, K_TOP=8, KP=8, BLOCK_E=128, BP=16, FUSED=True, ROWS=1, STAGES=4)
+    o4, o8 = dict(num_warps=4, num_stages=4), dict(num_warps=8, num_stages=4)
     return [
         ("route/one", route_kernel, dict(PHASE=2, BLOCK_E=128, C=64), dict(num_warps=4)),
         ("route/scatter", route_kernel, dict(PHASE=1, BLOCK_E=512, C=16), dict(num_warps=4)),
-        ("gemv/gate_up", stream_gemv_kernel, dict(gv, PROJ=0, BN=8, BK=256), dict(num_warps=4, num_stages=4)),
-        ("gemv/down_token", stream_gemv_kernel, dict(gv, PROJ=2, BN=4, BK=128), dict(num_warps=4, num_stages=4)),
+        ("gemv/gate_up", stream_gemv_kernel, dict(gv, PROJ=0, BN=8, BK=256), o4),
+        ("gemv/down_token", stream_gemv_kernel, dict(gv, PROJ=2, BN=4, BK=128), o4),
         ("gemv/down_expert", stream_gemv_kernel, dict(gv, PROJ=1, FUSED=False, BN=8, BK=128),
-         dict(num_warps=4, num_stages=4)),
+         o4),
         ("gemv/gate_up_rows16", stream_gemv_kernel, dict(gv, PROJ=0, FUSED=False, ROWS=16, BN=64, BK=128),
-         dict(num_warps=4, num_stages=4)),
+         o4),
         ("gemm/gate_up_m16", grouped_gemm_kernel,
-         dict(base, PROJ=0, K_TOP=8, BLOCK_E=128, BM=16, BN=64, BK=128, GROUP_M=8), dict(num_warps=4, num_stages=4)),
+         dict(base, PROJ=0, K_TOP=8, BLOCK_E=128, BM=16, BN=64, BK=128, GROUP_M=8), o4),
         ("gemm/gate_up_m128", grouped_gemm_kernel,
-         dict(base, PROJ=0, K_TOP=2, BLOCK_E=16, BM=128, BN=128, BK=64, GROUP_M=8), dict(num_warps=8, num_stages=4)),
+         dict(base, PROJ=0, K_TOP=2, BLOCK_E=16, BM=128, BN=128, BK=64, GROUP_M=8), o8),
         ("gemm/down_m128", grouped_gemm_kernel,
-         dict(base, PROJ=1, K_TOP=2, BLOCK_E=16, BM=128, BN=256, BK=64, GROUP_M=8), dict(num_warps=8, num_stages=4)),
+         dict(base, PROJ=1, K_TOP=2, BLOCK_E=16, BM=128, BN=256, BK=64, GROUP_M=8), o8),
         ("hybrid/gate_up", hybrid_kernel,
          dict(base, PROJ=0, K_TOP=8, BLOCK_E=128, BM=16, BN=64, BK=128, BNV=8, BKV=256, RP=1, STAGES=4),
-         dict(num_warps=4, num_stages=4)),
+         o4),
         ("combine", combine_kernel, dict(K_TOP=8, BD=512), dict(num_warps=4)),
     ]
 

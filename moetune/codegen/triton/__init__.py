@@ -76,7 +76,8 @@ class TritonBackend:
     @staticmethod
     def _module(kind: str):
         if kind not in _KINDS:
-            raise UnsupportedSchedule(f"triton backend: unknown schedule kind {kind!r}; known: {', '.join(_KINDS)}")
+            raise UnsupportedSchedule(
+                f"triton backend: unknown schedule kind {kind!r}; known: {', '.join(_KINDS)}")
         return _KINDS[kind]
 
 

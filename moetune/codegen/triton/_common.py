@@ -109,7 +109,8 @@ def check_call(block: MoEBlock, x: torch.Tensor, ids: torch.Tensor, weights: tor
         raise UnsupportedSchedule(f"x has shape {tuple(x.shape)}, block needs [T, {block.D}]")
     T = x.shape[0]
     if tuple(ids.shape) != (T, block.k) or tuple(weights.shape) != (T, block.k):
-        raise UnsupportedSchedule(f"ids {tuple(ids.shape)} / weights {tuple(weights.shape)}: need [{T}, {block.k}]")
+        raise UnsupportedSchedule(
+            f"ids {tuple(ids.shape)} / weights {tuple(weights.shape)}: need [{T}, {block.k}]")
     if x.stride(1) != 1:
         raise UnsupportedSchedule(f"x stride {x.stride()}: the hidden dimension must be contiguous")
     w.check(block)
@@ -227,7 +228,8 @@ def _row_gate_up(x_ptr, s_xt, tok, w_e, sn, sk, up, n0, N, K,
         km = offs_k < K
         m2 = nm[:, None] & km[None, :]
         xv = tl.load(xrow + offs_k, mask=km, other=0.0).to(tl.float32)[None, :]  # [1, BK]
-        wg = tl.load(wrow + offs_k[None, :] * sk, mask=m2, other=0.0, eviction_policy="evict_first")  # [BN, BK]
+        # [BN, BK]
+        wg = tl.load(wrow + offs_k[None, :] * sk, mask=m2, other=0.0, eviction_policy="evict_first")
         wu = tl.load(wrow + offs_k[None, :] * sk + up, mask=m2, other=0.0, eviction_policy="evict_first")
         accg += wg.to(tl.float32) * xv
         accu += wu.to(tl.float32) * xv

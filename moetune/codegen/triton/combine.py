@@ -29,7 +29,8 @@ def combine_kernel(y_ptr, ids_ptr, out_ptr, s_ot, P, E, N, S,
     tl.store(out_ptr + t.to(tl.int64) * s_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=nm)
 
 
-def combine(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int, block_d: int = 512) -> torch.Tensor:
+def combine(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int,
+            block_d: int = 512) -> torch.Tensor:
     """y [S, P, D] fp32, ids [T, k] → out [T, D] (written in place and returned)."""
     S, P, D = y.shape
     T, k = ids.shape

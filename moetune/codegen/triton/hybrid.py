@@ -101,7 +101,8 @@ def hybrid_kernel(
     w_ptr, se, sn, sk, up, b_ptr, sbe, sbn, bup,
     h_ptr, s_hp, y_ptr, P, E, N, K, R, g_tiles, n_gemm, alpha, limit,
     PROJ: tl.constexpr, K_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BNV: tl.constexpr, BKV: tl.constexpr, RP: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BNV: tl.constexpr, BKV: tl.constexpr, RP: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
     STAGES: tl.constexpr,
 ):
@@ -139,21 +140,23 @@ def hybrid_kernel(
             v_wt = tl.load(wts_ptr + v_pairs, mask=v_rmask, other=0.0).to(tl.float32)
             if PROJ == 0:
                 if RP == 1:
-                    v_g1, v_u1 = _row_gate_up(x_ptr, s_xt, tl.sum(v_pairs, axis=0) // K_TOP, w_ptr + v_ec * se, sn, sk,
-                                          up, v_n0, N, K, BNV, BKV, STAGES)
+                    v_tok = tl.sum(v_pairs, axis=0) // K_TOP
+                    v_g1, v_u1 = _row_gate_up(x_ptr, s_xt, v_tok, w_ptr + v_ec * se, sn, sk, up, v_n0, N, K,
+                                              BNV, BKV, STAGES)
                     v_g = v_g1[None, :]
                     v_u = v_u1[None, :]
                 else:
-                    v_g, v_u = _rows_gate_up(x_ptr, s_xt, v_pairs // K_TOP, v_rmask, w_ptr + v_ec * se, sn, sk, up, v_n0,
-                                         N, K, RP, BNV, BKV, STAGES)
+                    v_g, v_u = _rows_gate_up(x_ptr, s_xt, v_pairs // K_TOP, v_rmask, w_ptr + v_ec * se,
+                                             sn, sk, up, v_n0, N, K, RP, BNV, BKV, STAGES)
                 _store_h(h_ptr, s_hp, v_pairs, v_rmask, v_g, v_u, v_wt, b_ptr + v_ec * sbe, sbn, bup,
                          v_n0, N, alpha, limit, BNV, ACT, HAS_BIAS, W_IN)
             else:
                 if RP == 1:
-                    v_y = _row_down(h_ptr + tl.sum(v_pairs, axis=0).to(tl.int64) * s_hp, w_ptr + v_ec * se, sn, sk,
-                                  v_n0, N, 0, K, BNV, BKV, STAGES)[None, :]
+                    v_y = _row_down(h_ptr + tl.sum(v_pairs, axis=0).to(tl.int64) * s_hp, w_ptr + v_ec * se,
+                                    sn, sk, v_n0, N, 0, K, BNV, BKV, STAGES)[None, :]
                 else:
-                    v_y = _rows_down(h_ptr, s_hp, v_pairs, v_rmask, w_ptr + v_ec * se, sn, sk, v_n0, N, 0, K, RP, BNV, BKV, STAGES)
+                    v_y = _rows_down(h_ptr, s_hp, v_pairs, v_rmask, w_ptr + v_ec * se, sn, sk, v_n0, N, 0, K,
+                                     RP, BNV, BKV, STAGES)
                 _store_y(y_ptr, v_pairs, v_rmask, v_y, v_wt, b_ptr + v_ec * sbe, sbn, 1.0, v_n0, N, BNV,
                          HAS_BIAS, W_IN)
 
@@ -180,7 +183,8 @@ def build(block: MoEBlock, schedule: Schedule):
         gb, db = bias_args(block, w)
         wts_f = weights.reshape(-1)  # [P]
         counts, sorted_pairs = routing.route(ids, E)
-        meta = dict(K_TOP=k, BLOCK_E=max(16, next_pow2(E)), BM=p.block_m, RP=next_pow2(R - 1), **consts(block, x, w))
+        meta = dict(K_TOP=k, BLOCK_E=max(16, next_pow2(E)), BM=p.block_m, RP=next_pow2(R - 1),
+                    **consts(block, x, w))
         g_tiles, v_slots = grid_parts(P, E, p.block_m, R)
         h = torch.empty(P, F, dtype=x.dtype, device=x.device)  # [P, F]
         n_gemm = g_tiles * triton.cdiv(F, p.block_n)

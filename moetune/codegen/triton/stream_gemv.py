@@ -36,17 +36,16 @@ from ._common import (
     _row_gate_up,
     _rows_down,
     _rows_gate_up,
-    _token_down,
     _store_h,
     _store_y,
     _tile_down,
     _tile_gate_up,
+    _token_down,
     bias_args,
     check_call,
     check_pow2,
     consts,
     dot_smem_bytes,
-    interpreting,
     layout_strides,
     next_pow2,
 )
@@ -147,7 +146,8 @@ def stream_gemv_kernel(
             if ROWS == 1:
                 pair = tl.sum(pairs, axis=0)
                 if PROJ == 0:
-                    g1, u1 = _row_gate_up(x_ptr, s_xt, pair // K_TOP, w_e, sn, sk, up, n0, N, K, BN, BK, STAGES)
+                    g1, u1 = _row_gate_up(x_ptr, s_xt, pair // K_TOP, w_e, sn, sk, up, n0, N, K,
+                                          BN, BK, STAGES)
                     g = g1[None, :]
                     u = u1[None, :]
                 else:
@@ -158,7 +158,8 @@ def stream_gemv_kernel(
                     g, u = _rows_gate_up(x_ptr, s_xt, pairs // K_TOP, rmask, w_e, sn, sk, up, n0, N, K,
                                          ROWS, BN, BK, STAGES)
                 else:
-                    acc = _rows_down(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n0, N, k_lo, k_hi, ROWS, BN, BK, STAGES)
+                    acc = _rows_down(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n0, N, k_lo, k_hi,
+                                     ROWS, BN, BK, STAGES)
             else:
                 if PROJ == 0:
                     g, u = _tile_gate_up(x_ptr, s_xt, pairs // K_TOP, rmask, w_e, sn, sk, up, n0, N, K, K,
@@ -196,8 +197,8 @@ def build(block: MoEBlock, schedule: Schedule):
         else:
             counts, sorted_pairs = routing.route(ids, E)
         cst = consts(block, x, w)
-        meta = dict(K_TOP=k, KP=next_pow2(k), BLOCK_E=max(16, next_pow2(E)), BP=max(16, next_pow2(P)), FUSED=fused,
-                    ROWS=p.rows, **cst)
+        meta = dict(K_TOP=k, KP=next_pow2(k), BLOCK_E=max(16, next_pow2(E)), BP=max(16, next_pow2(P)),
+                    FUSED=fused, ROWS=p.rows, **cst)
         slots = min(P, E)
         h = torch.empty(P, F, dtype=x.dtype, device=x.device)  # [P, F]
         stream_gemv_kernel[(slots, triton.cdiv(F, p.block_n), 1)](
