@@ -198,6 +198,12 @@ def test_params_refused_with_reason(bad):
     assert "=" in msg and any(w in msg for w in ("KiB", "power of two", "only with", "registers"))
 
 
+def test_registered_on_import():
+    from moetune.codegen import backend
+
+    assert backend.get("triton") is BACKEND and BACKEND.available() is None
+
+
 def test_wrong_params_type_refused():
     block = MoEBlock(E=4, k=1, D=64, F=48, weight_dtype="float32")
     with pytest.raises(UnsupportedSchedule, match="GemvParams"):
@@ -221,3 +227,11 @@ def test_bf16_on_gpu(sched):
     block, x, ids, weights, w = make_problem(16, 4, 256, 192, 24, "uniform", torch.bfloat16, {})
     out = BACKEND.build(block, SCHEDULES[sched])(x, ids, weights, w)
     assert rel_err(out, experts_reference(block, x, ids, weights, w)) < tolerances(torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["stream_gemv", "grouped_gemm", "hybrid"])
+@pytest.mark.parametrize("T", [1, 9])
+def test_default_schedule_matches_reference(kind, T, poisoned):
+    block, x, ids, weights, w = make_problem(6, 2, 64, 48, T, "uniform", torch.float32, {})
+    out = BACKEND.build(block, BACKEND.default(block, kind, T))(x, ids, weights, w)
+    assert rel_err(out, experts_reference(block, x, ids, weights, w)) < tolerances(torch.float32)

@@ -45,22 +45,36 @@ class TritonBackend:
         return self._module(kind).SPACE
 
     def default(self, block: MoEBlock, kind: str, tokens: int) -> Schedule:
-        """Heuristic of rows per expert: stream one row per weight read while rows per active expert
-        is about one, tl.dot passes of 16 rows when a few, 64-row tiles when many."""
+        """Heuristic of rows per active expert, from the H200 sweep (bench/results/NOTES.md): one row
+        per weight read (pipelined FMA, token-mode down) while it is about one; 16-row tl.dot tiles
+        from ~1.05 up to ~12; 64- then 128-row tiles beyond."""
         rows = tokens * block.k / max(expected_distinct(block, tokens), 1.0)
         if kind == "stream_gemv":
-            p = GemvParams(rows=1 if rows < 1.5 else 16,
-                           down_mode="token" if rows < 1.5 else "expert",
-                           split_k=1 if rows < 1.5 or block.F >= 2048 else 2)
+            if rows <= 1.5:
+                kp = 1 << (block.k - 1).bit_length()
+                p = GemvParams(down_block_n=max(2, 32 // kp))
+            else:
+                p = GemvParams(rows=16, block_n=64, block_k=128, down_block_n=64, down_block_k=128,
+                               down_mode="expert", fused_route=False)
             return Schedule("stream_gemv", backend="triton", params=p)
         if kind == "grouped_gemm":
-            bm = 16 if rows <= 16 else (64 if rows <= 128 else 128)
-            p = GemmParams(block_m=bm, block_n=64 if bm < 128 else 128, block_k=64 if bm < 128 else 64,
-                           num_warps=4 if bm < 128 else 8, num_stages=4 if bm <= 64 else 3)
+            if rows < 12:
+                p = GemmParams(block_m=16, block_n=64, block_k=128, num_stages=4, down_block_n=64,
+                               down_block_k=128, down_stages=4)
+            elif rows < 48:
+                p = GemmParams(block_m=64, block_n=64, block_k=64, num_stages=4, down_block_n=128,
+                               down_block_k=64, down_stages=4)
+            else:
+                p = GemmParams(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
+                               down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
             return Schedule("grouped_gemm", backend="triton", params=p)
         if kind == "hybrid":
-            return Schedule("hybrid", row_threshold=2 if rows < 4 else 8, backend="triton",
-                            params=HybridParams(block_m=16 if rows < 32 else 64))
+            small = rows < 4
+            p = HybridParams(block_m=16 if small else 64, block_n=64, block_k=128 if small else 64,
+                             num_stages=4, gemv_block_n=8 if small else 4, gemv_block_k=256 if small else 128,
+                             down_block_n=64 if small else 128, down_block_k=128 if small else 64,
+                             down_gemv_block_n=4 if small else 2, down_gemv_block_k=128, down_stages=4)
+            return Schedule("hybrid", row_threshold=2 if small else 8, backend="triton", params=p)
         raise UnsupportedSchedule(f"triton backend: unknown schedule kind {kind!r}")
 
     def build(self, block: MoEBlock, schedule: Schedule) -> ExpertsFn:

@@ -53,13 +53,13 @@ from ._common import (
 
 @dataclass(frozen=True)
 class GemvParams:
-    block_n: int = 16  # gate/up output rows (of F) per program
+    block_n: int = 8  # gate/up output rows (of F) per program
     block_k: int = 256  # reduction chunk along D
     rows: int = 1  # rows of one expert per weight read: 1..8 FMA (3-D for > 1), ≥ 16 a tl.dot pass
     num_warps: int = 4
-    num_stages: int = 3
-    down_block_n: int = 16  # down output rows (of D) per program
-    down_block_k: int = 256  # reduction chunk along F
+    num_stages: int = 4  # depth of the cp.async pipeline of every K loop
+    down_block_n: int = 4  # down output rows (of D) per program (token mode: × next_pow2(k) streams)
+    down_block_k: int = 128  # reduction chunk along F
     down_warps: int = 4
     down_mode: Literal["token", "expert"] = "token"
     split_k: int = 1  # down, expert mode: F split in this many fp32 partials
