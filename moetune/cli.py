@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-going", action="store_true", help="score unknown candidate errors inf instead of raising")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exhaustive", action="store_true", help="time every point of each bucket's space")
+    p.add_argument("--space-cap", type=int, default=None,
+                   help="tune a sub-grid of ≤ N points per bucket around the default (also for --exhaustive)")
     p.set_defaults(module="moetune.search.cli")
 
     p = sub.add_parser("show", help="list a dispatch table's contents")

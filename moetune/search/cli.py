@@ -3,12 +3,15 @@
     moetune tune --preset NAME | --config FILE | --model-dir DIR | --tiny FAMILY
                  [--tokens 1-1024] [--trace FILE] [--budget 10m] [--cache PATH] [--storage URL]
                  [--backend torch|triton] [--target NAME] [--dtype D] [--strict] [--keep-going]
-                 [--exhaustive]
+                 [--exhaustive] [--space-cap N]
 
 One line per bucket while it tunes, then a table: bucket, winner, time, floor, % of floor, vs the
 default heuristic, vs transformers' baseline; the device is named. Winners go to `--cache`
 (default cache/<target>.sqlite; cache/<target>-tiny.sqlite for --tiny), replacing only slower entries.
 `--exhaustive` times every point of each bucket's space (to check the TPE winner against a grid).
+`--space-cap N` tunes each bucket over a deterministic sub-grid of at most N points around the default
+heuristic (search.space.cap_space), the same for TPE and `--exhaustive`: a grid of the full Triton space
+(10⁵ points per bucket) is out of reach, one of the sub-grid is not (bench/grid_vs_tpe.py).
 """
 
 from __future__ import annotations
@@ -142,11 +145,13 @@ def run(args) -> int:
     dev_name, cap = device_identity(device)
     options = TuneOptions(storage=args.storage, strict=getattr(args, "strict", False),
                           keep_going=getattr(args, "keep_going", False), device=device,
-                          seed=getattr(args, "seed", 0) or 0, exhaustive=getattr(args, "exhaustive", False))
+                          seed=getattr(args, "seed", 0) or 0, exhaustive=getattr(args, "exhaustive", False),
+                          space_cap=getattr(args, "space_cap", None) or None)
     print(f"moetune tune: {block.name or block.signature_hash()} [{block.signature_hash()}] "
           f"on {dev_name} ({cap}), backend {backend}, target {target}, T ∈ [{lo},{hi}], budget {budget:.0f} s"
           + (f", trace {args.trace}" if args.trace else "")
-          + (f", storage {args.storage}" if args.storage else ""))
+          + (f", storage {args.storage}" if args.storage else "")
+          + (f", space capped at {options.space_cap} points per bucket" if options.space_cap else ""))
     print(f"  {block.signature()}")
     tty = sys.stdout.isatty()
     t0 = time.monotonic()

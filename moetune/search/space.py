@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ..codegen.backend import Backend
@@ -66,6 +66,7 @@ class SearchSpace:
     bucket: tuple[int, int]
     kinds: tuple[KindSpace, ...]
     refusals: tuple[tuple[str, str], ...] = ()  # (kind, reason) left out of the space
+    full_size: int | None = None  # the points of the space this one was capped from (cap_space)
 
     def kind(self, name: str) -> KindSpace:
         for ks in self.kinds:
@@ -137,8 +138,10 @@ class SearchSpace:
         for ks in self.kinds:
             dims = [f"{n.split(':', 1)[1]}∈{list(v)}" for n, v in ks.choices()]
             parts.append(f"{ks.kind} ({ks.size()}: {', '.join(dims) or 'no knobs'})")
-        s = f"bucket [{self.bucket[0]},{self.bucket[1]}] {self.backend}: {self.size()} points: "
-        s += "; ".join(parts)
+        s = f"bucket [{self.bucket[0]},{self.bucket[1]}] {self.backend}: {self.size()} points"
+        if self.full_size is not None:
+            s += f" (a sub-grid of {self.full_size})"
+        s += ": " + "; ".join(parts)
         if self.refusals:
             s += "  refused: " + "; ".join(f"{k}: {r}" for k, r in self.refusals)
         return s
@@ -149,6 +152,80 @@ def key(schedule: Schedule) -> str:
     p = schedule.params
     pv = () if p is None else tuple((f.name, getattr(p, f.name)) for f in dataclasses.fields(p))
     return repr((schedule.backend, schedule.kind, schedule.row_threshold, schedule.fusion, pv))
+
+
+def _window(values: tuple, anchor, width: int) -> tuple[int, int]:
+    """[lo, hi) indices of the anchor's value (its middle value when absent)."""
+    i = values.index(anchor) if anchor in values else (len(values) - 1) // 2
+    return i, i + width
+
+
+def _cap_kind(ks: KindSpace, cap: int, anchor: Schedule | None) -> KindSpace:
+    """The sub-grid of `ks` around `anchor` with at most `cap` points (see cap_space)."""
+    names = [n for n, _ in ks.choices()]
+    vals = [v for _, v in ks.choices()]
+    if anchor is not None:
+        got = {f"{ks.kind}:row_threshold": anchor.row_threshold}
+        got.update({f"{ks.kind}:{n}": getattr(anchor.params, n, None) for n in ks.params.names()})
+    else:
+        got = {}
+    win = [list(_window(v, got.get(n), 1)) for n, v in zip(names, vals, strict=True)]
+    up = [True] * len(win)  # the side each field widens to next: up first, then alternating
+
+    def size() -> int:
+        n = 1
+        for lo, hi in win:
+            n *= hi - lo
+        return n
+
+    grew = True
+    while grew:
+        grew = False
+        for f, v in enumerate(vals):
+            lo, hi = win[f]
+            sides = [up[f], not up[f]]
+            for side in sides:
+                if side and hi < len(v):
+                    new = [lo, hi + 1]
+                elif not side and lo > 0:
+                    new = [lo - 1, hi]
+                else:
+                    continue
+                old, win[f] = win[f], new
+                if size() <= cap:
+                    up[f] = not side
+                    grew = True
+                else:
+                    win[f] = old
+                break
+    sub = {n: v[lo:hi] for n, v, (lo, hi) in zip(names, vals, win, strict=True)}
+    rts = sub.pop(f"{ks.kind}:row_threshold", ())
+    choices = tuple((n, sub[f"{ks.kind}:{n}"]) for n in ks.params.names())
+    return dataclasses.replace(ks, row_thresholds=rts, params=ParamSpace(ks.params.params_type, choices))
+
+
+def cap_space(space: SearchSpace, cap: int, anchors: Sequence[Schedule] = ()) -> SearchSpace:
+    """A deterministic sub-grid of `space` with at most `cap` points (a few more only when `cap` is
+    below one point per kind), for checking the search against an exhaustive grid of the same space.
+
+    Each kind gets an equal share of `cap` (at least one point). Its sub-grid starts from the first
+    anchor of that kind (the default heuristic; a value outside the space, or no anchor: the field's
+    middle value) and widens field by field in the space's order (row threshold, then the backend's
+    parameters), each time by the next value above, then below, alternating, as long as the kind's
+    product stays within its share. So the default is always a point of the sub-grid, and the fields
+    the backend lists first (tiles) vary before the later ones.
+    """
+    if cap < 1:
+        raise UnsupportedSchedule(f"space cap {cap}: need at least 1 point")
+    if space.size() <= cap:
+        return space
+    share = max(1, cap // len(space.kinds))
+    first = {}
+    for s in anchors:
+        if s is not None:
+            first.setdefault(s.kind, s)
+    kinds = tuple(_cap_kind(ks, share, first.get(ks.kind)) for ks in space.kinds)
+    return dataclasses.replace(space, kinds=kinds, full_size=space.full_size or space.size())
 
 
 def build_space(block: MoEBlock, backend: Backend, bucket: Bucket) -> SearchSpace:

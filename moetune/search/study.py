@@ -38,7 +38,7 @@ from ..ir import Bucket, MoEBlock, Roofline, Schedule, UnsupportedSchedule
 from ..runtime.table import DispatchEntry, DispatchTable, Versions
 from .baseline import baseline_fn, default_baseline
 from .objective import Objective, Outcome, RoutingSampler, expert_tensors, make_cases, trace_sampler
-from .space import SearchSpace, build_space, key
+from .space import SearchSpace, build_space, cap_space, key
 from .timing import Case, Timer, timer_for
 
 
@@ -59,6 +59,7 @@ class TuneOptions:
     keep_going: bool = False
     storage: object = None  # RDB URL, journal file, or an optuna storage; shared by workers
     exhaustive: bool = False  # every point of the space, no early stop (to check TPE against a grid)
+    space_cap: int | None = None  # tune a sub-grid of ≤ this many points per bucket (space.cap_space)
     warm_in_build: bool | None = None  # launch each candidate once in the build pool (None: on GPUs)
     device: str | None = None  # None: cuda for GPU backends, cpu for torch
 
@@ -67,6 +68,9 @@ class TuneOptions:
             raise UnsupportedSchedule(f"TuneOptions.margin = {self.margin}: need 0 ≤ margin < 1")
         if self.budget_s <= 0:
             raise UnsupportedSchedule(f"TuneOptions.budget_s = {self.budget_s}: need a positive budget")
+        if self.space_cap is not None and self.space_cap < 1:
+            raise UnsupportedSchedule(f"TuneOptions.space_cap = {self.space_cap}: need at least 1 point "
+                                      "(None: the whole space)")
 
 
 @dataclass(frozen=True)
@@ -254,14 +258,19 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
     t_start = time.monotonic()
     deadline = t_start + options.budget_s
     space = build_space(block, backend, bucket)
+    default = runtime_default(block, backend, bucket)
+    if options.space_cap:  # the same sub-grid for TPE and --exhaustive: centred on the defaults
+        space = cap_space(space, options.space_cap,
+                          default_schedules(block, backend, space, inputs.tokens, first=default))
     objective = Objective(block, backend, timer, inputs.cases, inputs.check_tokens, sampler=inputs.sampler,
                           seed=options.seed + bucket.lo, strict=options.strict, keep_going=options.keep_going,
                           warm_in_build=options.warm_in_build)
     floor = bucket.floor
     floor_s = floor.time_s if floor is not None else 0.0
     name = f"moetune:{target}:{backend.name}:{block.signature_hash()}:{bucket.lo}-{bucket.hi}"
+    if options.space_cap and space.full_size is not None:  # a capped space is a study of its own
+        name += f":cap{options.space_cap}"
     st = _Study(name, space, options)
-    default = runtime_default(block, backend, bucket)
     st.enqueue(default_schedules(block, backend, space, inputs.tokens, first=default))
     if options.exhaustive:
         st.enqueue([s for s in space.grid() if isinstance(s, Schedule)])
@@ -451,8 +460,10 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
                trace=None, timer: Timer | None = None, table: DispatchTable | None = None,
                options: TuneOptions | None = None, budget_s: float | None = None,
                progress: Callable[[dict], None] | None = None,
-               on_bucket: Callable[[int, int, BucketResult], None] | None = None) -> list[BucketResult]:
-    """Tune every bucket the passes make of `block` on `tokens`; `budget_s` is shared by all buckets."""
+               on_bucket: Callable[[int, int, BucketResult], None] | None = None,
+               at_tokens: Sequence[int] | None = None) -> list[BucketResult]:
+    """Tune every bucket the passes make of `block` on `tokens`; `budget_s` is shared by all buckets.
+    With `at_tokens`, only the buckets (of the whole range) holding one of those token counts."""
     from ..passes.pipeline import schedule_block
     from ..passes.trace import Trace
 
@@ -466,6 +477,8 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
     block = block.replace(T_max=max(block.T_max, tokens[1])) if block.T_max < tokens[1] else block
     sb = schedule_block(block, target, trace=trace, tokens=tokens)
     buckets = [b for b in sb.buckets if b.hi >= tokens[0] and b.lo <= tokens[1]]
+    if at_tokens is not None:
+        buckets = [b for b in buckets if any(b.lo <= t <= b.hi for t in at_tokens)]
     sampler = None
     if isinstance(trace, str | os.PathLike):
         trace = Trace.load(trace)

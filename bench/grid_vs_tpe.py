@@ -1,0 +1,498 @@
+"""Issue 5's two remaining checks, runnable on a CPU (torch backend) and on a GPU (triton backend).
+
+grid mode: on three buckets, the TPE winner against an exhaustive grid over the SAME space, a
+deterministic sub-grid of ≤ --space-cap points per bucket around the default heuristic
+(search.space.cap_space; a grid of the full Triton space, 10⁵ points per bucket, is out of reach).
+
+    1. phase tpe:  the normal study (TPE, defaults enqueued first, early stops) on each bucket
+    2. phase grid: `--exhaustive` on the same buckets and the same sub-grid; then the TPE winner (read
+                   back from phase 1's table) and the grid winner are re-timed back to back, in
+                   alternating rounds, so that the ratio does not mix two processes' timings.
+
+Each phase runs in its own process with its own empty Triton cache (TRITON_CACHE_DIR), so neither
+phase's wall time profits from kernels the other compiled; each writes its own temporary table.
+Per bucket: both winners and times, the back-to-back ratio TPE / grid, trials, wall time, device.
+
+workers mode: N `moetune tune` processes on one preset and token range, sharing one Optuna journal
+(--storage) and one dispatch table (--cache); then the trials each worker ran in each shared study,
+and the table's rows (one per bucket: none lost).
+
+    python bench/grid_vs_tpe.py --mode grid --tiny qwen3_moe --backend torch --out /tmp/g
+    python bench/grid_vs_tpe.py --mode both --preset qwen3-30b-a3b --backend triton --target h200 --out $OUT
+
+Writes into --out: grid_vs_tpe.{json,md} and multi_worker.{json,md} (+ workers.log, the workers'
+output). The JSON is rewritten after every bucket, so a run cut short still leaves what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=("grid", "workers", "both"), default="grid")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--preset", default=None, help="a shipped preset (default qwen3-30b-a3b)")
+    src.add_argument("--tiny", default=None, help="the block of a tiny offline model family")
+    ap.add_argument("--backend", default=None, help="torch | triton (default: triton on a GPU)")
+    ap.add_argument("--target", default=None, help="passes' target (default: the one moetune.compile uses)")
+    ap.add_argument("--tokens", default="1-1024", help="the range the passes bucket (the buckets' context)")
+    ap.add_argument("--at", default="1,14,165", help="token counts: the buckets holding them are compared")
+    ap.add_argument("--space-cap", type=int, default=24, help="points of each bucket's sub-grid")
+    ap.add_argument("--tpe-budget", type=float, default=12.0, help="TPE seconds per bucket")
+    ap.add_argument("--grid-budget", type=float, default=40.0, help="grid seconds per bucket (a cap)")
+    ap.add_argument("--patience", type=int, default=8, help="TPE: trials without a 1%% gain before it stops")
+    ap.add_argument("--batch", type=int, default=4, help="TPE: candidates asked (and built) per round")
+    ap.add_argument("--routings", type=int, default=0, help="timing cases (0: 32 on a GPU, 8 on CPU)")
+    ap.add_argument("--rounds", type=int, default=3, help="back-to-back timing rounds of the two winners")
+    ap.add_argument("--tolerance", type=float, default=0.03, help="the target: TPE ≤ (1 + tol) × grid")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=2, help="workers mode: processes on one study")
+    ap.add_argument("--worker-tokens", default="1-9", help="workers mode: the token range they tune")
+    ap.add_argument("--worker-budget", default="30s", help="workers mode: each worker's budget")
+    ap.add_argument("--out", default="bench/results/grid_vs_tpe", help="folder for the results")
+    ap.add_argument("--no-isolate", action="store_true", help="run both phases in this process")
+    ap.add_argument("--phase", choices=("tpe", "grid"), default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--phase-json", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--tpe-table", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--grid-table", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if not a.tiny and not a.preset:
+        a.preset = "qwen3-30b-a3b"
+    return a
+
+
+def _setup(a):
+    """(block, backend name, device, target)."""
+    from moetune.search.cli import _default_backend, _default_target, tiny_block
+
+    backend = a.backend or _default_backend()
+    device = "cpu" if backend == "torch" else "cuda"
+    target = a.target or _default_target(device)
+    if a.tiny:
+        block = tiny_block(a.tiny)
+    else:
+        from moetune.ir.presets import preset
+
+        block = preset(a.preset)
+    return block, backend, device, target
+
+
+def _tokens(a) -> tuple[tuple[int, int], list[int]]:
+    from moetune.search.cli import parse_tokens
+
+    return parse_tokens(a.tokens), [int(t) for t in a.at.split(",") if t.strip()]
+
+
+def _write(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".part")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    tmp.replace(path)
+
+
+def _us(s) -> float | None:
+    return None if s is None or not math.isfinite(s) else round(s * 1e6, 2)
+
+
+# --------------------------------------------------------------------------------------- phases
+
+
+def run_phase(a) -> dict:
+    """One phase in this process: tune (TPE or exhaustive) the selected buckets into its table."""
+    from moetune.runtime.table import DispatchTable, device_identity
+    from moetune.search.study import TuneOptions, tune_block
+
+    block, backend, device, target = _setup(a)
+    (lo, hi), at = _tokens(a)
+    grid = a.phase == "grid"
+    opts = TuneOptions(
+        seed=a.seed,
+        device=device,
+        space_cap=a.space_cap,
+        exhaustive=grid,
+        keep_going=True,
+        routings=a.routings,
+        patience=a.patience,
+        **({} if grid else {"batch": a.batch}),
+    )
+    per = a.grid_budget if grid else a.tpe_budget
+    rec = {"phase": a.phase, "device": " ".join(device_identity(device)), "buckets": []}
+    t_prev = [time.monotonic()]
+    t0 = t_prev[0]
+    path = Path(a.phase_json) if a.phase_json else None
+
+    def on_bucket(i, n, r) -> None:
+        now = time.monotonic()
+        rec["buckets"].append(
+            {
+                "bucket": list(r.bucket),
+                "tokens": r.tokens,
+                "winner": r.winner.describe() if r.winner else None,
+                "time_us": _us(r.time_s),
+                "default_us": _us(r.default_time_s),
+                "trials": r.trials,
+                "evaluated": r.evaluated,
+                "failures": r.failures,
+                "stopped": r.stopped,
+                "space": r.space,
+                "wall_s": round(now - t_prev[0], 2),
+            }
+        )
+        t_prev[0] = now
+        print(
+            f"  {a.phase} [{i + 1}/{n}] [{r.bucket[0]},{r.bucket[1]}] T={r.tokens}: {r.evaluated} candidates "
+            f"({r.trials} trials), best {_us(r.time_s)} µs, {r.stopped}  [{now - t0:.0f} s]",
+            flush=True,
+        )
+        if path:
+            _write(path, rec)
+
+    table_path = a.grid_table if grid else a.tpe_table
+    with DispatchTable(table_path) as table:
+        tune_block(
+            block,
+            backend,
+            target,
+            (lo, hi),
+            table=table,
+            options=opts,
+            budget_s=per * len(at),
+            on_bucket=on_bucket,
+            at_tokens=at,
+        )
+    rec["wall_s"] = round(time.monotonic() - t0, 2)
+    if grid and a.tpe_table:
+        rec["back_to_back"] = back_to_back(a, block, backend, device, target)
+    if path:
+        _write(path, rec)
+    return rec
+
+
+def back_to_back(a, block, backend, device, target) -> list[dict]:
+    """Re-time the TPE and grid winners of each bucket in alternating rounds on the same cases."""
+    from moetune.codegen.backend import get
+    from moetune.passes.pipeline import schedule_block
+    from moetune.runtime.table import DispatchTable
+    from moetune.search.objective import Objective, expert_tensors
+    from moetune.search.study import bucket_inputs
+    from moetune.search.timing import timer_for
+
+    (lo, hi), at = _tokens(a)
+    be = get(backend)
+    b = block.replace(T_max=max(block.T_max, hi)) if block.T_max < hi else block
+    buckets = [
+        x for x in schedule_block(b, target, tokens=(lo, hi)).buckets if any(x.lo <= t <= x.hi for t in at)
+    ]
+    w = expert_tensors(b, device, seed=a.seed)
+    timer = timer_for(device)
+    routings = a.routings or (32 if device.startswith("cuda") else 8)
+    out = []
+    with DispatchTable(a.tpe_table, create=False) as tt, DispatchTable(a.grid_table, create=False) as gt:
+        for bk in buckets:
+            sig = b.signature_hash()
+            te, ge = (t.get(target, backend, sig, bk.lo, bk.hi) for t in (tt, gt))
+            if te is None or ge is None:
+                out.append(
+                    {
+                        "bucket": [bk.lo, bk.hi],
+                        "error": "no winner in the " + ("TPE" if te is None else "grid") + " table",
+                    }
+                )
+                continue
+            inputs = bucket_inputs(b, bk, w, routings=routings, seed=a.seed + 1)  # cases neither phase timed
+            obj = Objective(b, be, timer, inputs.cases, inputs.check_tokens, seed=a.seed + 2, keep_going=True)
+            fns, times = {}, {"tpe": [], "grid": []}
+            for name, e in (("tpe", te), ("grid", ge)):
+                o = obj.evaluate(e.schedule(b))  # checked again on fresh inputs, and timed once
+                fns[name] = obj.build(e.schedule(b)).fn if o.ok else None
+                times[name].append(o.time_s)
+            for i in range(max(0, a.rounds - 1)):
+                for name in ("grid", "tpe") if i % 2 == 0 else ("tpe", "grid"):
+                    if fns[name] is not None:
+                        times[name].append(obj.timer(fns[name], obj.timing_cases).median_s)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            out.append(
+                {
+                    "bucket": [bk.lo, bk.hi],
+                    "same_winner": te.schedule(b) == ge.schedule(b),
+                    "tpe_us": _us(med["tpe"]),
+                    "grid_us": _us(med["grid"]),
+                    "ratio": (med["tpe"] / med["grid"]) if math.isfinite(med["grid"]) else None,
+                    "rounds": {k: [_us(x) for x in v] for k, v in times.items()},
+                }
+            )
+    return out
+
+
+def grid_vs_tpe(a, argv: list[str]) -> dict:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="moetune-grid-vs-tpe-"))
+    tpe_table, grid_table = str(tmp / "tpe.sqlite"), str(tmp / "grid.sqlite")
+    recs = {}
+    for phase in ("tpe", "grid"):
+        pj = tmp / f"{phase}.json"
+        extra = [
+            "--phase",
+            phase,
+            "--phase-json",
+            str(pj),
+            "--tpe-table",
+            tpe_table,
+            "--grid-table",
+            grid_table,
+        ]
+        t0 = time.monotonic()
+        if a.no_isolate:
+            run_phase(_args([*argv, *extra]))
+        else:
+            env = dict(
+                os.environ,
+                TRITON_CACHE_DIR=str(tmp / f"triton-{phase}"),
+                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            )
+            rc = subprocess.run([sys.executable, __file__, *argv, *extra], env=env).returncode
+            if rc != 0:
+                print(f"grid_vs_tpe: phase {phase} exited {rc}", file=sys.stderr)
+        recs[phase] = json.loads(pj.read_text()) if pj.is_file() else {"buckets": [], "error": "no record"}
+        recs[phase]["process_wall_s"] = round(time.monotonic() - t0, 2)
+    rows = []
+    b2b = {tuple(x["bucket"]): x for x in recs["grid"].get("back_to_back", [])}
+    grid_by = {tuple(x["bucket"]): x for x in recs["grid"]["buckets"]}
+    for t in recs["tpe"]["buckets"]:
+        g = grid_by.get(tuple(t["bucket"]), {})
+        j = b2b.get(tuple(t["bucket"]), {})
+        rows.append(
+            {
+                "bucket": t["bucket"],
+                "tokens": t["tokens"],
+                "space": t["space"],
+                "same_space": t["space"] == g.get("space"),
+                "tpe": {k: t[k] for k in ("winner", "time_us", "trials", "evaluated", "wall_s", "stopped")},
+                "grid": {
+                    k: g.get(k) for k in ("winner", "time_us", "trials", "evaluated", "wall_s", "stopped")
+                },
+                "grid_complete": str(g.get("stopped", "")).startswith("space exhausted"),
+                "back_to_back": j,
+                "ratio": j.get("ratio"),
+                "within_tolerance": j.get("ratio") is not None and j["ratio"] <= 1 + a.tolerance,
+            }
+        )
+    rec = {
+        "device": recs["tpe"].get("device"),
+        "block": a.tiny and f"tiny-{a.tiny}" or a.preset,
+        "backend": a.backend,
+        "space_cap": a.space_cap,
+        "tolerance": a.tolerance,
+        "buckets": rows,
+        "tpe_wall_s": recs["tpe"].get("wall_s"),
+        "grid_wall_s": recs["grid"].get("wall_s"),
+        "tpe_process_s": recs["tpe"]["process_wall_s"],
+        "grid_process_s": recs["grid"]["process_wall_s"],
+        "isolated": not a.no_isolate,
+    }
+    _write(out / "grid_vs_tpe.json", rec)
+    (out / "grid_vs_tpe.md").write_text(grid_markdown(rec))
+    print(grid_markdown(rec))
+    return rec
+
+
+def grid_markdown(rec: dict) -> str:
+    lines = [
+        f"# TPE vs exhaustive grid over the same sub-grid ({rec['block']}, {rec['backend']}, "
+        f"{rec['device']})",
+        "",
+        f"Space: ≤ {rec['space_cap']} points per bucket (search.space.cap_space). Ratio: TPE winner / grid "
+        f"winner, re-timed back to back (median of rounds); target ≤ {1 + rec['tolerance']:.2f}.",
+        "",
+        "| bucket | T | points | TPE winner | TPE µs | TPE trials | TPE wall s | grid winner | grid µs | "
+        "grid trials | grid wall s | ratio | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rec["buckets"]:
+        pts = r["space"].split(":", 1)[1].split(" points")[0].strip() if ":" in r["space"] else "?"
+        j = r["back_to_back"]
+        ratio = "–" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        lines.append(
+            f"| [{r['bucket'][0]},{r['bucket'][1]}] | {r['tokens']} | {pts} | "
+            f"{(r['tpe']['winner'] or '–').split(':', 1)[-1]} | {j.get('tpe_us', r['tpe']['time_us'])} | "
+            f"{r['tpe']['trials']} | {r['tpe']['wall_s']} | "
+            f"{(r['grid']['winner'] or '–').split(':', 1)[-1]} | "
+            f"{j.get('grid_us', r['grid']['time_us'])} | {r['grid']['trials']} | {r['grid']['wall_s']} | "
+            f"{ratio} | "
+            f"{'yes' if r['within_tolerance'] else 'NO'}{'' if r['grid_complete'] else ' (grid cut short)'} |"
+        )
+    lines += [
+        "",
+        f"Tuning wall time (both phases, excluding process start): TPE {rec['tpe_wall_s']} s, "
+        f"grid {rec['grid_wall_s']} s; whole processes {rec['tpe_process_s']} s and "
+        f"{rec['grid_process_s']} s "
+        f"({'each with its own empty Triton cache' if rec['isolated'] else 'one process'}).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# -------------------------------------------------------------------------------------- workers
+
+
+def _bucket_of(study_name: str) -> tuple[int, int]:
+    """moetune:<target>:<backend>:<signature>:<lo>-<hi>[:cap<N>] → (lo, hi)."""
+    m = re.search(r":(\d+)-(\d+)(?::cap\d+)?$", study_name)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def multi_worker(a) -> dict:
+    import optuna
+
+    from moetune.runtime.table import DispatchTable
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="moetune-workers-"))
+    journal, cache = str(tmp / "study.journal"), str(tmp / "shared.sqlite")
+    src = ["--tiny", a.tiny] if a.tiny else ["--preset", a.preset]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moetune.cli",
+        "tune",
+        *src,
+        "--tokens",
+        a.worker_tokens,
+        "--budget",
+        a.worker_budget,
+        "--cache",
+        cache,
+        "--storage",
+        journal,
+        "--keep-going",
+    ]
+    cmd += ["--backend", a.backend] if a.backend else []
+    cmd += ["--target", a.target] if a.target else []
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    )
+    logs = [tmp / f"worker-{i}.log" for i in range(a.workers)]
+    t0 = time.monotonic()
+    procs = []
+    for i in range(a.workers):
+        with open(logs[i], "w") as f:
+            procs.append(
+                subprocess.Popen(
+                    [*cmd, "--seed", str(i + 1)], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT)
+                )
+            )
+    rcs = [p.wait() for p in procs]
+    wall = time.monotonic() - t0
+    with open(out / "workers.log", "w") as f:
+        for i, lg in enumerate(logs):
+            f.write(f"===== worker {i + 1} (rc {rcs[i]}): {' '.join(cmd)} --seed {i + 1}\n{lg.read_text()}\n")
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(journal))
+    studies = []
+    for s in sorted(storage.get_all_studies(), key=lambda s: _bucket_of(s.study_name)):
+        trials = storage.get_all_trials(s._study_id, deepcopy=False)
+        per: dict[str, dict] = {}
+        for t in trials:
+            wk = t.user_attrs.get("worker", "(not told)")
+            d = per.setdefault(wk, {"trials": 0, "evaluated": 0})
+            if t.state == optuna.trial.TrialState.COMPLETE:
+                d["trials"] += 1
+                d["evaluated"] += 0 if t.user_attrs.get("duplicate") else 1
+        states: dict[str, int] = {}
+        for t in trials:
+            states[t.state.name] = states.get(t.state.name, 0) + 1
+        studies.append(
+            {
+                "study": s.study_name,
+                "bucket": "-".join(map(str, _bucket_of(s.study_name))),
+                "trials": len(trials),
+                "states": states,
+                "per_worker": per,
+            }
+        )
+    with DispatchTable(cache, create=False) as t:
+        rows = [
+            {
+                "bucket": list(e.bucket),
+                "winner": e.describe(),
+                "time_us": round(e.time_us, 2),
+                "trials": e.trials,
+            }
+            for e in t.entries()
+        ]
+    row_buckets = {f"{r['bucket'][0]}-{r['bucket'][1]}" for r in rows}
+    rec = {
+        "workers": a.workers,
+        "returncodes": rcs,
+        "wall_s": round(wall, 2),
+        "command": " ".join(cmd),
+        "studies": studies,
+        "rows": rows,
+        "lost_rows": sorted({s["bucket"] for s in studies} - row_buckets),
+        "workers_in_every_study": all(
+            sum(1 for d in s["per_worker"].values() if d["trials"]) >= 2 for s in studies
+        )
+        if a.workers >= 2
+        else None,
+    }
+    _write(out / "multi_worker.json", rec)
+    (out / "multi_worker.md").write_text(worker_markdown(rec))
+    print(worker_markdown(rec))
+    return rec
+
+
+def worker_markdown(rec: dict) -> str:
+    lines = [
+        f"# {rec['workers']} `moetune tune` workers, one Optuna journal, one table "
+        f"(exit codes {rec['returncodes']}, {rec['wall_s']} s)",
+        "",
+        f"`{rec['command']} --seed I`",
+        "",
+        "| study bucket | trials | states | per worker: trials told (evaluated here) |",
+        "|---|---|---|---|",
+    ]
+    for s in rec["studies"]:
+        pw = "; ".join(f"{w}: {d['trials']} ({d['evaluated']})" for w, d in sorted(s["per_worker"].items()))
+        lines.append(f"| {s['bucket']} | {s['trials']} | {s['states']} | {pw} |")
+    lines += [
+        "",
+        f"Table rows: {len(rec['rows'])}; studies without a row (lost): {rec['lost_rows'] or 'none'}; "
+        f"every study shared by ≥ 2 workers: {rec['workers_in_every_study']}",
+        "",
+    ]
+    lines += [f"- [{r['bucket'][0]},{r['bucket'][1]}] {r['winner']}" for r in rec["rows"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = _args(argv)
+    if a.phase:
+        run_phase(a)
+        return 0
+    ok = True
+    if a.mode in ("grid", "both"):
+        rec = grid_vs_tpe(a, argv)
+        ok &= bool(rec["buckets"]) and all(r["within_tolerance"] for r in rec["buckets"])
+    if a.mode in ("workers", "both"):
+        rec = multi_worker(a)
+        ok &= not rec["lost_rows"] and all(rc in (0, 1) for rc in rec["returncodes"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
