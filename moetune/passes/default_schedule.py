@@ -1,9 +1,13 @@
-"""Default-schedule pass: one Schedule per bucket from its candidates, by the regime at its
-representative T. The runtime uses it where the dispatch table has no tuned answer; the search
-starts from it.
+"""Default-schedule pass: one backend-neutral Schedule per bucket from its candidates, by the regime
+at its representative T, so that the final IR passes `verify_scheduled(final=True)` and `explain`
+shows a complete plan. The runtime's default with a backend's parameters is
+`moetune.runtime.default.default_schedule`, which follows the same preference.
 
-    one_row    stream_gemv          mixed    hybrid, the smallest kept R
+    one_row    stream_gemv          mixed    grouped_gemm, else hybrid with the smallest kept R
     many_rows  grouped_gemm         (each falls back to the first candidate the rules proposed)
+
+Hybrid is never preferred on the expected statistics alone: on the H200 it won none of the 48 cells
+of bench/results/nvidia-h200-kernels.md; the search tries it wherever the rules propose it.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from ..ir import Schedule, ScheduledBlock
 from .context import PassContext
 
 PREFERENCE = {"one_row": ("stream_gemv", "hybrid", "grouped_gemm"),
-              "mixed": ("hybrid", "stream_gemv", "grouped_gemm"),
+              "mixed": ("grouped_gemm", "hybrid", "stream_gemv"),
               "many_rows": ("grouped_gemm", "hybrid", "stream_gemv")}
 
 

@@ -5,11 +5,14 @@ experts, uniform routing activates distinct(T) = E·(1 − (1 − k/E)^T) expert
 rows(T) = T·k / distinct(T) rows on average (`moetune.passes.stats` when present, else the same
 closed form here). The regime orders the kinds:
 
-    rows ≤ GEMV_MAX_ROWS                    stream_gemv → hybrid → grouped_gemm
-    GEMV_MAX_ROWS < rows < GEMM_MIN_ROWS    hybrid → grouped_gemm      R = max(2, ⌈2·rows⌉): experts
-                                                                      well above the mean take GEMM rows
-    rows ≥ GEMM_MIN_ROWS                    grouped_gemm
+    rows ≤ GEMV_MAX_ROWS      stream_gemv → hybrid → grouped_gemm
+    rows > GEMV_MAX_ROWS      grouped_gemm
 
+Hybrid is not a default under uniform routing: it pays where a few hot experts meet many one-row
+ones, which uniform routing does not produce; on the H200 it won none of the 48 cells of
+bench/results/nvidia-h200-kernels.md, and the tuned qwen3-30b-a3b table (cache/h200.sqlite) measured
+the old hybrid default at 793.6 µs against 288.2 µs for grouped_gemm at T = 33. It stays a fallback
+when a backend refuses stream_gemv, and the search tries it wherever the passes propose it.
 and the first kind in that order is taken unless the backend refuses it for the block (its reason
 from `backend.kinds`) or, for the memory-bound kinds (stream_gemv, hybrid), its own cost model says
 it moves more than COST_SLACK × the bytes of the cheapest kind at T (`backend.cost`). The second
@@ -26,9 +29,10 @@ import math
 
 from ..codegen.backend import Backend
 from ..ir import MoEBlock, Schedule, UnsupportedSchedule
+from ..passes import stats
+from ..passes.stats import uniform_distinct  # noqa: F401  (re-exported for callers of the default)
 
 GEMV_MAX_ROWS = 1.5
-GEMM_MIN_ROWS = 4.0
 COST_SLACK = 1.5
 ORDER = {
     "stream_gemv": ("stream_gemv", "hybrid", "grouped_gemm"),
@@ -37,32 +41,18 @@ ORDER = {
 }
 
 
-def uniform_distinct(E: int, k: int, T: int) -> float:
-    """E·(1 − (1 − k/E)^T): expected experts with ≥ 1 row under uniform routing."""
-    return E * (1.0 - (1.0 - k / E) ** T) if T > 0 else 0.0
-
-
 def rows_per_active(block: MoEBlock, tokens: int) -> float:
     """Expected rows per active expert at `tokens` under uniform routing (≥ 1 for tokens ≥ 1)."""
     if tokens < 1:
         raise ValueError(f"rows_per_active: tokens = {tokens}, need ≥ 1")
-    try:
-        from ..passes import stats
-    except ImportError:  # the passes are optional to a deployment
-        stats = None
-    if stats is not None and hasattr(stats, "uniform"):
-        return float(stats.uniform(block.E, block.k).rows_per_active(tokens))
-    return tokens * block.k / uniform_distinct(block.E, block.k, tokens)
+    return float(stats.uniform(block.E, block.k).rows_per_active(tokens))
 
 
 def default_kind(block: MoEBlock, tokens: int) -> tuple[str, int | None]:
     """(schedule kind, hybrid row threshold or None) for `tokens`, by the regime table above."""
-    rows = rows_per_active(block, tokens)
-    if rows <= GEMV_MAX_ROWS:
+    if rows_per_active(block, tokens) <= GEMV_MAX_ROWS:
         return "stream_gemv", None
-    if rows >= GEMM_MIN_ROWS:
-        return "grouped_gemm", None
-    return "hybrid", min(max(2, math.ceil(2 * rows)), max(2, tokens))
+    return "grouped_gemm", None
 
 
 def default_schedule(block: MoEBlock, backend: Backend, tokens: int) -> Schedule:

@@ -11,7 +11,6 @@ from moetune.codegen.backend import get
 from moetune.codegen.torch.backend import TorchBackend
 from moetune.ir import MoEBlock, Schedule, UnsupportedSchedule
 from moetune.runtime.default import (
-    GEMM_MIN_ROWS,
     GEMV_MAX_ROWS,
     default_kind,
     default_schedule,
@@ -69,23 +68,17 @@ def test_rows_per_active_grows_from_one_to_Tk_over_E(E, k):
 
 @pytest.mark.parametrize("E,k", [(8, 2), (16, 4), (128, 8), (512, 10)])
 def test_regime_kinds_progress_with_T(E, k):
-    """stream_gemv where rows ≤ 1.5, grouped_gemm where rows ≥ 4, hybrid between; never backwards."""
+    """stream_gemv where rows ≤ 1.5, grouped_gemm beyond; never backwards, no hybrid under uniform routing."""
     b = block(E=E, k=k)
-    order = {"stream_gemv": 0, "hybrid": 1, "grouped_gemm": 2}
+    order = {"stream_gemv": 0, "grouped_gemm": 2}
     last = 0
     for T in [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256, 1024, 4096]:
         kind, R = default_kind(b, T)
         rows = rows_per_active(b, T)
-        want = (
-            "stream_gemv" if rows <= GEMV_MAX_ROWS else "grouped_gemm" if rows >= GEMM_MIN_ROWS else "hybrid"
-        )
-        assert kind == want, (T, rows)
+        assert kind == ("stream_gemv" if rows <= GEMV_MAX_ROWS else "grouped_gemm"), (T, rows)
+        assert R is None
         assert order[kind] >= last
         last = order[kind]
-        if kind == "hybrid":
-            assert 2 <= R <= T and R >= rows
-        else:
-            assert R is None
     assert default_kind(b, 1)[0] == "stream_gemv" and default_kind(b, 4096)[0] == "grouped_gemm"
 
 
@@ -93,10 +86,22 @@ def test_device_style_backend_follows_the_regime():
     be = StreamingBackend()
     b = block()
     assert default_schedule(b, be, 1).kind == "stream_gemv"
-    mid = next(T for T in range(2, 4096) if default_kind(b, T)[0] == "hybrid")
-    sch = default_schedule(b, be, mid)
-    assert sch.kind == "hybrid" and sch.row_threshold == default_kind(b, mid)[1]
+    last_gemv = max(T for T in range(1, 4096) if rows_per_active(b, T) <= GEMV_MAX_ROWS)
+    assert default_schedule(b, be, last_gemv).kind == "stream_gemv"
+    assert default_schedule(b, be, last_gemv + 1).kind == "grouped_gemm"
     assert default_schedule(b, be, 4096).kind == "grouped_gemm"
+
+
+class NoGemvBackend(StreamingBackend):
+    name = "no-gemv-test"
+
+    def kinds(self, blk):
+        return {**super().kinds(blk), "stream_gemv": "no GEMV kernel in this test"}
+
+
+def test_refused_gemv_falls_back_to_hybrid_with_a_threshold():
+    sch = default_schedule(block(), NoGemvBackend(), 1)
+    assert sch.kind == "hybrid" and sch.row_threshold >= 2
 
 
 @pytest.mark.parametrize("T", [1, 3, 16, 4096])
