@@ -20,7 +20,7 @@ and the table's rows (one per bucket: none lost).
     python bench/grid_vs_tpe.py --mode grid --tiny qwen3_moe --backend torch --out /tmp/g
     python bench/grid_vs_tpe.py --mode both --preset qwen3-30b-a3b --backend triton --target h200 --out $OUT
 
-Writes into --out: grid_vs_tpe.{json,md} and multi_worker.{json,md} (+ workers.log, the workers'
+Writes into --out: grid_vs_tpe.{json,md} and multi_worker.{json,md} (+ worker-I.log, each worker's
 output). The JSON is rewritten after every bucket, so a run cut short still leaves what it measured.
 """
 
@@ -252,7 +252,7 @@ def grid_vs_tpe(a, argv: list[str]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="moetune-grid-vs-tpe-"))
     tpe_table, grid_table = str(tmp / "tpe.sqlite"), str(tmp / "grid.sqlite")
-    recs = {}
+    recs, rc = {}, 0
     for phase in ("tpe", "grid"):
         pj = tmp / f"{phase}.json"
         extra = [
@@ -275,17 +275,24 @@ def grid_vs_tpe(a, argv: list[str]) -> dict:
                 PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             )
             n = len(_tokens(a)[1])
-            limit = a.start_s + n * (a.grid_budget + 10 / n if phase == "grid" else a.tpe_budget)
+            budget = a.grid_budget if phase == "grid" else a.tpe_budget
+            limit = a.start_s + n * (budget + 5) + (10 if phase == "grid" else 0)  # 10 s: back to back
             try:  # a phase past its limit is stopped; the buckets it finished are in its record
                 rc = subprocess.run(
                     [sys.executable, __file__, *argv, *extra], env=env, timeout=limit
                 ).returncode
             except subprocess.TimeoutExpired:
                 rc = f"stopped after {limit:.0f} s"
+            except KeyboardInterrupt:  # e.g. `timeout -s INT`: report what the phases measured
+                rc = "interrupted"
             if rc != 0:
                 print(f"grid_vs_tpe: phase {phase} exited {rc}", file=sys.stderr)
         recs[phase] = json.loads(pj.read_text()) if pj.is_file() else {"buckets": [], "error": "no record"}
         recs[phase]["process_wall_s"] = round(time.monotonic() - t0, 2)
+        if rc == "interrupted":
+            if "grid" not in recs:
+                recs["grid"] = {"buckets": [], "error": "interrupted", "process_wall_s": 0.0}
+            break
     rows = []
     b2b = {tuple(x["bucket"]): x for x in recs["grid"].get("back_to_back", [])}
     grid_by = {tuple(x["bucket"]): x for x in recs["grid"]["buckets"]}
@@ -324,6 +331,7 @@ def grid_vs_tpe(a, argv: list[str]) -> dict:
         "tpe_process_s": recs["tpe"]["process_wall_s"],
         "grid_process_s": recs["grid"]["process_wall_s"],
         "isolated": not a.no_isolate,
+        "interrupted": rc == "interrupted",
         "phases": recs,
     }
     _write(out / "grid_vs_tpe.json", rec)
@@ -409,11 +417,13 @@ def multi_worker(a) -> dict:
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     )
-    logs = [tmp / f"worker-{i}.log" for i in range(a.workers)]
+    logs = [out / f"worker-{i + 1}.log" for i in range(a.workers)]
     t0 = time.monotonic()
     procs = []
     for i in range(a.workers):
         with open(logs[i], "w") as f:
+            f.write(f"$ {' '.join(cmd)} --seed {i + 1}\n")
+            f.flush()
             procs.append(
                 subprocess.Popen(
                     [*cmd, "--seed", str(i + 1)], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT)
@@ -427,10 +437,10 @@ def multi_worker(a) -> dict:
         except subprocess.TimeoutExpired:  # stopped: its trials so far stay in the journal
             p.kill()
             rcs.append(f"killed after {limit:.0f} s")
+        except KeyboardInterrupt:
+            p.kill()
+            rcs.append("interrupted")
     wall = time.monotonic() - t0
-    with open(out / "workers.log", "w") as f:
-        for i, lg in enumerate(logs):
-            f.write(f"===== worker {i + 1} (rc {rcs[i]}): {' '.join(cmd)} --seed {i + 1}\n{lg.read_text()}\n")
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(journal))
     studies = []
     for s in sorted(storage.get_all_studies(), key=lambda s: _bucket_of(s.study_name)):
@@ -514,11 +524,11 @@ def main(argv=None) -> int:
     if a.phase:
         run_phase(a)
         return 0
-    ok = True
+    ok, rec = True, {}
     if a.mode in ("grid", "both"):
         rec = grid_vs_tpe(a, argv)
         ok &= bool(rec["buckets"]) and all(r["within_tolerance"] for r in rec["buckets"])
-    if a.mode in ("workers", "both"):
+    if a.mode in ("workers", "both") and not (a.mode == "both" and rec.get("interrupted")):
         rec = multi_worker(a)
         ok &= not rec["lost_rows"] and bool(rec["rows"]) and all(rc in (0, 1) for rc in rec["returncodes"])
     return 0 if ok else 1
