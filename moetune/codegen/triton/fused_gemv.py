@@ -55,7 +55,10 @@ from ._common import (
 PAIR_SLOT_MAX_PAIRS = 256  # P above this: the routing kernel groups the pairs (see the docstring)
 PAIR_CHUNK = 64  # ids scanned per step by the in-kernel grouping
 MAX_ROWS = 8  # RP: FMA rows per weight read (more rows of one expert take more passes)
-REG_LIMIT = 128  # fp32 values per thread for the gate/up accumulators or the down product
+# fp32 values per thread in the gate/up accumulators + the down product: above these, ptxas (sm_90)
+# spilled in the configs compiled by tests/codegen/test_triton_compile.py (the rest of the kernel
+# takes ~100–150 registers: loaded tiles, their fp32 copies, addresses)
+REG_BUDGET = {1: 96, 2: 80}  # rows = 1; rows ≥ 2
 
 
 def check(p) -> None:
@@ -66,11 +69,12 @@ def check(p) -> None:
     threads = 32 * p.num_warps
     gu = p.rows * p.block_n * p.block_k * 2 // threads
     dn = p.rows * p.block_d * p.block_n // threads
-    if max(gu, dn) > REG_LIMIT:
+    limit = REG_BUDGET[min(p.rows, 2)]
+    if gu + dn > limit:
         raise UnsupportedSchedule(
             f"GemvParams down_mode='fused' rows={p.rows} block_n={p.block_n} block_k={p.block_k} "
-            f"block_d={p.block_d} num_warps={p.num_warps}: {gu} gate/up accumulator and {dn} down product "
-            f"fp32 registers per thread, limit {REG_LIMIT}; lower block_k/block_d or raise num_warps")
+            f"block_d={p.block_d} num_warps={p.num_warps}: {gu} gate/up accumulator + {dn} down product "
+            f"fp32 registers per thread, limit {limit}; lower block_k/block_d or raise num_warps")
     smem = smem_bytes(p)
     if smem > H200_SMEM_LIMIT:
         raise UnsupportedSchedule(
@@ -239,8 +243,8 @@ class _Workspace:
             if cur is not None:
                 self.retired.append(cur)
             cap = max(n, 2 * cur[0].numel() if cur is not None else n)
-            cur = (torch.zeros(cap, dtype=torch.float32, device=device),  # acc [≥ T·D]
-                   torch.zeros(1, dtype=torch.int32, device=device))  # ticket
+            cur = (torch.empty(cap, dtype=torch.float32, device=device).zero_(),  # acc [≥ T·D]
+                   torch.empty(1, dtype=torch.int32, device=device).zero_())  # ticket
             self.live[key] = cur
         return cur
 

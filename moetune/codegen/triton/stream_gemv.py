@@ -66,7 +66,7 @@ class GemvParams:
     down_warps: int = 4
     down_mode: Literal["token", "expert", "fused"] = "token"
     split_k: int = 1  # down, expert mode: F split in this many fp32 partials
-    fused_route: bool = True  # P ≤ 64 (fused mode: 256): each program groups the ids itself (no routing kernel)
+    fused_route: bool = True  # P ≤ 64 (fused mode: 256): programs group the ids (no routing kernel)
     block_d: int = 256  # fused mode: D chunk of the down loop (each program owns an F-slice of block_n)
 
     def __post_init__(self) -> None:
@@ -83,7 +83,7 @@ class GemvParams:
                 f"GemvParams.down_mode = {self.down_mode!r}: 'token', 'expert' or 'fused'")
         if self.split_k < 1 or (self.split_k > 1 and self.down_mode != "expert"):
             raise UnsupportedSchedule(f"GemvParams.split_k = {self.split_k}: ≥ 1, and > 1 only with "
-                                      "down_mode='expert' (token and fused modes have no partials to combine)")
+                                      "down_mode='expert' (token and fused modes have no partials)")
         if self.down_mode == "fused":
             fused_gemv.check(self)
             return
