@@ -196,8 +196,7 @@ def back_to_back(a, block, backend, device, target) -> list[dict]:
     from moetune.codegen.backend import get
     from moetune.passes.pipeline import schedule_block
     from moetune.runtime.table import DispatchTable
-    from moetune.search.objective import Objective, expert_tensors
-    from moetune.search.study import bucket_inputs
+    from moetune.search.objective import expert_tensors
     from moetune.search.timing import timer_for
 
     (lo, hi), at = _tokens(a)
@@ -222,29 +221,40 @@ def back_to_back(a, block, backend, device, target) -> list[dict]:
                     }
                 )
                 continue
-            inputs = bucket_inputs(b, bk, w, routings=routings, seed=a.seed + 1)  # cases neither phase timed
-            obj = Objective(b, be, timer, inputs.cases, inputs.check_tokens, seed=a.seed + 2, keep_going=True)
-            fns, times = {}, {"tpe": [], "grid": []}
-            for name, e in (("tpe", te), ("grid", ge)):
-                o = obj.evaluate(e.schedule(b))  # checked again on fresh inputs, and timed once
-                fns[name] = obj.build(e.schedule(b)).fn if o.ok else None
-                times[name].append(o.time_s)
-            for i in range(max(0, a.rounds - 1)):
-                for name in ("grid", "tpe") if i % 2 == 0 else ("tpe", "grid"):
-                    if fns[name] is not None:
-                        times[name].append(obj.timer(fns[name], obj.timing_cases).median_s)
-            med = {k: statistics.median(v) for k, v in times.items()}
-            out.append(
-                {
-                    "bucket": [bk.lo, bk.hi],
-                    "same_winner": te.schedule(b) == ge.schedule(b),
-                    "tpe_us": _us(med["tpe"]),
-                    "grid_us": _us(med["grid"]),
-                    "ratio": (med["tpe"] / med["grid"]) if math.isfinite(med["grid"]) else None,
-                    "rounds": {k: [_us(x) for x in v] for k, v in times.items()},
-                }
-            )
+            try:
+                out.append(_retime_pair(a, b, be, bk, w, timer, routings, te.schedule(b), ge.schedule(b)))
+            except Exception as e:  # noqa: BLE001 - reported in the record; the phases' own times remain
+                out.append({"bucket": [bk.lo, bk.hi], "error": f"{type(e).__name__}: {e}"[:500]})
     return out
+
+
+def _retime_pair(a, b, be, bk, w, timer, routings, tpe_s, grid_s) -> dict:
+    """The two winners of one bucket checked again, then timed in alternating rounds on the same cases."""
+    from moetune.search.objective import Objective
+    from moetune.search.study import bucket_inputs
+
+    inputs = bucket_inputs(b, bk, w, routings=routings, seed=a.seed + 1)  # cases neither phase timed
+    obj = Objective(b, be, timer, inputs.cases, inputs.check_tokens, seed=a.seed + 2, keep_going=True)
+    fns, times = {}, {"tpe": [], "grid": []}
+    for name, s in (("tpe", tpe_s), ("grid", grid_s)):
+        o = obj.evaluate(s)  # checked again on fresh inputs, and timed once
+        fns[name] = obj.build(s).fn if o.ok else None
+        times[name].append(o.time_s)
+    for i in range(max(0, a.rounds - 1)):
+        for name in ("grid", "tpe") if i % 2 == 0 else ("tpe", "grid"):
+            if fns[name] is not None:
+                times[name].append(obj.timer(fns[name], obj.timing_cases).median_s)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "bucket": [bk.lo, bk.hi],
+        "same_winner": tpe_s == grid_s,
+        "tpe_us": _us(med["tpe"]),
+        "grid_us": _us(med["grid"]),
+        "ratio": (med["tpe"] / med["grid"])
+        if math.isfinite(med["grid"]) and math.isfinite(med["tpe"])
+        else None,
+        "rounds": {k: [_us(x) for x in v] for k, v in times.items()},
+    }
 
 
 def grid_vs_tpe(a, argv: list[str]) -> dict:
