@@ -310,14 +310,12 @@ FUSED_TOKENS = (1, 2, 4, 8)
 # tag: GemvParams fields of the one-launch kernel (block_n = F-slice per program, block_k = gate/up
 # D chunk, block_d = down D chunk); every one compiles for sm_90 without spills
 # (tests/codegen/test_triton_compile.py::test_fused_gemv_configs_compile_without_spills)
-FUSED_VARIANTS = {
-    "f16": dict(block_n=16, block_k=256, block_d=256, num_warps=4, num_stages=4),
-    "f16s3": dict(block_n=16, block_k=256, block_d=256, num_warps=4, num_stages=3),
-    "f16w8": dict(block_n=16, block_k=256, block_d=512, num_warps=8, num_stages=4),
-    "f8": dict(block_n=8, block_k=256, block_d=512, num_warps=4, num_stages=4),
-    "f32": dict(block_n=32, block_k=128, block_d=128, num_warps=4, num_stages=4),
-    "f32w8": dict(block_n=32, block_k=128, block_d=256, num_warps=8, num_stages=4),
-    "f16r2": dict(block_n=16, block_k=256, block_d=128, num_warps=8, num_stages=4, rows=2),
+FUSED_VARIANTS = {  # sm_90 registers / CTAs per SM (ptxas): programs resident at once = 132 × that
+    "f8k128": dict(block_n=8, block_k=128, block_d=256, num_warps=4, num_stages=4),  # 96 / 5
+    "f16k128": dict(block_n=16, block_k=128, block_d=256, num_warps=4, num_stages=4),  # 152 / 3
+    "f32k64": dict(block_n=32, block_k=64, block_d=128, num_warps=4, num_stages=4),  # 165 / 3
+    "f64k32": dict(block_n=64, block_k=32, block_d=64, num_warps=4, num_stages=4),  # 158 / 3
+    "f16r2": dict(block_n=16, block_k=128, block_d=64, num_warps=4, num_stages=4, rows=2),  # 168 / 3
 }
 
 
@@ -335,7 +333,7 @@ def fused_variants(k: int) -> list[tuple[str, Schedule]]:
     return out
 
 
-def fused_sweep(out_dir: Path, shapes: list[str], tokens: list[int]) -> None:
+def fused_sweep(out_dir: Path, shapes: list[str], tokens: list[int], budget_s: float = 1e9) -> None:
     from moetune.codegen.triton import BACKEND
 
     t_start = time.time()
@@ -355,6 +353,9 @@ def fused_sweep(out_dir: Path, shapes: list[str], tokens: list[int]) -> None:
             (torch.randn(E, 2 * F, D, device=dev, generator=gen, dtype=torch.bfloat16) / math.sqrt(D)),
             (torch.randn(E, D, F, device=dev, generator=gen, dtype=torch.bfloat16) / math.sqrt(F)))
         for T in tokens:
+            if time.time() - t_start > budget_s:
+                print(f"budget reached: skipping {shape} T={T}", flush=True)
+                continue
             sets = routings(T, E, k, D, dev, seed=1000 + T)
             distinct = statistics.mean(len(torch.unique(s[1])) for s in sets)
             fl = floor_us(E, k, D, F, T, distinct)
@@ -405,6 +406,7 @@ def fused_sweep(out_dir: Path, shapes: list[str], tokens: list[int]) -> None:
             print(f"{shape:18s} T={T} floor {fl:.1f} µs | {line}  [{time.time() - t_start:.0f}s]", flush=True)
             (out_dir / f"{name}-fused.json").write_text(
                 json.dumps(dict(ceilings=ceil, records=records), indent=1))
+            (out_dir / f"{name}-fused.md").write_text(fused_table(records, ceil, name))
         del w
         torch.cuda.empty_cache()
     md = fused_table(records, ceil, name)
@@ -517,7 +519,7 @@ def main() -> None:
         shapes = args.shapes.split(",") if args.shapes != ",".join(SHAPES) else list(FUSED_SHAPES)
         tokens = [int(t) for t in args.tokens.split(",")] if args.tokens != ",".join(map(str, TOKENS)) \
             else list(FUSED_TOKENS)
-        fused_sweep(Path(args.out), shapes, tokens)
+        fused_sweep(Path(args.out), shapes, tokens, args.budget_s)
         return
     if args.probe_gemm:
         Path(args.out).mkdir(parents=True, exist_ok=True)

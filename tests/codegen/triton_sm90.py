@@ -114,7 +114,7 @@ def representative() -> list[tuple[str, object, dict, dict]]:
          o4),
         ("combine", combine_kernel, dict(K_TOP=8, BD=512), dict(num_warps=4)),
         ("gemv/fused_one_launch", fused_gemv_kernel,
-         *fused_constexprs(GemvParams(down_mode="fused", block_n=16, block_k=256, block_d=256))),
+         *fused_constexprs(GemvParams(down_mode="fused", block_n=16, block_k=128, block_d=256))),
     ]
 
 
