@@ -20,13 +20,6 @@ index_add_): it synchronises with the host, so it is timed host-launched.
     python bench/kernels.py --out DIR [--shapes a,b] [--tokens 1,2,...] [--budget-s 500]
 
 Writes DIR/<device>-kernels.json (a list of records) and DIR/<device>-kernels.md; prints a table last.
-
-    python bench/kernels.py --fused --out DIR
-
-times the one-launch fused GEMV (GemvParams(down_mode="fused"), FUSED_VARIANTS) beside the current
-two-launch stream_gemv ("ga") at qwen3-30b-a3b and qwen3.5-397b-a17b, T ∈ {1, 2, 4, 8}, same method,
-each variant timed twice (passes in opposite order), the graph replays' outputs of 8 routings checked
-against float32 after timing; writes DIR/<device>-fused.json and .md.
 """
 
 from __future__ import annotations
@@ -179,9 +172,7 @@ def routings(T: int, E: int, k: int, D: int, dev, seed: int):
     return sets
 
 
-def time_graph(fn, sets, w, flush, reps=REPS, check=None) -> tuple[float, list]:
-    """Median µs of graph replays (one graph per routing, rotated, 256 MB read before each);
-    `check(outs)` sees every graph's output after the timed replays."""
+def time_graph(fn, sets, w, flush, reps=REPS) -> tuple[float, list]:
     pool = torch.cuda.graph_pool_handle()
     graphs, outs = [], []
     s = torch.cuda.Stream()
@@ -205,8 +196,6 @@ def time_graph(fn, sets, w, flush, reps=REPS, check=None) -> tuple[float, list]:
         ev[i][1].record()
     torch.cuda.synchronize()
     times = [a.elapsed_time(b) * 1e3 for a, b in ev]
-    if check is not None:
-        check(outs)
     del graphs, outs
     return statistics.median(times), times
 
@@ -303,150 +292,6 @@ def variants(E: int, k: int, D: int, F: int, T: int):
     return out
 
 
-# ------------------------------------------------------------------------------- fused GEMV sweep
-
-FUSED_SHAPES = ("qwen3-30b-a3b", "qwen3.5-397b-a17b")
-FUSED_TOKENS = (1, 2, 4, 8)
-# tag: GemvParams fields of the one-launch kernel (block_n = F-slice per program, block_k = gate/up
-# D chunk, block_d = down D chunk); every one compiles for sm_90 without spills
-# (tests/codegen/test_triton_compile.py::test_fused_gemv_configs_compile_without_spills)
-FUSED_VARIANTS = {  # sm_90 registers / CTAs per SM (ptxas): programs resident at once = 132 × that
-    "f8k128": dict(block_n=8, block_k=128, block_d=256, num_warps=4, num_stages=4),  # 96 / 5
-    "f16k128": dict(block_n=16, block_k=128, block_d=256, num_warps=4, num_stages=4),  # 152 / 3
-    "f32k64": dict(block_n=32, block_k=64, block_d=128, num_warps=4, num_stages=4),  # 165 / 3
-    "f64k32": dict(block_n=64, block_k=32, block_d=64, num_warps=4, num_stages=4),  # 158 / 3
-    "f16r2": dict(block_n=16, block_k=128, block_d=64, num_warps=4, num_stages=4, rows=2),  # 168 / 3
-}
-
-
-def fused_variants(k: int) -> list[tuple[str, Schedule]]:
-    """The current two-launch stream_gemv winner ("ga") and the one-launch variants."""
-    from moetune.codegen.triton import GemvParams
-
-    kp = 1 << (k - 1).bit_length()
-    out = [("ga", Schedule("stream_gemv", backend="triton", params=GemvParams(
-        block_n=8, block_k=256, num_warps=4, num_stages=4, down_block_n=max(2, 32 // kp), down_block_k=128,
-        down_warps=4)))]
-    for tag, kw in FUSED_VARIANTS.items():
-        out.append((tag, Schedule("stream_gemv", backend="triton",
-                                  params=GemvParams(down_mode="fused", **kw))))
-    return out
-
-
-def fused_sweep(out_dir: Path, shapes: list[str], tokens: list[int], budget_s: float = 1e9) -> None:
-    from moetune.codegen.triton import BACKEND
-
-    t_start = time.time()
-    dev = torch.device("cuda")
-    name = torch.cuda.get_device_name().replace(" ", "-").lower()
-    ceil = ceilings(dev)
-    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} "
-          f"triton {__import__('triton').__version__}", flush=True)
-    print("ceilings: " + "  ".join(f"{k} {v:.3g}" for k, v in ceil.items()), flush=True)
-    flush = torch.randn(128 * 1024 * 1024, dtype=torch.bfloat16, device=dev)  # 256 MB, read per rep
-    records: list[dict] = []
-    for shape in shapes:
-        E, k, D, F = SHAPES[shape]
-        block = MoEBlock(E=E, k=k, D=D, F=F, name=shape)
-        gen = torch.Generator(device=dev).manual_seed(0)
-        w = ExpertTensors(
-            (torch.randn(E, 2 * F, D, device=dev, generator=gen, dtype=torch.bfloat16) / math.sqrt(D)),
-            (torch.randn(E, D, F, device=dev, generator=gen, dtype=torch.bfloat16) / math.sqrt(F)))
-        for T in tokens:
-            if time.time() - t_start > budget_s:
-                print(f"budget reached: skipping {shape} T={T}", flush=True)
-                continue
-            sets = routings(T, E, k, D, dev, seed=1000 + T)
-            distinct = statistics.mean(len(torch.unique(s[1])) for s in sets)
-            fl = floor_us(E, k, D, F, T, distinct)
-            refs = [reference(*sets[i], w) for i in range(8)]
-            cands = []
-            for tag, sched in fused_variants(k):
-                rec = dict(device=name, shape=shape, E=E, k=k, D=D, F=F, tokens=T,
-                           impl="moetune:stream_gemv", variant=tag, schedule=sched.describe(),
-                           floor_us=round(fl, 2), distinct=distinct,
-                           best_open_us=BEST_OPEN[shape][TOKENS.index(T)], times_us=[])
-                try:
-                    fn = BACKEND.build(block, sched)
-                    out = fn(*sets[0], w)
-                    torch.cuda.synchronize()
-                    rec["rel_err"] = ((out.float() - refs[0]).norm() / refs[0].norm()).item()
-                    rec["extra_mem_bytes"] = extra_memory(fn, *sets[0], w)
-                    if rec["rel_err"] < 1e-2:
-                        cands.append((fn, rec))
-                    else:
-                        rec["error"] = f"rel_err {rec['rel_err']:.3g} ≥ 1e-2: not timed"
-                except Exception as exc:  # a failing variant is recorded, never stops the sweep
-                    rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                    torch.cuda.synchronize()
-                records.append(rec)
-
-            def check(outs, rec, refs=refs):
-                errs = [((o.float() - r).norm() / r.norm()).item() for o, r in zip(outs, refs, strict=False)]
-                rec["replay_rel_err"] = max(errs)
-                if not max(errs) < 1e-2:
-                    rec["error"] = f"graph replay rel_err {max(errs):.3g} ≥ 1e-2"
-            for order in (cands, cands[::-1]):  # each variant twice, passes in opposite order
-                for fn, rec in order:
-                    if "error" in rec:
-                        continue
-                    try:
-                        t, _ = time_graph(fn, sets, w, flush, check=lambda outs, rec=rec: check(outs, rec))
-                        rec["times_us"].append(t)
-                    except Exception as exc:
-                        rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                        torch.cuda.synchronize()
-            for _, rec in cands:
-                if rec["times_us"] and "error" not in rec:
-                    rec["time_us"] = min(rec["times_us"])
-                    rec["pct_floor"] = 100.0 * fl / rec["time_us"]
-                    rec["speedup_vs_best_open"] = rec["best_open_us"] / rec["time_us"]
-            cell = [r for r in records if r["shape"] == shape and r["tokens"] == T and "time_us" in r]
-            fused = [r for r in cell if r["variant"] != "ga"]
-            for rec in [r for r in cell if r["variant"] == "ga"] + ([min(fused, key=lambda r: r["time_us"])]
-                                                                     if fused else []):
-                fn = next(f for f, r in cands if r is rec)
-                rec["host_us"] = time_host(fn, sets, w, flush, reps=50)  # plain launches, same flush
-            line = "  ".join(f"{r['variant']} {'/'.join(f'{t:.1f}' for t in r['times_us'])}" for r in cell)
-            print(f"{shape:18s} T={T} floor {fl:.1f} µs | {line}  [{time.time() - t_start:.0f}s]", flush=True)
-            (out_dir / f"{name}-fused.json").write_text(
-                json.dumps(dict(ceilings=ceil, records=records), indent=1))
-            (out_dir / f"{name}-fused.md").write_text(fused_table(records, ceil, name))
-        del w
-        torch.cuda.empty_cache()
-    md = fused_table(records, ceil, name)
-    (out_dir / f"{name}-fused.md").write_text(md)
-    print(md)
-
-
-def fused_table(records: list[dict], ceil: dict, name: str) -> str:
-    tags = ["ga"] + list(FUSED_VARIANTS)
-    lines = [f"# one-launch fused GEMV vs two-launch stream_gemv on {name}", "",
-             "ceilings measured in the same run: " + ", ".join(f"{k} {v:.3g}" for k, v in ceil.items()), "",
-             "graph-mode µs, min of two medians (each of 100 L2-flushed replays over 32 routings); "
-             "ga = current two-launch stream_gemv; f* = down_mode='fused'", "",
-             "| shape | T | floor µs | " + " | ".join(tags) + " | best | % floor | best open-source µs "
-             "| host µs ga / best fused |",
-             "|" + "---|" * (len(tags) + 7)]
-    for shape in FUSED_SHAPES:
-        for T in sorted({r["tokens"] for r in records if r["shape"] == shape}):
-            rs = {r["variant"]: r for r in records if r["shape"] == shape and r["tokens"] == T}
-            timed = [r for r in rs.values() if "time_us" in r]
-            if not timed:
-                continue
-            b = min(timed, key=lambda r: r["time_us"])
-            fl = b["floor_us"]
-            cells = [f"{rs[t]['time_us']:.1f}" if t in rs and "time_us" in rs[t] else "–" for t in tags]
-            host = " / ".join(f"{r['variant']} {r['host_us']:.1f}" for r in rs.values() if "host_us" in r)
-            lines.append(f"| {shape} | {T} | {fl:.1f} | " + " | ".join(cells) + f" | {b['variant']} | "
-                         f"{100 * fl / b['time_us']:.0f}% | {b['best_open_us']} | {host} |")
-    errs = [r for r in records if "error" in r]
-    if errs:
-        lines += ["", "Failures:"] + [
-            f"- {r['shape']} T={r['tokens']} {r['variant']}: {r['error']}" for r in errs]
-    return "\n".join(lines) + "\n"
-
-
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -518,16 +363,7 @@ def main() -> None:
     ap.add_argument("--eager-tokens", default="1")
     ap.add_argument("--probe", action="store_true", help="GEMV configurations for ncu, then exit")
     ap.add_argument("--probe-gemm", action="store_true", help="mixtral large-T GEMM for ncu, then exit")
-    ap.add_argument("--fused", action="store_true",
-                    help="one-launch fused GEMV vs stream_gemv at FUSED_SHAPES × FUSED_TOKENS, then exit")
     args = ap.parse_args()
-    if args.fused:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        shapes = args.shapes.split(",") if args.shapes != ",".join(SHAPES) else list(FUSED_SHAPES)
-        tokens = [int(t) for t in args.tokens.split(",")] if args.tokens != ",".join(map(str, TOKENS)) \
-            else list(FUSED_TOKENS)
-        fused_sweep(Path(args.out), shapes, tokens, args.budget_s)
-        return
     if args.probe_gemm:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         probe_gemm(Path(args.out))

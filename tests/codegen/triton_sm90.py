@@ -13,13 +13,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 INT64_PTRS = {"ids_ptr"}
-INT32_PTRS = {"counts_ptr", "sorted_ptr", "hist_ptr", "tick_ptr"}
+INT32_PTRS = {"counts_ptr", "sorted_ptr", "hist_ptr"}
 FP32_PTRS = {"y_ptr", "dst"}
-ALWAYS_FP32_PTRS = {"acc_ptr"}  # fused GEMV workspace
-UNIT_STRIDES = {"sk", "gsk", "dsk"}  # contiguous reduction axis of the standard layout
+UNIT_STRIDES = {"sk"}  # contiguous reduction axis of the standard layout
 # sizes and strides that are multiples of 16 on every real shape (the JIT marks such ints itself)
-ALIGNED_INTS = {"s_xt", "se", "sn", "up", "sbe", "bup", "s_hp", "s_yt", "N", "K", "k_split", "s_ot",
-                "gse", "gsn", "gup", "dse", "dsn", "D", "F"}
+ALIGNED_INTS = {"s_xt", "se", "sn", "up", "sbe", "bup", "s_hp", "s_yt", "N", "K", "k_split", "s_ot"}
 
 
 def compile_sm90(kernel, constexprs: dict, *, fp32_out: bool = False, **options):
@@ -34,7 +32,7 @@ def compile_sm90(kernel, constexprs: dict, *, fp32_out: bool = False, **options)
                 sig[n] = "*i64"
             elif n in INT32_PTRS:
                 sig[n] = "*i32"
-            elif n in ALWAYS_FP32_PTRS or (n in FP32_PTRS and fp32_out):
+            elif n in FP32_PTRS and fp32_out:
                 sig[n] = "*fp32"
             else:
                 sig[n] = "*bf16"
@@ -49,43 +47,9 @@ def compile_sm90(kernel, constexprs: dict, *, fp32_out: bool = False, **options)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def ptxas_info(ptx: str) -> dict:
-    """Registers per thread and spill bytes of `ptx` on sm_90a, from Triton's own ptxas (`-v`)."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
-                             capture_output=True, text=True, check=True)
-    info = res.stdout + res.stderr
-    regs = re.search(r"Used (\d+) registers", info)
-    spill = re.findall(r"(\d+) bytes spill (?:stores|loads)", info)
-    return dict(regs=int(regs.group(1)) if regs else -1, spill=sum(map(int, spill)))
-
-
-FUSED_BASE = dict(ACT=0, HAS_BIAS=False, W_IN=False, INTERP=False, ROUTED=False, BLOCK_E=16, BP=64)
-
-
-def fused_constexprs(p, **over) -> tuple[dict, dict]:
-    """(constexprs, options) of fused_gemv_kernel for GemvParams p (down_mode='fused')."""
-    nt = 32 * p.num_warps
-    cx = dict(FUSED_BASE, ROWS=p.rows, BF=p.block_n, BK=p.block_k, BD=p.block_d, BC=max(8 * nt, 1024), NT=nt,
-              STAGES=p.num_stages)
-    cx.update(over)
-    return cx, dict(num_warps=p.num_warps, num_stages=p.num_stages)
-
-
 def representative() -> list[tuple[str, object, dict, dict]]:
     """(label, kernel, constexprs, options): one config per kernel path the bench's winners use."""
-    from moetune.codegen.triton import GemvParams
     from moetune.codegen.triton.combine import combine_kernel
-    from moetune.codegen.triton.fused_gemv import fused_gemv_kernel
     from moetune.codegen.triton.grouped_gemm import grouped_gemm_kernel
     from moetune.codegen.triton.hybrid import hybrid_kernel
     from moetune.codegen.triton.routing import route_kernel
@@ -113,8 +77,6 @@ def representative() -> list[tuple[str, object, dict, dict]]:
          dict(base, PROJ=0, K_TOP=8, BLOCK_E=128, BM=16, BN=64, BK=128, BNV=8, BKV=256, RP=1, STAGES=4),
          o4),
         ("combine", combine_kernel, dict(K_TOP=8, BD=512), dict(num_warps=4)),
-        ("gemv/fused_one_launch", fused_gemv_kernel,
-         *fused_constexprs(GemvParams(down_mode="fused", block_n=16, block_k=128, block_d=256))),
     ]
 
 

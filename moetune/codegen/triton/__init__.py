@@ -3,7 +3,6 @@
 Kernels, one per file with its launcher, parameters, space and cost:
     routing.py       device-side counts [E] and expert-sorted pair order [P]
     stream_gemv.py   weight-streaming GEMV (schedule kind stream_gemv)
-    fused_gemv.py    stream_gemv with down_mode="fused": gate/up, activation and down in one launch
     grouped_gemm.py  grouped GEMM over expert-sorted rows (grouped_gemm)
     hybrid.py        GEMM tiles for heavy experts + GEMV for light ones in one launch (hybrid)
     combine.py       sum of the fp32 per-pair rows back to token order
@@ -48,9 +47,7 @@ class TritonBackend:
     def default(self, block: MoEBlock, kind: str, tokens: int) -> Schedule:
         """Heuristic of rows per active expert, from the H200 sweep (bench/results/NOTES.md): one row
         per weight read (pipelined FMA, token-mode down) while it is about one; 16-row tl.dot tiles
-        from ~1.05 up to ~12; 64- then 128-row tiles beyond.  The one-launch fused GEMV
-        (GemvParams(down_mode="fused")) is in the stream_gemv space for the search to pick; no default
-        chooses it until it is measured (bench/kernels.py --fused)."""
+        from ~1.05 up to ~12; 64- then 128-row tiles beyond."""
         rows = tokens * block.k / max(expected_distinct(block, tokens), 1.0)
         if kind == "stream_gemv":
             if rows <= 1.5:

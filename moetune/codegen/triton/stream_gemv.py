@@ -11,9 +11,6 @@ One kernel, three projections (PROJ):
 Work comes from `counts`/`sorted_pairs` (routing.py) or, with `fused_route` and P ≤ 64, from the ids
 themselves (`_fused_slot`): then the whole block is two launches (gate/up, down token).
 All (token, expert) pairs of a projection run in one launch; the grid is static (min(P, E) slots).
-
-down_mode="fused" runs fused_gemv.py instead: gate/up, activation and down in ONE launch per call, one
-program per (selected expert, F-slice of block_n), fp32 atomics into a self-zeroing [T, D] workspace.
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ import triton.language as tl
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
 from ..common import ExpertTensors, ParamSpace
 from . import combine as _combine
-from . import fused_gemv, routing
+from . import routing
 from ._common import (
     FUSED_ROUTE_MAX_PAIRS,
     H200_SMEM_LIMIT,
@@ -64,29 +61,19 @@ class GemvParams:
     down_block_n: int = 4  # down output rows (of D) per program (token mode: × next_pow2(k) streams)
     down_block_k: int = 128  # reduction chunk along F
     down_warps: int = 4
-    down_mode: Literal["token", "expert", "fused"] = "token"
+    down_mode: Literal["token", "expert"] = "token"
     split_k: int = 1  # down, expert mode: F split in this many fp32 partials
-    fused_route: bool = True  # P ≤ 64 (fused mode: 256): programs group the ids (no routing kernel)
-    block_d: int = 256  # fused mode: D chunk of the down loop (each program owns an F-slice of block_n)
+    fused_route: bool = True  # P ≤ 64: each program groups the ids itself (no routing kernel)
 
     def __post_init__(self) -> None:
-        if self.down_mode == "fused":  # fields fused_gemv.py does not read take their defaults, so that
-            for name in ("down_block_n", "down_block_k", "down_warps"):  # equal kernels compare equal
-                object.__setattr__(self, name, type(self).__dataclass_fields__[name].default)
-        else:
-            object.__setattr__(self, "block_d", type(self).__dataclass_fields__["block_d"].default)
         check_pow2("GemvParams", block_n=self.block_n, block_k=self.block_k, rows=self.rows,
                    down_block_n=self.down_block_n, down_block_k=self.down_block_k,
-                   num_warps=self.num_warps, down_warps=self.down_warps, block_d=self.block_d)
-        if self.down_mode not in ("token", "expert", "fused"):
-            raise UnsupportedSchedule(
-                f"GemvParams.down_mode = {self.down_mode!r}: 'token', 'expert' or 'fused'")
+                   num_warps=self.num_warps, down_warps=self.down_warps)
+        if self.down_mode not in ("token", "expert"):
+            raise UnsupportedSchedule(f"GemvParams.down_mode = {self.down_mode!r}: 'token' or 'expert'")
         if self.split_k < 1 or (self.split_k > 1 and self.down_mode != "expert"):
             raise UnsupportedSchedule(f"GemvParams.split_k = {self.split_k}: ≥ 1, and > 1 only with "
-                                      "down_mode='expert' (token and fused modes have no partials)")
-        if self.down_mode == "fused":
-            fused_gemv.check(self)
-            return
+                                      "down_mode='expert' (the token mode has no partials to combine)")
         if self.rows >= 16:
             smem = dot_smem_bytes(self.rows, self.block_n, self.block_k, self.num_stages, 2)
             if smem > H200_SMEM_LIMIT:
@@ -102,7 +89,7 @@ class GemvParams:
 
 
 SPACE = ParamSpace(GemvParams, (
-    ("block_n", (4, 8, 16, 32, 64)),
+    ("block_n", (4, 8, 16, 32)),
     ("block_k", (128, 256, 512, 1024)),
     ("rows", (1, 2, 4, 16)),
     ("num_warps", (4, 8)),
@@ -110,10 +97,9 @@ SPACE = ParamSpace(GemvParams, (
     ("down_block_n", (4, 8, 16, 32)),
     ("down_block_k", (128, 256, 512)),
     ("down_warps", (4, 8)),
-    ("down_mode", ("token", "expert", "fused")),
+    ("down_mode", ("token", "expert")),
     ("split_k", (1, 2, 4)),
     ("fused_route", (True, False)),
-    ("block_d", (128, 256, 512)),
 ))
 
 
@@ -194,8 +180,6 @@ def build(block: MoEBlock, schedule: Schedule):
     p = schedule.params if schedule.params is not None else GemvParams()
     if not isinstance(p, GemvParams):
         raise UnsupportedSchedule(f"stream_gemv takes GemvParams, got {type(p).__name__}")
-    if p.down_mode == "fused":
-        return fused_gemv.build(block, p)
     E, k, D, F = block.E, block.k, block.D, block.F
     act = block.activation
     alpha, limit = float(act.alpha or 0.0), float(act.limit or 0.0)
@@ -248,8 +232,6 @@ def build(block: MoEBlock, schedule: Schedule):
 
 def cost(block: MoEBlock, params: GemvParams, tokens: int, distinct: float) -> tuple[float, float]:
     """(flops, bytes): each distinct expert's weights once, x and h traffic, y partials and combine."""
-    if params.down_mode == "fused":
-        return fused_gemv.cost(block, params, tokens, distinct)
     wb = 2 if block.weight_dtype != "float32" else 4
     P = tokens * block.k
     flops = 2.0 * 3 * P * block.D * block.F
