@@ -52,17 +52,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune", help="tune a dispatch table for a preset or config on this machine")
     _source(p, required=False)
-    p.add_argument("--tiny", help="the block of a tiny offline model family (demos, tests); one source is needed")
+    p.add_argument("--tiny", help="the block of a tiny offline model family (demos, tests); "
+                                  "one source is needed")
     p.add_argument("--tokens", default="1-1024")
     p.add_argument("--trace")
-    p.add_argument("--budget", default="10m", help="wall-clock budget, e.g. 90s, 10m")
+    p.add_argument("--budget", default="10m",
+                   help="search budget shared by the buckets, e.g. 90s, 10m; every bucket still times "
+                        "its default and a first batch of candidates, so a budget below ~10 s per bucket "
+                        "is exceeded")
     p.add_argument("--cache", default=None, help="dispatch table file (default: cache/<target>.sqlite)")
     p.add_argument("--storage", default=None, help="Optuna storage URL or journal file shared by workers")
     p.add_argument("--backend", default=None, help="torch | triton (default: the best available here)")
     p.add_argument("--dtype", default=None, help="weight dtype (default: the preset's)")
     p.add_argument("--target", default=None, help="target for the floors (default: cpu, or the GPU's)")
     p.add_argument("--strict", action="store_true", help="re-raise every candidate failure")
-    p.add_argument("--keep-going", action="store_true", help="score unknown candidate errors inf instead of raising")
+    p.add_argument("--keep-going", action="store_true",
+                   help="score unknown candidate errors inf instead of raising")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exhaustive", action="store_true", help="time every point of each bucket's space")
     p.add_argument("--space-cap", type=int, default=None,
