@@ -307,7 +307,9 @@ def describe(model: torch.nn.Module) -> list[str]:
     return lines
 
 
-def run_forward(model: torch.nn.Module, tokens: int = 7, batch: int = 2, repeats: int = 15) -> tuple[torch.Tensor, float]:
+def run_forward(
+    model: torch.nn.Module, tokens: int = 7, batch: int = 2, repeats: int = 15
+) -> tuple[torch.Tensor, float]:
     """Forward pass on random ids; returns (logits, median seconds per forward)."""
     ids = torch.randint(0, VOCAB, (batch, tokens), generator=torch.Generator().manual_seed(1))
     times = []
@@ -346,8 +348,8 @@ def main() -> None:
         if not args.no_forward:
             logits, dt = run_forward(model, tokens=args.tokens)
             ok = bool(torch.isfinite(logits).all())
-            print(f"  forward (batch 2 x {args.tokens} tokens, median of 15): {dt * 1e3:.2f} ms, logits {tuple(logits.shape)} "
-                  f"{logits.dtype}, finite={ok}")
+            print(f"  forward (batch 2 x {args.tokens} tokens, median of 15): {dt * 1e3:.2f} ms, "
+                  f"logits {tuple(logits.shape)} {logits.dtype}, finite={ok}")
 
 
 if __name__ == "__main__":
