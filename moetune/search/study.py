@@ -290,6 +290,8 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
                 trial = st.study.ask()
                 try:
                     s = space.suggest(trial)
+                except st.optuna.exceptions.UpdateFinishedTrialError:
+                    continue  # an RDB storage on SQLite handed this enqueued trial to another worker, who told it
                 except UnsupportedSchedule as e:
                     st.tell(trial, Outcome(_placeholder(trial), "refused", reason=str(e)))
                     if repr(sorted(trial.params.items())) not in refused:
