@@ -209,11 +209,12 @@ def compile(
                 else:
                     from .table import load_entries
 
+                    notes: list[str] = []  # folded into the dispatcher's one warning
                     entries = load_entries(
-                        cache, c.block, target or _target(device), be.name, device=str(device)
+                        cache, c.block, target or _target(device), be.name, device=str(device), notes=notes
                     )
                     dispatchers[key] = Dispatcher.from_entries(
-                        c.block, be, entries, where=f"dispatch table {cache}"
+                        c.block, be, entries, where=f"dispatch table {cache}", table_notes=notes
                     )
             plan = Plan(next(_ids), c.path, c.block, dispatchers[key])
             PLANS[plan.id] = plan

@@ -154,10 +154,12 @@ class Dispatcher:
         default_factory: DefaultFactory | None = None,
         *,
         where: str = "dispatch table",
+        table_notes: Sequence[str] = (),
     ) -> Dispatcher:
         """Routes from a table's (lo, hi, Schedule) entries; the token ranges they leave uncovered in
         [1, T_max] are split by the default buckets and run the default, with ONE DispatchWarning
-        naming those buckets (and any entry the backend refused to build, with its reason).
+        naming those buckets (and any entry the backend refused to build, with its reason), led by
+        `table_notes` (why the table's other entries were not usable).
         Overlapping entries raise IRError: a table never borrows a schedule across buckets."""
         factory = default_factory or _default_factory(block, backend)
         node = f"{where} for {block.name or block.signature_hash()}"
@@ -187,13 +189,12 @@ class Dispatcher:
                     routes.append(_build_default(block, backend, a, b, factory, "default (no entry)", notes))
                     missing.append(f"[{a},{b}]")
         _warn_fallbacks(block, backend, notes)
-        if missing:
-            warnings.warn(
-                f"{node}, backend {backend.name}: no usable entry for bucket(s) {', '.join(missing)}; "
-                f"they run the default schedule",
-                DispatchWarning,
-                stacklevel=2,
-            )
+        if missing or table_notes:
+            said = [*table_notes]
+            if missing:
+                said.append(f"{node}, backend {backend.name}: no usable entry for bucket(s) "
+                            f"{', '.join(missing)}; they run the default schedule")
+            warnings.warn("; ".join(said), DispatchWarning, stacklevel=2)
         return cls(block, backend, routes)
 
 

@@ -444,25 +444,32 @@ class DispatchTable:
 
 
 def load_entries(path: str | os.PathLike, block: MoEBlock, target: str, backend: str, *,
-                 versions: Versions | None = None, device: str = "cpu") -> list[tuple[int, int, Schedule]]:
+                 versions: Versions | None = None, device: str = "cpu",
+                 notes: list[str] | None = None) -> list[tuple[int, int, Schedule]]:
     """The runtime's call: usable (lo, hi, Schedule) of `block` in the file at `path`.
 
-    A missing file gives no entries and one CacheWarning; foreign or stale entries are left out with one
-    CacheWarning listing them; a corrupt or unreadable file raises CacheError naming it."""
+    A missing file gives no entries; foreign or stale entries are left out; either is said in one
+    CacheWarning, or appended to `notes` when the caller folds it into a warning of its own (the
+    compiled model gives one warning per block). A corrupt or unreadable file raises CacheError
+    naming it."""
+    def say(msg: str) -> None:
+        if notes is None:
+            warnings.warn(msg, CacheWarning, stacklevel=3)
+        else:
+            notes.append(msg)
+
     p = Path(path)
     if not p.exists():
-        warnings.warn(f"dispatch table {p}: no such file; every bucket uses the default schedule",
-                      CacheWarning, stacklevel=2)
+        say(f"dispatch table {p}: no such file; every bucket uses the default schedule")
         return []
     with DispatchTable(p, create=False) as table:
         if table.foreign_version:
-            warnings.warn(f"dispatch table {p}: holds {table.foreign_version}, this moetune reads {TABLE}; "
-                          "not used", CacheWarning, stacklevel=2)
+            say(f"dispatch table {p}: holds {table.foreign_version}, this moetune reads {TABLE}; not used")
             return []
         found = table.lookup(block, target, backend, versions=versions, device=device)
     msg = found.warning()
     if msg:
-        warnings.warn(msg, CacheWarning, stacklevel=2)
+        say(msg)
     return list(found.usable)
 
 
