@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One H200 call (after the wheels install line of ../shared/device/wheels.sh): re-tune qwen3-30b-a3b,
-# the CUDA-graph test, TPE vs an exhaustive grid on
+# the CUDA-graph test, TPE vs an exhaustive grid on three buckets (the same capped space) and two
+# workers on one study. Each step is tarred into $OUT as it ends.
 export PYTHONUNBUFFERED=1
+R=/tmp/r; mkdir -p $R/tune $R/grid
 pack() { (cd $R && tar czf "$OUT/$1.tgz" "$1"); }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $R/tune/device.txt
 timeout -k 5 -s INT 95 python3 -m moetune.cli tune --preset qwen3-30b-a3b --backend triton --target h200 \
