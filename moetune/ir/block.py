@@ -123,10 +123,6 @@ class WeightLayout:
     def down_shape(self, E: int, D: int, F: int) -> tuple[int, int, int]:
         return (E, F, D) if self.transposed else (E, D, F)
 
-    @property
-    def is_standard(self) -> bool:
-        return not (self.transposed or self.interleaved or self.has_bias)
-
     def __str__(self) -> str:
         parts = ["transposed" if self.transposed else "standard"]
         if self.interleaved:

@@ -14,12 +14,14 @@ rows @ view is the projection), so nothing here copies or repacks a weight.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
 
 from ...ir import DTYPE_BYTES, MoEBlock, UnsupportedSchedule
+from ...passes.stats import uniform_distinct as expected_distinct
 from ..common import ExpertTensors
 from .reference import apply_activation, split_gate_up
 
@@ -196,14 +198,41 @@ def weight_dtype(w: ExpertTensors) -> torch.dtype:
     return w.gate_up.dtype
 
 
+ExpertRows = Callable[[ExpertTensors, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sorted_rows_fn(block: MoEBlock, combine: Combine, expert_rows: ExpertRows, name: str):
+    """The grouped_gemm variants' ExpertsFn: sort the pairs by expert, run `expert_rows(w, xs_s [S, D],
+    e_s [S], counts [E+1]) → y_s [S, D]` over the expert-sorted rows, combine back to token order."""
+
+    def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
+        T, k = ids.shape
+        if T == 0:
+            return empty_out(x)
+        p = pairs(block, ids, weights)
+        order, e_s, counts = sort_pairs(p, block.E)  # [S], [S], [E+1]
+        xs_s = input_rows(
+            block, x, p.tok.index_select(0, order), p.weight.index_select(0, order), weight_dtype(w)
+        )  # [S, D]
+        y_s = expert_rows(w, xs_s, e_s, counts)  # [S, D]
+        return combine_sorted(combine, block, T, k, y_s, order, p, x.dtype)
+
+    run.__name__ = run.__qualname__ = name
+    return run
+
+
 # ---------------------------------------------------------------- cost model (flops, bytes) ----
 
 
-def expected_distinct(E: int, k: int, T: int) -> float:
-    """Expected number of experts with m_e ≥ 1 under uniform routing: E·(1 − (1 − k/E)^T)."""
-    if T <= 0:
-        return 0.0
-    return E * (1.0 - (1.0 - k / E) ** T)
+def sorted_rows_cost(block: MoEBlock, params: GroupedGemmParams, tokens: int) -> tuple[float, float]:
+    """(flops, bytes) of a grouped_gemm variant: T·k rows of FFN; each distinct expert's weights read
+    once; int64 ids and order; the float32 un-permute when the combine is unsort_sum."""
+    S = tokens * block.k
+    b = expected_distinct(block.E, block.k, tokens) * block.weight_bytes_per_expert
+    b += activation_bytes(block, tokens) + S * 16
+    if params.combine == "unsort_sum":
+        b += 2 * S * block.D * 4
+    return ffn_flops(block, S), b
 
 
 def ffn_flops(block: MoEBlock, rows: float) -> float:
@@ -231,6 +260,8 @@ __all__ = [
     "combine_sorted",
     "empty_out",
     "expected_distinct",
+    "sorted_rows_cost",
+    "sorted_rows_fn",
     "expert_ffn",
     "ffn_flops",
     "gather_refusal",

@@ -22,17 +22,10 @@ from ._common import (
     COMBINES,
     GroupedGemmParams,
     activate,
-    activation_bytes,
-    combine_sorted,
-    empty_out,
-    expected_distinct,
-    ffn_flops,
     grouped_mm_refusal,
-    input_rows,
     kn,
-    pairs,
-    sort_pairs,
-    weight_dtype,
+    sorted_rows_cost,
+    sorted_rows_fn,
 )
 
 SPACE = ParamSpace(GroupedGemmParams, (("impl", ("grouped_mm",)), ("combine", COMBINES)))
@@ -60,31 +53,12 @@ def build(block: MoEBlock, params: GroupedGemmParams) -> ExpertsFn:
     why = grouped_mm_refusal(block)
     if why:
         raise UnsupportedSchedule(why)
-    combine = params.combine
 
-    def grouped_mm(
-        x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors
-    ) -> torch.Tensor:
-        T, k = ids.shape
-        if T == 0:
-            return empty_out(x)
-        p = pairs(block, ids, weights)
-        order, e_s, counts = sort_pairs(p, block.E)  # [S], [S], [E+1]
+    def rows(w: ExpertTensors, xs_s: torch.Tensor, e_s: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offs = torch.cumsum(counts[: block.E], 0, dtype=torch.int32)  # [E]
-        xs_s = input_rows(
-            block, x, p.tok.index_select(0, order), p.weight.index_select(0, order), weight_dtype(w)
-        )  # [S, D]
-        y_s = grouped_expert_rows(block, w, xs_s, e_s, offs)  # [S, D]
-        return combine_sorted(combine, block, T, k, y_s, order, p, x.dtype)
+        return grouped_expert_rows(block, w, xs_s, e_s, offs)  # [S, D]
 
-    return grouped_mm
+    return sorted_rows_fn(block, params.combine, rows, "grouped_mm")
 
 
-def cost(block: MoEBlock, params: GroupedGemmParams, tokens: int) -> tuple[float, float]:
-    """(flops, bytes): as sorted_gemm; each distinct expert's weights read once."""
-    S = tokens * block.k
-    distinct = expected_distinct(block.E, block.k, tokens)
-    b = distinct * block.weight_bytes_per_expert + activation_bytes(block, tokens) + S * 16
-    if params.combine == "unsort_sum":
-        b += 2 * S * block.D * 4
-    return ffn_flops(block, S), b
+cost = sorted_rows_cost

@@ -20,16 +20,9 @@ from ..common import ExpertsFn, ExpertTensors, ParamSpace
 from ._common import (
     COMBINES,
     GroupedGemmParams,
-    activation_bytes,
-    combine_sorted,
-    empty_out,
-    expected_distinct,
     expert_ffn,
-    ffn_flops,
-    input_rows,
-    pairs,
-    sort_pairs,
-    weight_dtype,
+    sorted_rows_cost,
+    sorted_rows_fn,
 )
 
 SPACE = ParamSpace(GroupedGemmParams, (("impl", ("sorted_gemm",)), ("combine", COMBINES)))
@@ -50,30 +43,11 @@ def sorted_expert_rows(
 
 
 def build(block: MoEBlock, params: GroupedGemmParams) -> ExpertsFn:
-    combine = params.combine
-
-    def sorted_gemm(
-        x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors
-    ) -> torch.Tensor:
-        T, k = ids.shape
-        if T == 0:
-            return empty_out(x)
-        p = pairs(block, ids, weights)
-        order, _, counts = sort_pairs(p, block.E)  # [S], [S], [E+1]
-        xs_s = input_rows(
-            block, x, p.tok.index_select(0, order), p.weight.index_select(0, order), weight_dtype(w)
-        )  # [S, D]
-        y_s = sorted_expert_rows(block, w, xs_s, counts[: block.E].tolist())  # [S, D]  (host loop)
-        return combine_sorted(combine, block, T, k, y_s, order, p, x.dtype)
-
-    return sorted_gemm
+    return sorted_rows_fn(
+        block, params.combine,
+        lambda w, xs_s, e_s, counts: sorted_expert_rows(block, w, xs_s, counts[: block.E].tolist()),  # host loop
+        "sorted_gemm",
+    )
 
 
-def cost(block: MoEBlock, params: GroupedGemmParams, tokens: int) -> tuple[float, float]:
-    """(flops, bytes): T·k rows of FFN; each distinct expert's weights read once."""
-    S = tokens * block.k
-    distinct = expected_distinct(block.E, block.k, tokens)
-    b = distinct * block.weight_bytes_per_expert + activation_bytes(block, tokens)
-    if params.combine == "unsort_sum":
-        b += 2 * S * block.D * 4  # the float32 un-permute
-    return ffn_flops(block, S), b + S * 16  # + int64 ids and order
+cost = sorted_rows_cost
