@@ -25,9 +25,11 @@ Writes DIR/<device>-kernels.json (a list of records) and DIR/<device>-kernels.md
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -196,8 +198,9 @@ def time_graph(fn, sets, w, flush, reps=REPS) -> tuple[float, list]:
         ev[i][1].record()
     torch.cuda.synchronize()
     times = [a.elapsed_time(b) * 1e3 for a, b in ev]
+    last = outs[0].clone()  # what the replays of graph 0 wrote: checked against the reference
     del graphs, outs
-    return statistics.median(times), times
+    return statistics.median(times), times, last
 
 
 def time_host(fn, sets, w, flush, reps=REPS) -> float:
@@ -289,7 +292,20 @@ def variants(E: int, k: int, D: int, F: int, T: int):
              down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
         gemm("m128g32", block_m=128, block_n=128, block_k=64, group_m=32, num_warps=8, num_stages=4,
              down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
-    return out
+        gemm("m128n64", block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=4,
+             down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
+        gemm("m64n128", block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4,
+             down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
+    # twins: `-p` the same with programmatic dependent launch (down starts in the gate/up tail),
+    # `-1` the gate/up as one N = 2·block_n tl.dot (large tiles only)
+    twins = []
+    for tag, s in out:
+        p = s.params
+        if s.kind == "stream_gemv" or (s.kind == "grouped_gemm" and p.block_m <= 64):
+            twins.append((tag + "-p", dataclasses.replace(s, params=dataclasses.replace(p, pdl=True))))
+        if s.kind == "grouped_gemm" and p.block_m >= 64:
+            twins.append((tag + "-1", dataclasses.replace(s, params=dataclasses.replace(p, one_dot=True))))
+    return out + twins
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -361,6 +377,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=540.0)
     ap.add_argument("--baselines", default="grouped_mm,batched_mm,eager")
     ap.add_argument("--eager-tokens", default="1")
+    ap.add_argument("--tags", default=".*", help="regex: only moetune variants whose tag matches")
     ap.add_argument("--probe", action="store_true", help="GEMV configurations for ncu, then exit")
     ap.add_argument("--probe-gemm", action="store_true", help="mixtral large-T GEMM for ncu, then exit")
     args = ap.parse_args()
@@ -409,7 +426,7 @@ def main() -> None:
             ref = reference(x0, ids0, wt0, w)
             best_open = BEST_OPEN[shape][TOKENS.index(T)] if T in TOKENS else None
             cands = [(f"moetune:{s.kind}", tag, s, BACKEND.build(block, s))
-                     for tag, s in variants(E, k, D, F, T)]
+                     for tag, s in variants(E, k, D, F, T) if re.fullmatch(args.tags, tag)]
             for b in baselines:
                 if b == "batched_mm" and (T > 64 or T * k * 3 * D * F * 2 > 24e9):
                     continue
@@ -432,8 +449,14 @@ def main() -> None:
                         rec["time_us"] = time_host(fn, sets, w, flush)
                         rec["mode"] = "host"
                     else:
-                        rec["time_us"], _ = time_graph(fn, sets, w, flush)
-                        rec["mode"] = "graph"
+                        t_us, _, gout = time_graph(fn, sets, w, flush)
+                        gerr = ((gout.float() - ref).norm() / ref.norm()).item()
+                        rec["graph_rel_err"] = gerr
+                        if gerr < 1e-2:
+                            rec["time_us"] = t_us
+                            rec["mode"] = "graph"
+                        else:
+                            rec["error"] = f"graph replay rel_err {gerr:.3g} ≥ 1e-2: not counted"
                 except Exception as exc:  # a failing candidate is recorded, never stops the sweep
                     rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                     torch.cuda.synchronize()

@@ -53,6 +53,8 @@ SCHEDULES = {
         block_m=16, block_n=32, block_k=64, group_m=2, down_block_n=64, down_block_k=64)),
     "gemm_m32": Schedule("grouped_gemm", backend="triton", params=GemmParams(
         block_m=32, block_n=64, block_k=64, group_m=1, down_block_n=64, down_block_k=64)),
+    "gemm_m32_one_dot": Schedule("grouped_gemm", backend="triton", params=GemmParams(
+        block_m=32, block_n=32, block_k=64, group_m=4, down_block_n=64, down_block_k=64, one_dot=True)),
     "hybrid_r2": Schedule("hybrid", row_threshold=2, backend="triton", params=HybridParams(
         block_m=16, block_n=32, block_k=64, gemv_block_n=16, gemv_block_k=64, down_block_n=64,
         down_block_k=64, down_gemv_block_n=32, down_gemv_block_k=64)),
@@ -60,6 +62,17 @@ SCHEDULES = {
         block_m=16, block_n=32, block_k=64, gemv_block_n=16, gemv_block_k=64, down_block_n=64,
         down_block_k=64, down_gemv_block_n=32, down_gemv_block_k=64)),
 }
+
+if ON_GPU:  # programmatic dependent launch is compiled only for a GPU (interpreted, pdl is a no-op)
+    SCHEDULES.update({
+        "gemv_fused_token_pdl": Schedule("stream_gemv", backend="triton", params=GemvParams(
+            block_n=16, block_k=64, down_block_n=16, down_block_k=32, pdl=True)),
+        "gemv_routed_expert_split_pdl": Schedule("stream_gemv", backend="triton", params=GemvParams(
+            block_n=16, block_k=64, down_block_n=32, down_block_k=32, down_mode="expert", split_k=2,
+            fused_route=False, pdl=True)),
+        "gemm_m16_pdl": Schedule("grouped_gemm", backend="triton", params=GemmParams(
+            block_m=16, block_n=32, block_k=64, group_m=2, down_block_n=64, down_block_k=64, pdl=True)),
+    })
 
 
 def make_ids(kind: str, T: int, E: int, k: int, gen: torch.Generator) -> torch.Tensor:

@@ -123,6 +123,16 @@ def bias_args(block: MoEBlock, w: ExpertTensors):
     return w.gate_up, w.down
 
 
+def pdl_on(requested: bool) -> bool:
+    """Programmatic dependent launch: only compiled for a GPU (the interpreter has no inline PTX)."""
+    return bool(requested) and not interpreting()
+
+
+def launch_opts(pdl: bool) -> dict:
+    """Launch keywords of a kernel that waits on its predecessor with `_pdl_wait`."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 def consts(block: MoEBlock, x: torch.Tensor, w: ExpertTensors) -> dict:
     """Constexprs every kernel shares; UPCAST: bf16 tl.dot is wrong when interpreted, so upcast there."""
     bf16 = torch.bfloat16 in (x.dtype, w.gate_up.dtype, w.down.dtype)
@@ -143,6 +153,40 @@ def _act(g, u, ACT: tl.constexpr, alpha, limit):
         u = tl.minimum(tl.maximum(u, -limit), limit)
         h = (u + 1.0) * g * tl.sigmoid(g * alpha)
     return h
+
+
+@triton.jit
+def _pdl_launch(PDL: tl.constexpr):
+    """Programmatic dependent launch, primary side: the next kernel in the stream (launched with
+    launch_pdl) may start its blocks once every block of this one has passed this point.  Called only
+    after this kernel's own `_pdl_wait`, so that a dependent never starts while data this kernel read
+    is still being written."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """Dependent side: block until the previous kernel has completed and its writes are visible.
+    Everything before it may read only what existed before the previous kernel started."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_rows(rows, rmask, k_lo, k_hi, sk, LINES: tl.constexpr):
+    """Hint L2 (evict_last) to fetch rows[i][k_lo:k_hi] (stride sk): one address per 64 elements, a
+    128-byte line of bf16.  Issues no register loads; used before `_pdl_wait` so the weights stream
+    while the previous kernel finishes.  Masked addresses fall back to the row's first element."""
+    j = tl.arange(0, LINES) * 64
+    for k0 in range(k_lo, k_hi, 64 * LINES):
+        kk = k0 + j
+        p = rows[:, None] + kk[None, :] * sk  # [R, LINES]
+        p = tl.where(rmask[:, None] & (kk[None, :] < k_hi), p, rows[:, None])
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
+                                  [p.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -358,6 +402,33 @@ def _tile_gate_up(x_ptr, s_xt, tok, rmask, w_e, sn, sk, up, n0, N, K, k_end,
         accg = tl.dot(a, bg, accg)
         accu = tl.dot(a, bu, accu)
     return accg, accu
+
+
+@triton.jit
+def _tile_gate_up_one(x_ptr, s_xt, tok, rmask, w_e, sn, sk, up, n0, N, K, k_end,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
+    """`_tile_gate_up` with one tl.dot per K step: the B tile [BK, 2·BN] interleaves gate row n0 + c
+    (column 2c) and up row n0 + c (column 2c + 1), so the tensor cores see one N = 2·BN product;
+    the accumulator [BM, 2·BN] is split back into (gate, up) [BM, BN] once, after the loop."""
+    c = tl.arange(0, 2 * BN)
+    rown = n0 + c // 2
+    colm = rown < N
+    bcol = w_e + rown[None, :] * sn + (c % 2)[None, :] * up  # [1, 2BN]
+    acc = tl.zeros([BM, 2 * BN], dtype=tl.float32)
+    arow = x_ptr + tok.to(tl.int64)[:, None] * s_xt  # [BM, 1]
+    for k0 in range(0, k_end, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        km = offs_k < K
+        a = tl.load(arow + offs_k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)  # [BM, BK]
+        b = tl.load(bcol + offs_k[:, None] * sk, mask=km[:, None] & colm[None, :], other=0.0)  # [BK, 2BN]
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        else:
+            a = a.to(b.dtype)
+        acc = tl.dot(a, b, acc)
+    g, u = tl.split(tl.reshape(acc, [BM, BN, 2]))
+    return g, u
 
 
 @triton.jit

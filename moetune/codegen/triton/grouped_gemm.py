@@ -26,18 +26,24 @@ from . import routing
 from ._common import (
     H200_SMEM_LIMIT,
     _find_tile,
+    _pdl_launch,
+    _pdl_wait,
+    _prefetch_rows,
     _store_h,
     _store_y,
     _tile_down,
     _tile_gate_up,
+    _tile_gate_up_one,
     bias_args,
     check_call,
     check_pow2,
     consts,
     dot_smem_bytes,
     interpreting,
+    launch_opts,
     layout_strides,
     next_pow2,
+    pdl_on,
 )
 
 
@@ -53,6 +59,8 @@ class GemmParams:
     down_block_k: int = 64
     down_warps: int = 4
     down_stages: int = 3
+    one_dot: bool = False  # gate/up as one N = 2·block_n tl.dot (interleaved B tile) instead of two
+    pdl: bool = False  # programmatic dependent launch: down and combine start during the previous tail
 
     def __post_init__(self) -> None:
         check_pow2("GemmParams", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
@@ -83,10 +91,12 @@ SPACE = ParamSpace(GemmParams, (
     ("group_m", (1, 8, 32)),
     ("num_warps", (4, 8)),
     ("num_stages", (2, 3, 4)),
-    ("down_block_n", (64, 128)),
+    ("down_block_n", (64, 128, 256)),
     ("down_block_k", (64, 128)),
     ("down_warps", (4, 8)),
     ("down_stages", (2, 3, 4)),
+    ("one_dot", (False, True)),
+    ("pdl", (False, True)),
 ))
 
 
@@ -98,6 +108,7 @@ def grouped_gemm_kernel(
     PROJ: tl.constexpr, K_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
+    ONE_DOT: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     nb_n = tl.cdiv(N, BN)
@@ -114,14 +125,24 @@ def grouped_gemm_kernel(
     k_end = tl.where(left > 0, K, 0)
     wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)  # [BM]
     if PROJ == 0:
-        g, u = _tile_gate_up(x_ptr, s_xt, pairs // K_TOP, rmask, w_ptr + ec * se, sn, sk, up, n0, N, K,
-                             k_end, BM, BN, BK, UPCAST)
+        _pdl_launch(PDL)
+        if ONE_DOT:
+            g, u = _tile_gate_up_one(x_ptr, s_xt, pairs // K_TOP, rmask, w_ptr + ec * se, sn, sk, up, n0, N,
+                                     K, k_end, BM, BN, BK, UPCAST)
+        else:
+            g, u = _tile_gate_up(x_ptr, s_xt, pairs // K_TOP, rmask, w_ptr + ec * se, sn, sk, up, n0, N, K,
+                                 k_end, BM, BN, BK, UPCAST)
         _store_h(h_ptr, s_hp, pairs, rmask, g, u, wt, b_ptr + ec * sbe, sbn, bup, n0, N, alpha, limit,
                  BN, ACT, HAS_BIAS, W_IN)
     else:
+        if PDL:  # the tile's weights stream into L2 while gate/up finishes; h is read after the wait
+            offs_n = n0 + tl.arange(0, BN)
+            _prefetch_rows(w_ptr + ec * se + offs_n * sn, (offs_n < N) & (left > 0), 0, K, sk, 8)
+            _pdl_wait(PDL)
         acc = _tile_down(h_ptr, s_hp, pairs, rmask, w_ptr + ec * se, sn, sk, n0, N, 0, k_end,
                          BM, BN, BK, UPCAST)
         _store_y(y_ptr, pairs, rmask, acc, wt, b_ptr + ec * sbe, sbn, 1.0, n0, N, BN, HAS_BIAS, W_IN)
+        _pdl_launch(PDL)
 
 
 def max_tiles(P: int, E: int, bm: int) -> int:
@@ -145,7 +166,8 @@ def build(block: MoEBlock, schedule: Schedule):
         gb, db = bias_args(block, w)
         wts_f = weights.reshape(-1)  # [P]
         counts, sorted_pairs = routing.route(ids, E)
-        meta = dict(K_TOP=k, BLOCK_E=max(16, next_pow2(E)), BM=p.block_m, GROUP_M=p.group_m,
+        pdl = pdl_on(p.pdl)
+        meta = dict(K_TOP=k, BLOCK_E=max(16, next_pow2(E)), BM=p.block_m, GROUP_M=p.group_m, PDL=pdl,
                     **consts(block, x, w))
         nt = max_tiles(P, E, p.block_m)
         h = torch.empty(P, F, dtype=x.dtype, device=x.device)  # [P, F]
@@ -153,16 +175,17 @@ def build(block: MoEBlock, schedule: Schedule):
             x, x.stride(0), wts_f, counts, sorted_pairs,
             w.gate_up, gs.se, gs.sn, gs.sk, gs.up, gb, gs.sbe, gs.sbn, gs.bup,
             h, h.stride(0), h, P, E, F, D, nt, alpha, limit,
-            PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta)
+            PROJ=0, BN=p.block_n, BK=p.block_k, ONE_DOT=p.one_dot, num_warps=p.num_warps,
+            num_stages=p.num_stages, **meta)
         y = torch.empty(1, P, D, dtype=torch.float32, device=x.device)  # [1, P, D]
         grouped_gemm_kernel[(nt * triton.cdiv(D, p.down_block_n),)](
             x, x.stride(0), wts_f, counts, sorted_pairs,
             w.down, ds.se, ds.sn, ds.sk, 0, db, ds.sbe, ds.sbn, 0,
             h, h.stride(0), y, P, E, D, F, nt, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps,
-            num_stages=p.down_stages, **meta)
+            num_stages=p.down_stages, **meta, **launch_opts(pdl))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
-        return _combine.combine(y, ids, out, E)
+        return _combine.combine(y, ids, out, E, pdl=pdl)
 
     return run
 

@@ -32,6 +32,9 @@ from ._common import (
     _find_slot,
     _fused_pairs,
     _fused_slot,
+    _pdl_launch,
+    _pdl_wait,
+    _prefetch_rows,
     _row_down,
     _row_gate_up,
     _rows_down,
@@ -46,8 +49,10 @@ from ._common import (
     check_pow2,
     consts,
     dot_smem_bytes,
+    launch_opts,
     layout_strides,
     next_pow2,
+    pdl_on,
 )
 
 
@@ -64,6 +69,8 @@ class GemvParams:
     down_mode: Literal["token", "expert"] = "token"
     split_k: int = 1  # down, expert mode: F split in this many fp32 partials
     fused_route: bool = True  # P ≤ 64: each program groups the ids itself (no routing kernel)
+    pdl: bool = False  # down (and combine) launched as programmatic dependents: the down programs
+    #                    start in the gate/up tail and stream their weights into L2 before waiting
 
     def __post_init__(self) -> None:
         check_pow2("GemvParams", block_n=self.block_n, block_k=self.block_k, rows=self.rows,
@@ -100,6 +107,7 @@ SPACE = ParamSpace(GemvParams, (
     ("down_mode", ("token", "expert")),
     ("split_k", (1, 2, 4)),
     ("fused_route", (True, False)),
+    ("pdl", (False, True)),
 ))
 
 
@@ -112,13 +120,23 @@ def stream_gemv_kernel(
     PROJ: tl.constexpr, K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, BP: tl.constexpr,
     FUSED: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
     n0 = tl.program_id(1) * BN
     offs_n = n0 + tl.arange(0, BN)
     nm = offs_n < N
+    if PROJ == 0:
+        _pdl_launch(PDL)
     if PROJ == 2:
         t = tl.program_id(0)
+        if PDL:  # this program's k weight slices stream into L2 while gate/up finishes
+            jk = tl.arange(0, KP)
+            ej = tl.load(ids_ptr + t * K_TOP + jk, mask=jk < K_TOP, other=-1).to(tl.int32)  # [KP]
+            okj = (jk < K_TOP) & (ej >= 0) & (ej < E)
+            rows = w_ptr + tl.where(okj, ej, 0).to(tl.int64)[:, None] * se + offs_n[None, :] * sn  # [KP, BN]
+            _prefetch_rows(tl.reshape(rows, [KP * BN]), tl.reshape(okj[:, None] & nm[None, :], [KP * BN]),
+                           0, K, sk, 8)
+            _pdl_wait(PDL)
         out = _token_down(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr, sbe, sbn, n0, N, K,
                           K_TOP, KP, BN, BK, HAS_BIAS, W_IN, STAGES)
         tl.store(y_ptr + t.to(tl.int64) * s_yt + offs_n, out.to(y_ptr.dtype.element_ty), mask=nm)
@@ -135,6 +153,9 @@ def stream_gemv_kernel(
         b_e = b_ptr + ec * sbe
         k_lo = ks * k_split
         k_hi = tl.minimum(k_lo + k_split, K)
+        if PROJ == 1 and PDL:
+            _prefetch_rows(w_e + offs_n * sn, nm & (m > 0), k_lo, k_hi, sk, 8)
+            _pdl_wait(PDL)
         r = tl.arange(0, ROWS)
         for c in range(0, m, ROWS):
             rmask = c + r < m
@@ -173,6 +194,8 @@ def stream_gemv_kernel(
             else:
                 _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, b_e, sbn,
                          (ks == 0).to(tl.float32), n0, N, BN, HAS_BIAS, W_IN)
+        if PROJ == 1:
+            _pdl_launch(PDL)
 
 
 def build(block: MoEBlock, schedule: Schedule):
@@ -197,8 +220,9 @@ def build(block: MoEBlock, schedule: Schedule):
         else:
             counts, sorted_pairs = routing.route(ids, E)
         cst = consts(block, x, w)
+        pdl = pdl_on(p.pdl)
         meta = dict(K_TOP=k, KP=next_pow2(k), BLOCK_E=max(16, next_pow2(E)), BP=max(16, next_pow2(P)),
-                    FUSED=fused, ROWS=p.rows, **cst)
+                    FUSED=fused, ROWS=p.rows, PDL=pdl, **cst)
         slots = min(P, E)
         h = torch.empty(P, F, dtype=x.dtype, device=x.device)  # [P, F]
         stream_gemv_kernel[(slots, triton.cdiv(F, p.block_n), 1)](
@@ -214,7 +238,7 @@ def build(block: MoEBlock, schedule: Schedule):
                 w.down, ds.se, ds.sn, ds.sk, 0, db, ds.sbe, ds.sbn, 0,
                 h, h.stride(0), out, out.stride(0), P, E, D, F, F, alpha, limit,
                 PROJ=2, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps,
-                num_stages=p.num_stages, STAGES=p.num_stages, **meta)
+                num_stages=p.num_stages, STAGES=p.num_stages, **meta, **launch_opts(pdl))
             return out
         k_split = triton.cdiv(triton.cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = triton.cdiv(F, k_split)
@@ -224,8 +248,8 @@ def build(block: MoEBlock, schedule: Schedule):
             w.down, ds.se, ds.sn, ds.sk, 0, db, ds.sbe, ds.sbn, 0,
             h, h.stride(0), y, 0, P, E, D, F, k_split, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps,
-            num_stages=p.num_stages, STAGES=p.num_stages, **meta)
-        return _combine.combine(y, ids, out, E)
+            num_stages=p.num_stages, STAGES=p.num_stages, **meta, **launch_opts(pdl))
+        return _combine.combine(y, ids, out, E, pdl=pdl)
 
     return run
 
