@@ -40,6 +40,8 @@ def test_representative_configs_fit_h200():
             assert r["cp_async"] > 0, f"{r['label']}: weight loads not pipelined (no cp.async)"
         pdl = r["label"].endswith("pdl")
         assert (r["griddep"] > 0) == pdl, f"{r['label']}: griddepcontrol only where launched with pdl"
+        if r["label"] == "gemv/gate_up_prefetch":
+            assert r["prefetch"] > 0, "gate/up with prefetch_down issues no L2 prefetch"
         if pdl and r["label"] != "combine/pdl":
             assert r["prefetch"] > 0, f"{r['label']}: down weights not prefetched before the wait"
         if "m16" in r["label"] or "m128" in r["label"] or "rows16" in r["label"] or "hybrid" in r["label"]:

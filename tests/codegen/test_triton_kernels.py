@@ -55,6 +55,8 @@ SCHEDULES = {
         block_m=32, block_n=64, block_k=64, group_m=1, down_block_n=64, down_block_k=64)),
     "gemm_m32_one_dot": Schedule("grouped_gemm", backend="triton", params=GemmParams(
         block_m=32, block_n=32, block_k=64, group_m=4, down_block_n=64, down_block_k=64, one_dot=True)),
+    "gemm_m16_split2": Schedule("grouped_gemm", backend="triton", params=GemmParams(
+        block_m=16, block_n=32, block_k=64, group_m=2, down_block_n=32, down_block_k=16, split_k=2)),
     "hybrid_r2": Schedule("hybrid", row_threshold=2, backend="triton", params=HybridParams(
         block_m=16, block_n=32, block_k=64, gemv_block_n=16, gemv_block_k=64, down_block_n=64,
         down_block_k=64, down_gemv_block_n=32, down_gemv_block_k=64)),
@@ -70,6 +72,8 @@ if ON_GPU:  # programmatic dependent launch is compiled only for a GPU (interpre
         "gemv_routed_expert_split_pdl": Schedule("stream_gemv", backend="triton", params=GemvParams(
             block_n=16, block_k=64, down_block_n=32, down_block_k=32, down_mode="expert", split_k=2,
             fused_route=False, pdl=True)),
+        "gemv_fused_token_prefetch": Schedule("stream_gemv", backend="triton", params=GemvParams(
+            block_n=16, block_k=64, down_block_n=16, down_block_k=32, prefetch_down=0.5)),
         "gemm_m16_pdl": Schedule("grouped_gemm", backend="triton", params=GemmParams(
             block_m=16, block_n=32, block_k=64, group_m=2, down_block_n=64, down_block_k=64, pdl=True)),
     })

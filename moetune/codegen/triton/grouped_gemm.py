@@ -61,6 +61,7 @@ class GemmParams:
     down_stages: int = 3
     one_dot: bool = False  # gate/up as one N = 2·block_n tl.dot (interleaved B tile) instead of two
     pdl: bool = False  # programmatic dependent launch: down and combine start during the previous tail
+    split_k: int = 1  # down: F split in this many fp32 partial planes (more tiles: a shorter last wave)
 
     def __post_init__(self) -> None:
         check_pow2("GemmParams", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
@@ -69,6 +70,8 @@ class GemmParams:
         if not interpreting() and min(self.block_m, self.block_n, self.block_k,
                                       self.down_block_n, self.down_block_k) < 16:
             raise UnsupportedSchedule(f"GemmParams {self}: tl.dot needs every block ≥ 16")
+        if self.split_k not in (1, 2, 4, 8):
+            raise UnsupportedSchedule(f"GemmParams.split_k = {self.split_k}: 1, 2, 4 or 8")
         if self.group_m < 1:
             raise UnsupportedSchedule(f"GemmParams.group_m = {self.group_m}: must be ≥ 1")
         for name, smem in (
@@ -85,7 +88,7 @@ class GemmParams:
 
 
 SPACE = ParamSpace(GemmParams, (
-    ("block_m", (16, 32, 64, 128)),
+    ("block_m", (16, 32, 64, 128, 256)),
     ("block_n", (32, 64, 128)),
     ("block_k", (64, 128)),
     ("group_m", (1, 8, 32)),
@@ -97,6 +100,7 @@ SPACE = ParamSpace(GemmParams, (
     ("down_stages", (2, 3, 4)),
     ("one_dot", (False, True)),
     ("pdl", (False, True)),
+    ("split_k", (1, 2, 4)),
 ))
 
 
@@ -104,7 +108,7 @@ SPACE = ParamSpace(GemmParams, (
 def grouped_gemm_kernel(
     x_ptr, s_xt, wts_ptr, counts_ptr, sorted_ptr,
     w_ptr, se, sn, sk, up, b_ptr, sbe, sbn, bup,
-    h_ptr, s_hp, y_ptr, P, E, N, K, n_tiles, alpha, limit,
+    h_ptr, s_hp, y_ptr, P, E, N, K, n_tiles, k_split, alpha, limit,
     PROJ: tl.constexpr, K_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
@@ -125,7 +129,6 @@ def grouped_gemm_kernel(
     k_end = tl.where(left > 0, K, 0)
     wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)  # [BM]
     if PROJ == 0:
-        _pdl_launch(PDL)
         if ONE_DOT:
             g, u = _tile_gate_up_one(x_ptr, s_xt, pairs // K_TOP, rmask, w_ptr + ec * se, sn, sk, up, n0, N,
                                      K, k_end, BM, BN, BK, UPCAST)
@@ -134,14 +137,19 @@ def grouped_gemm_kernel(
                                  k_end, BM, BN, BK, UPCAST)
         _store_h(h_ptr, s_hp, pairs, rmask, g, u, wt, b_ptr + ec * sbe, sbn, bup, n0, N, alpha, limit,
                  BN, ACT, HAS_BIAS, W_IN)
+        _pdl_launch(PDL)  # after the last store: the down grid launches only as this one drains
     else:
+        ks = tl.program_id(1)  # split of the F reduction: fp32 partial planes y [S, P, D]
+        k_lo = ks * k_split
+        k_hi = tl.where(left > 0, tl.minimum(k_lo + k_split, K), k_lo)
         if PDL:  # the tile's weights stream into L2 while gate/up finishes; h is read after the wait
             offs_n = n0 + tl.arange(0, BN)
-            _prefetch_rows(w_ptr + ec * se + offs_n * sn, (offs_n < N) & (left > 0), 0, K, sk, 8)
+            _prefetch_rows(w_ptr + ec * se + offs_n * sn, (offs_n < N) & (left > 0), k_lo, k_hi, sk, 8)
             _pdl_wait(PDL)
-        acc = _tile_down(h_ptr, s_hp, pairs, rmask, w_ptr + ec * se, sn, sk, n0, N, 0, k_end,
+        acc = _tile_down(h_ptr, s_hp, pairs, rmask, w_ptr + ec * se, sn, sk, n0, N, k_lo, k_hi,
                          BM, BN, BK, UPCAST)
-        _store_y(y_ptr, pairs, rmask, acc, wt, b_ptr + ec * sbe, sbn, 1.0, n0, N, BN, HAS_BIAS, W_IN)
+        _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, b_ptr + ec * sbe, sbn,
+                 (ks == 0).to(tl.float32), n0, N, BN, HAS_BIAS, W_IN)
         _pdl_launch(PDL)
 
 
@@ -174,14 +182,16 @@ def build(block: MoEBlock, schedule: Schedule):
         grouped_gemm_kernel[(nt * triton.cdiv(F, p.block_n),)](
             x, x.stride(0), wts_f, counts, sorted_pairs,
             w.gate_up, gs.se, gs.sn, gs.sk, gs.up, gb, gs.sbe, gs.sbn, gs.bup,
-            h, h.stride(0), h, P, E, F, D, nt, alpha, limit,
+            h, h.stride(0), h, P, E, F, D, nt, D, alpha, limit,
             PROJ=0, BN=p.block_n, BK=p.block_k, ONE_DOT=p.one_dot, num_warps=p.num_warps,
             num_stages=p.num_stages, **meta)
-        y = torch.empty(1, P, D, dtype=torch.float32, device=x.device)  # [1, P, D]
-        grouped_gemm_kernel[(nt * triton.cdiv(D, p.down_block_n),)](
+        k_split = triton.cdiv(triton.cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
+        S = triton.cdiv(F, k_split)
+        y = torch.empty(S, P, D, dtype=torch.float32, device=x.device)  # [S, P, D]
+        grouped_gemm_kernel[(nt * triton.cdiv(D, p.down_block_n), S)](
             x, x.stride(0), wts_f, counts, sorted_pairs,
             w.down, ds.se, ds.sn, ds.sk, 0, db, ds.sbe, ds.sbn, 0,
-            h, h.stride(0), y, P, E, D, F, nt, alpha, limit,
+            h, h.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps,
             num_stages=p.down_stages, **meta, **launch_opts(pdl))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
@@ -197,5 +207,6 @@ def cost(block: MoEBlock, params: GemmParams, tokens: int, distinct: float) -> t
     tiles = P / params.block_m + distinct
     flops = 2.0 * 3 * tiles * params.block_m * block.D * block.F  # padded rows included
     by = (distinct * block.weight_bytes_per_expert + tokens * block.D * wb + 2 * P * block.F * wb
-          + _combine.cost(1, P, tokens, block.D, wb)[1] + P * block.D * 4 + routing.cost(P, block.E)[1])
+          + _combine.cost(params.split_k, P, tokens, block.D, wb)[1] + params.split_k * P * block.D * 4
+          + routing.cost(P, block.E)[1])
     return flops, by
