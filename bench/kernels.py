@@ -174,7 +174,7 @@ def routings(T: int, E: int, k: int, D: int, dev, seed: int):
     return sets
 
 
-def time_graph(fn, sets, w, flush, reps=REPS) -> tuple[float, list]:
+def time_graph(fn, sets, w, flush, reps=REPS) -> tuple[float, list, torch.Tensor]:
     pool = torch.cuda.graph_pool_handle()
     graphs, outs = [], []
     s = torch.cuda.Stream()
@@ -292,30 +292,15 @@ def variants(E: int, k: int, D: int, F: int, T: int):
              down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
         gemm("m128g32", block_m=128, block_n=128, block_k=64, group_m=32, num_warps=8, num_stages=4,
              down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
-        gemm("m128n64", block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=4,
-             down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
-        gemm("m64n128", block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4,
-             down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
-        gemm("m256n64", block_m=256, block_n=64, block_k=64, num_warps=8, num_stages=4, one_dot=True,
-             down_block_n=128, down_block_k=64, down_warps=8, down_stages=4)
-    # twins: `-p` programmatic dependent launch (down launches as gate/up drains), `-f`/`-h` the gate/up
-    # programs prefetch all / half of their experts' down weights into L2, `-1` the gate/up as one
-    # N = 2·block_n tl.dot, `-s2` the down GEMM split in two along F
+    # twins: `-1` the gate/up as one N = 2·block_n tl.dot, `-1s2` also the down GEMM split in two along F
     twins = []
-
-    def twin(tag, s, suffix, **kw):
-        twins.append((tag + suffix, dataclasses.replace(s, params=dataclasses.replace(s.params, **kw))))
     for tag, s in out:
         p = s.params
-        if s.kind == "stream_gemv" or (s.kind == "grouped_gemm" and p.block_m <= 64):
-            twin(tag, s, "-p", pdl=True)
-        if s.kind == "stream_gemv" and p.rows == 1:
-            twin(tag, s, "-f", prefetch_down=1.0)
-            twin(tag, s, "-h", prefetch_down=0.5)
-        if s.kind == "grouped_gemm" and p.block_m >= 64 and not p.one_dot:
-            twin(tag, s, "-1", one_dot=True)
-        if s.kind == "grouped_gemm" and p.block_m >= 128:
-            twin(tag, s, "-1s2", one_dot=True, split_k=2)
+        if s.kind == "grouped_gemm" and p.block_m >= 64:
+            twins.append((tag + "-1", dataclasses.replace(s, params=dataclasses.replace(p, one_dot=True))))
+        if tag in ("m128s4", "m128g32"):
+            twins.append((tag + "-1s2", dataclasses.replace(
+                s, params=dataclasses.replace(p, one_dot=True, split_k=2))))
     return out + twins
 
 

@@ -38,12 +38,6 @@ def test_representative_configs_fit_h200():
         assert r["local"] == 0, f"{r['label']}: register spills to local memory"
         if r["label"].split("/")[0] in ("gemv", "gemm", "hybrid"):
             assert r["cp_async"] > 0, f"{r['label']}: weight loads not pipelined (no cp.async)"
-        pdl = r["label"].endswith("pdl")
-        assert (r["griddep"] > 0) == pdl, f"{r['label']}: griddepcontrol only where launched with pdl"
-        if r["label"] == "gemv/gate_up_prefetch":
-            assert r["prefetch"] > 0, "gate/up with prefetch_down issues no L2 prefetch"
-        if pdl and r["label"] != "combine/pdl":
-            assert r["prefetch"] > 0, f"{r['label']}: down weights not prefetched before the wait"
         if "m16" in r["label"] or "m128" in r["label"] or "rows16" in r["label"] or "hybrid" in r["label"]:
             assert r["mma"] > 0, f"{r['label']}: no tensor-core instruction"
 
@@ -74,18 +68,17 @@ for shape, (E, k, D, F) in B.SHAPES.items():
             lab = f"{shape}/T{T}/{tag}"
             if s.kind == "stream_gemv":
                 m = dict(base, K_TOP=k, KP=kp, BLOCK_E=be, BP=16, FUSED=p.fused_route and T * k <= 64,
-                         ROWS=p.rows, STAGES=p.num_stages, PDL=p.pdl)
+                         ROWS=p.rows, STAGES=p.num_stages)
                 cc(lab, stream_gemv_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k),
                    num_warps=p.num_warps, num_stages=p.num_stages)
                 cc(lab, stream_gemv_kernel, dict(m, PROJ=2 if p.down_mode == "token" else 1,
-                   BN=p.down_block_n, BK=p.down_block_k), num_warps=p.down_warps, num_stages=p.num_stages,
-                   launch_pdl=p.pdl)
+                   BN=p.down_block_n, BK=p.down_block_k), num_warps=p.down_warps, num_stages=p.num_stages)
             elif s.kind == "grouped_gemm":
-                m = dict(base, K_TOP=k, BLOCK_E=be, BM=p.block_m, GROUP_M=p.group_m, PDL=p.pdl)
+                m = dict(base, K_TOP=k, BLOCK_E=be, BM=p.block_m, GROUP_M=p.group_m)
                 cc(lab, grouped_gemm_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k, ONE_DOT=p.one_dot),
                    num_warps=p.num_warps, num_stages=p.num_stages)
                 cc(lab, grouped_gemm_kernel, dict(m, PROJ=1, BN=p.down_block_n, BK=p.down_block_k),
-                   num_warps=p.down_warps, num_stages=p.down_stages, launch_pdl=p.pdl)
+                   num_warps=p.down_warps, num_stages=p.down_stages)
             else:
                 rp = 1 << max(0, (s.row_threshold - 2).bit_length())
                 m = dict(base, K_TOP=k, BLOCK_E=be, BM=p.block_m, RP=rp)

@@ -65,19 +65,6 @@ SCHEDULES = {
         down_block_k=64, down_gemv_block_n=32, down_gemv_block_k=64)),
 }
 
-if ON_GPU:  # programmatic dependent launch is compiled only for a GPU (interpreted, pdl is a no-op)
-    SCHEDULES.update({
-        "gemv_fused_token_pdl": Schedule("stream_gemv", backend="triton", params=GemvParams(
-            block_n=16, block_k=64, down_block_n=16, down_block_k=32, pdl=True)),
-        "gemv_routed_expert_split_pdl": Schedule("stream_gemv", backend="triton", params=GemvParams(
-            block_n=16, block_k=64, down_block_n=32, down_block_k=32, down_mode="expert", split_k=2,
-            fused_route=False, pdl=True)),
-        "gemv_fused_token_prefetch": Schedule("stream_gemv", backend="triton", params=GemvParams(
-            block_n=16, block_k=64, down_block_n=16, down_block_k=32, prefetch_down=0.5)),
-        "gemm_m16_pdl": Schedule("grouped_gemm", backend="triton", params=GemmParams(
-            block_m=16, block_n=32, block_k=64, group_m=2, down_block_n=64, down_block_k=64, pdl=True)),
-    })
-
 
 def make_ids(kind: str, T: int, E: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """ids [T, k]: distinct experts per token, routed per `kind`."""

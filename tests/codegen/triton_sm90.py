@@ -77,23 +77,12 @@ def representative() -> list[tuple[str, object, dict, dict]]:
          dict(base, PROJ=0, K_TOP=2, BLOCK_E=16, BM=128, BN=128, BK=64, GROUP_M=8), o8),
         ("gemm/down_m128", grouped_gemm_kernel,
          dict(base, PROJ=1, K_TOP=2, BLOCK_E=16, BM=128, BN=256, BK=64, GROUP_M=8), o8),
-        ("gemv/gate_up_prefetch", stream_gemv_kernel, dict(gv, PROJ=0, BN=8, BK=256, PREFETCH=True), o4),
-        ("gemm/down_m128_split", grouped_gemm_kernel,
-         dict(base, PROJ=1, K_TOP=2, BLOCK_E=16, BM=256, BN=128, BK=64, GROUP_M=8), o8),
-        ("gemv/down_token_pdl", stream_gemv_kernel, dict(gv, PROJ=2, BN=4, BK=128, PDL=True),
-         dict(o4, launch_pdl=True)),
-        ("gemv/down_expert_pdl", stream_gemv_kernel, dict(gv, PROJ=1, FUSED=False, BN=8, BK=128, PDL=True),
-         dict(o4, launch_pdl=True)),
         ("gemm/gate_up_m128_one_dot", grouped_gemm_kernel,
          dict(base, PROJ=0, K_TOP=2, BLOCK_E=16, BM=128, BN=128, BK=64, GROUP_M=8, ONE_DOT=True), o8),
-        ("gemm/down_m16_pdl", grouped_gemm_kernel,
-         dict(base, PROJ=1, K_TOP=8, BLOCK_E=128, BM=16, BN=64, BK=128, GROUP_M=8, PDL=True),
-         dict(o4, launch_pdl=True)),
         ("hybrid/gate_up", hybrid_kernel,
          dict(base, PROJ=0, K_TOP=8, BLOCK_E=128, BM=16, BN=64, BK=128, BNV=8, BKV=256, RP=1, STAGES=4),
          o4),
         ("combine", combine_kernel, dict(K_TOP=8, BD=512), dict(num_warps=4)),
-        ("combine/pdl", combine_kernel, dict(K_TOP=8, BD=512, PDL=True), dict(num_warps=4, launch_pdl=True)),
     ]
 
 
@@ -108,9 +97,7 @@ def main() -> None:
         print(json.dumps(dict(label=label, shared=k.metadata.shared,
                               cp_async=len(re.findall(r"cp\.async\.c[ag]", ptx)),
                               local=len(re.findall(r"(ld|st)\.local", ptx)),
-                              mma=len(re.findall(r"\bmma\.|wgmma", ptx)),
-                              griddep=len(re.findall(r"griddepcontrol", ptx)),
-                              prefetch=len(re.findall(r"prefetch\.global\.L2", ptx)))), flush=True)
+                              mma=len(re.findall(r"\bmma\.|wgmma", ptx)))), flush=True)
 
 
 if __name__ == "__main__":

@@ -116,21 +116,43 @@ def check_call(block: MoEBlock, x: torch.Tensor, ids: torch.Tensor, weights: tor
     w.check(block)
 
 
+@dataclass(frozen=True)
+class CallArgs:
+    """What every launcher derives from one call: sizes, the weights' strides and bias pointers, the
+    flat routing weights and the constexprs all kernels share (from `call_args`)."""
+
+    T: int
+    P: int
+    gs: GateUpStrides
+    ds: DownStrides
+    gate_up_bias: torch.Tensor
+    down_bias: torch.Tensor
+    weights: torch.Tensor  # [P]
+    meta: dict
+
+
+def call_args(block: MoEBlock, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+              w: ExpertTensors) -> CallArgs:
+    """Check one call's shapes (`check_call`) and gather the launch arguments every kernel needs."""
+    check_call(block, x, ids, weights, w)
+    T = x.shape[0]
+    gs, ds = layout_strides(block, w)
+    gb, db = bias_args(block, w)
+    meta = dict(K_TOP=block.k, BLOCK_E=max(16, next_pow2(block.E)), **consts(block, x, w))
+    return CallArgs(T, T * block.k, gs, ds, gb, db, weights.reshape(-1), meta)
+
+
+def act_args(block: MoEBlock) -> tuple[float, float]:
+    """(alpha, limit) of the activation as kernel scalars (0 where it has none)."""
+    act = block.activation
+    return float(act.alpha or 0.0), float(act.limit or 0.0)
+
+
 def bias_args(block: MoEBlock, w: ExpertTensors):
     """(gate_up bias, down bias) pointers; the weights themselves stand in when there is no bias."""
     if block.layout.has_bias:
         return w.gate_up_bias, w.down_bias
     return w.gate_up, w.down
-
-
-def pdl_on(requested: bool) -> bool:
-    """Programmatic dependent launch: only compiled for a GPU (the interpreter has no inline PTX)."""
-    return bool(requested) and not interpreting()
-
-
-def launch_opts(pdl: bool) -> dict:
-    """Launch keywords of a kernel that waits on its predecessor with `_pdl_wait`."""
-    return {"launch_pdl": True} if pdl else {}
 
 
 def consts(block: MoEBlock, x: torch.Tensor, w: ExpertTensors) -> dict:
@@ -153,40 +175,6 @@ def _act(g, u, ACT: tl.constexpr, alpha, limit):
         u = tl.minimum(tl.maximum(u, -limit), limit)
         h = (u + 1.0) * g * tl.sigmoid(g * alpha)
     return h
-
-
-@triton.jit
-def _pdl_launch(PDL: tl.constexpr):
-    """Programmatic dependent launch, primary side: the next kernel in the stream (launched with
-    launch_pdl) may start its blocks once every block of this one has passed this point.  Called only
-    after this kernel's own `_pdl_wait`, so that a dependent never starts while data this kernel read
-    is still being written."""
-    if PDL:
-        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def _pdl_wait(PDL: tl.constexpr):
-    """Dependent side: block until the previous kernel has completed and its writes are visible.
-    Everything before it may read only what existed before the previous kernel started."""
-    if PDL:
-        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_rows(rows, rmask, k_lo, k_hi, sk, LINES: tl.constexpr):
-    """Hint L2 (evict_last) to fetch rows[i][k_lo:k_hi] (stride sk): one address per 64 elements, a
-    128-byte line of bf16.  Issues no register loads; used before `_pdl_wait` so the weights stream
-    while the previous kernel finishes.  Masked addresses fall back to the row's first element."""
-    j = tl.arange(0, LINES) * 64
-    for k0 in range(k_lo, k_hi, 64 * LINES):
-        kk = k0 + j
-        p = rows[:, None] + kk[None, :] * sk  # [R, LINES]
-        p = tl.where(rmask[:, None] & (kk[None, :] < k_hi), p, rows[:, None])
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
-                                  [p.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

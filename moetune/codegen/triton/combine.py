@@ -11,13 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _pdl_wait, launch_opts
-
 
 @triton.jit(do_not_specialize=["P", "S"])
 def combine_kernel(y_ptr, ids_ptr, out_ptr, s_ot, P, E, N, S,
-                   K_TOP: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
-    _pdl_wait(PDL)
+                   K_TOP: tl.constexpr, BD: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BD + tl.arange(0, BD)
     nm = offs < N
@@ -33,14 +30,13 @@ def combine_kernel(y_ptr, ids_ptr, out_ptr, s_ot, P, E, N, S,
 
 
 def combine(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int,
-            block_d: int = 512, pdl: bool = False) -> torch.Tensor:
-    """y [S, P, D] fp32, ids [T, k] → out [T, D] (written in place and returned).  pdl: launched as a
-    programmatic dependent of the down kernel (which must then call `_pdl_launch`)."""
+            block_d: int = 512) -> torch.Tensor:
+    """y [S, P, D] fp32, ids [T, k] → out [T, D] (written in place and returned)."""
     S, P, D = y.shape
     T, k = ids.shape
     bd = min(block_d, triton.next_power_of_2(D))
     combine_kernel[(T, triton.cdiv(D, bd))](y, ids, out, out.stride(0), P, E, D, S,
-                                            K_TOP=k, BD=bd, PDL=pdl, num_warps=4, **launch_opts(pdl))
+                                            K_TOP=k, BD=bd, num_warps=4)
     return out
 
 

@@ -26,24 +26,16 @@ from . import routing
 from ._common import (
     H200_SMEM_LIMIT,
     _find_tile,
-    _pdl_launch,
-    _pdl_wait,
-    _prefetch_rows,
     _store_h,
     _store_y,
     _tile_down,
     _tile_gate_up,
     _tile_gate_up_one,
-    bias_args,
-    check_call,
+    act_args,
+    call_args,
     check_pow2,
-    consts,
     dot_smem_bytes,
     interpreting,
-    launch_opts,
-    layout_strides,
-    next_pow2,
-    pdl_on,
 )
 
 
@@ -60,7 +52,6 @@ class GemmParams:
     down_warps: int = 4
     down_stages: int = 3
     one_dot: bool = False  # gate/up as one N = 2·block_n tl.dot (interleaved B tile) instead of two
-    pdl: bool = False  # programmatic dependent launch: down and combine start during the previous tail
     split_k: int = 1  # down: F split in this many fp32 partial planes (more tiles: a shorter last wave)
 
     def __post_init__(self) -> None:
@@ -88,7 +79,7 @@ class GemmParams:
 
 
 SPACE = ParamSpace(GemmParams, (
-    ("block_m", (16, 32, 64, 128, 256)),
+    ("block_m", (16, 32, 64, 128)),
     ("block_n", (32, 64, 128)),
     ("block_k", (64, 128)),
     ("group_m", (1, 8, 32)),
@@ -99,7 +90,6 @@ SPACE = ParamSpace(GemmParams, (
     ("down_warps", (4, 8)),
     ("down_stages", (2, 3, 4)),
     ("one_dot", (False, True)),
-    ("pdl", (False, True)),
     ("split_k", (1, 2, 4)),
 ))
 
@@ -112,7 +102,7 @@ def grouped_gemm_kernel(
     PROJ: tl.constexpr, K_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
-    ONE_DOT: tl.constexpr = False, PDL: tl.constexpr = False,
+    ONE_DOT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     nb_n = tl.cdiv(N, BN)
@@ -137,20 +127,14 @@ def grouped_gemm_kernel(
                                  k_end, BM, BN, BK, UPCAST)
         _store_h(h_ptr, s_hp, pairs, rmask, g, u, wt, b_ptr + ec * sbe, sbn, bup, n0, N, alpha, limit,
                  BN, ACT, HAS_BIAS, W_IN)
-        _pdl_launch(PDL)  # after the last store: the down grid launches only as this one drains
     else:
         ks = tl.program_id(1)  # split of the F reduction: fp32 partial planes y [S, P, D]
         k_lo = ks * k_split
         k_hi = tl.where(left > 0, tl.minimum(k_lo + k_split, K), k_lo)
-        if PDL:  # the tile's weights stream into L2 while gate/up finishes; h is read after the wait
-            offs_n = n0 + tl.arange(0, BN)
-            _prefetch_rows(w_ptr + ec * se + offs_n * sn, (offs_n < N) & (left > 0), k_lo, k_hi, sk, 8)
-            _pdl_wait(PDL)
         acc = _tile_down(h_ptr, s_hp, pairs, rmask, w_ptr + ec * se, sn, sk, n0, N, k_lo, k_hi,
                          BM, BN, BK, UPCAST)
         _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, b_ptr + ec * sbe, sbn,
                  (ks == 0).to(tl.float32), n0, N, BN, HAS_BIAS, W_IN)
-        _pdl_launch(PDL)
 
 
 def max_tiles(P: int, E: int, bm: int) -> int:
@@ -162,21 +146,14 @@ def build(block: MoEBlock, schedule: Schedule):
     p = schedule.params if schedule.params is not None else GemmParams()
     if not isinstance(p, GemmParams):
         raise UnsupportedSchedule(f"grouped_gemm takes GemmParams, got {type(p).__name__}")
-    E, k, D, F = block.E, block.k, block.D, block.F
-    act = block.activation
-    alpha, limit = float(act.alpha or 0.0), float(act.limit or 0.0)
+    E, D, F = block.E, block.D, block.F
+    alpha, limit = act_args(block)
 
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
-        check_call(block, x, ids, weights, w)
-        T = x.shape[0]
-        P = T * k
-        gs, ds = layout_strides(block, w)
-        gb, db = bias_args(block, w)
-        wts_f = weights.reshape(-1)  # [P]
+        a = call_args(block, x, ids, weights, w)
+        T, P, gs, ds, gb, db, wts_f = a.T, a.P, a.gs, a.ds, a.gate_up_bias, a.down_bias, a.weights
         counts, sorted_pairs = routing.route(ids, E)
-        pdl = pdl_on(p.pdl)
-        meta = dict(K_TOP=k, BLOCK_E=max(16, next_pow2(E)), BM=p.block_m, GROUP_M=p.group_m, PDL=pdl,
-                    **consts(block, x, w))
+        meta = dict(a.meta, BM=p.block_m, GROUP_M=p.group_m)
         nt = max_tiles(P, E, p.block_m)
         h = torch.empty(P, F, dtype=x.dtype, device=x.device)  # [P, F]
         grouped_gemm_kernel[(nt * triton.cdiv(F, p.block_n),)](
@@ -193,9 +170,9 @@ def build(block: MoEBlock, schedule: Schedule):
             w.down, ds.se, ds.sn, ds.sk, 0, db, ds.sbe, ds.sbn, 0,
             h, h.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps,
-            num_stages=p.down_stages, **meta, **launch_opts(pdl))
+            num_stages=p.down_stages, **meta)
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
-        return _combine.combine(y, ids, out, E, pdl=pdl)
+        return _combine.combine(y, ids, out, E)
 
     return run
 

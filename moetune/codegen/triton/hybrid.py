@@ -32,13 +32,11 @@ from ._common import (
     _store_y,
     _tile_down,
     _tile_gate_up,
-    bias_args,
-    check_call,
+    act_args,
+    call_args,
     check_pow2,
-    consts,
     dot_smem_bytes,
     interpreting,
-    layout_strides,
     next_pow2,
 )
 
@@ -171,20 +169,14 @@ def build(block: MoEBlock, schedule: Schedule):
     if not isinstance(p, HybridParams):
         raise UnsupportedSchedule(f"hybrid takes HybridParams, got {type(p).__name__}")
     R = schedule.row_threshold
-    E, k, D, F = block.E, block.k, block.D, block.F
-    act = block.activation
-    alpha, limit = float(act.alpha or 0.0), float(act.limit or 0.0)
+    E, D, F = block.E, block.D, block.F
+    alpha, limit = act_args(block)
 
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
-        check_call(block, x, ids, weights, w)
-        T = x.shape[0]
-        P = T * k
-        gs, ds = layout_strides(block, w)
-        gb, db = bias_args(block, w)
-        wts_f = weights.reshape(-1)  # [P]
+        a = call_args(block, x, ids, weights, w)
+        T, P, gs, ds, gb, db, wts_f = a.T, a.P, a.gs, a.ds, a.gate_up_bias, a.down_bias, a.weights
         counts, sorted_pairs = routing.route(ids, E)
-        meta = dict(K_TOP=k, BLOCK_E=max(16, next_pow2(E)), BM=p.block_m, RP=next_pow2(R - 1),
-                    **consts(block, x, w))
+        meta = dict(a.meta, BM=p.block_m, RP=next_pow2(R - 1))
         g_tiles, v_slots = grid_parts(P, E, p.block_m, R)
         h = torch.empty(P, F, dtype=x.dtype, device=x.device)  # [P, F]
         n_gemm = g_tiles * triton.cdiv(F, p.block_n)

@@ -32,9 +32,6 @@ from ._common import (
     _find_slot,
     _fused_pairs,
     _fused_slot,
-    _pdl_launch,
-    _pdl_wait,
-    _prefetch_rows,
     _row_down,
     _row_gate_up,
     _rows_down,
@@ -44,16 +41,11 @@ from ._common import (
     _tile_down,
     _tile_gate_up,
     _token_down,
-    bias_args,
-    check_call,
+    act_args,
+    call_args,
     check_pow2,
-    consts,
     dot_smem_bytes,
-    interpreting,
-    launch_opts,
-    layout_strides,
     next_pow2,
-    pdl_on,
 )
 
 
@@ -70,10 +62,6 @@ class GemvParams:
     down_mode: Literal["token", "expert"] = "token"
     split_k: int = 1  # down, expert mode: F split in this many fp32 partials
     fused_route: bool = True  # P ≤ 64: each program groups the ids itself (no routing kernel)
-    pdl: bool = False  # down (and combine) launched as programmatic dependents: the down programs
-    #                    start as the gate/up grid drains and prefetch their weights into L2 before waiting
-    prefetch_down: float = 0.0  # gate/up programs also prefetch this fraction of their expert's down
-    #                             rows into L2 (evict_last): one stream over both projections' weights
 
     def __post_init__(self) -> None:
         check_pow2("GemvParams", block_n=self.block_n, block_k=self.block_k, rows=self.rows,
@@ -84,8 +72,6 @@ class GemvParams:
         if self.split_k < 1 or (self.split_k > 1 and self.down_mode != "expert"):
             raise UnsupportedSchedule(f"GemvParams.split_k = {self.split_k}: ≥ 1, and > 1 only with "
                                       "down_mode='expert' (the token mode has no partials to combine)")
-        if not 0.0 <= self.prefetch_down <= 1.0:
-            raise UnsupportedSchedule(f"GemvParams.prefetch_down = {self.prefetch_down}: a fraction in [0, 1]")
         if self.rows >= 16:
             smem = dot_smem_bytes(self.rows, self.block_n, self.block_k, self.num_stages, 2)
             if smem > H200_SMEM_LIMIT:
@@ -112,8 +98,6 @@ SPACE = ParamSpace(GemvParams, (
     ("down_mode", ("token", "expert")),
     ("split_k", (1, 2, 4)),
     ("fused_route", (True, False)),
-    ("pdl", (False, True)),
-    ("prefetch_down", (0.0, 0.5, 1.0)),
 ))
 
 
@@ -122,25 +106,17 @@ def stream_gemv_kernel(
     x_ptr, s_xt, ids_ptr, wts_ptr, counts_ptr, sorted_ptr,
     w_ptr, se, sn, sk, up, b_ptr, sbe, sbn, bup,
     h_ptr, s_hp, y_ptr, s_yt,
-    P, E, N, K, k_split, alpha, limit, pf_ptr, pf_se, pf_sn, pf_sk, pf_rows, pf_len,
+    P, E, N, K, k_split, alpha, limit,
     PROJ: tl.constexpr, K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, BP: tl.constexpr,
     FUSED: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
-    STAGES: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    STAGES: tl.constexpr,
 ):
     n0 = tl.program_id(1) * BN
     offs_n = n0 + tl.arange(0, BN)
     nm = offs_n < N
     if PROJ == 2:
         t = tl.program_id(0)
-        if PDL:  # this program's k weight slices stream into L2 while gate/up finishes
-            jk = tl.arange(0, KP)
-            ej = tl.load(ids_ptr + t * K_TOP + jk, mask=jk < K_TOP, other=-1).to(tl.int32)  # [KP]
-            okj = (jk < K_TOP) & (ej >= 0) & (ej < E)
-            rows = w_ptr + tl.where(okj, ej, 0).to(tl.int64)[:, None] * se + offs_n[None, :] * sn  # [KP, BN]
-            _prefetch_rows(tl.reshape(rows, [KP * BN]), tl.reshape(okj[:, None] & nm[None, :], [KP * BN]),
-                           0, K, sk, 8)
-            _pdl_wait(PDL)
         out = _token_down(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr, sbe, sbn, n0, N, K,
                           K_TOP, KP, BN, BK, HAS_BIAS, W_IN, STAGES)
         tl.store(y_ptr + t.to(tl.int64) * s_yt + offs_n, out.to(y_ptr.dtype.element_ty), mask=nm)
@@ -157,17 +133,6 @@ def stream_gemv_kernel(
         b_e = b_ptr + ec * sbe
         k_lo = ks * k_split
         k_hi = tl.minimum(k_lo + k_split, K)
-        if PROJ == 1 and PDL:
-            _prefetch_rows(w_e + offs_n * sn, nm & (m > 0), k_lo, k_hi, sk, 8)
-            _pdl_wait(PDL)
-        if PROJ == 0 and PREFETCH:  # this program's share of the expert's first pf_rows down rows → L2
-            share = tl.cdiv(pf_rows, tl.num_programs(1))
-            lo = tl.program_id(1) * share
-            hi = tl.minimum(lo + share, pf_rows)
-            pf_e = pf_ptr + ec * pf_se
-            for r0 in range(lo, hi, 16):
-                rr = r0 + tl.arange(0, 16)
-                _prefetch_rows(pf_e + rr * pf_sn, (rr < hi) & (m > 0), 0, pf_len, pf_sk, 16)
         r = tl.arange(0, ROWS)
         for c in range(0, m, ROWS):
             rmask = c + r < m
@@ -206,7 +171,6 @@ def stream_gemv_kernel(
             else:
                 _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, b_e, sbn,
                          (ks == 0).to(tl.float32), n0, N, BN, HAS_BIAS, W_IN)
-        _pdl_launch(PDL)  # after the last store: dependents launch only as this grid drains
 
 
 def build(block: MoEBlock, schedule: Schedule):
@@ -215,42 +179,34 @@ def build(block: MoEBlock, schedule: Schedule):
     if not isinstance(p, GemvParams):
         raise UnsupportedSchedule(f"stream_gemv takes GemvParams, got {type(p).__name__}")
     E, k, D, F = block.E, block.k, block.D, block.F
-    act = block.activation
-    alpha, limit = float(act.alpha or 0.0), float(act.limit or 0.0)
+    alpha, limit = act_args(block)
 
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
-        check_call(block, x, ids, weights, w)
-        T = x.shape[0]
-        P = T * k
-        gs, ds = layout_strides(block, w)
-        gb, db = bias_args(block, w)
-        ids_f, wts_f = ids.reshape(-1), weights.reshape(-1)  # [P]
+        a = call_args(block, x, ids, weights, w)
+        T, P, gs, ds, gb, db, wts_f = a.T, a.P, a.gs, a.ds, a.gate_up_bias, a.down_bias, a.weights
+        ids_f = ids.reshape(-1)  # [P]
         fused = p.fused_route and P <= FUSED_ROUTE_MAX_PAIRS
         if fused:
             counts, sorted_pairs = ids_f, ids_f
         else:
             counts, sorted_pairs = routing.route(ids, E)
-        cst = consts(block, x, w)
-        pdl = pdl_on(p.pdl)
-        pf_rows = 0 if interpreting() else round(p.prefetch_down * D)
-        meta = dict(K_TOP=k, KP=next_pow2(k), BLOCK_E=max(16, next_pow2(E)), BP=max(16, next_pow2(P)),
-                    FUSED=fused, ROWS=p.rows, PDL=pdl, **cst)
+        meta = dict(a.meta, KP=next_pow2(k), BP=max(16, next_pow2(P)), FUSED=fused, ROWS=p.rows)
         slots = min(P, E)
         h = torch.empty(P, F, dtype=x.dtype, device=x.device)  # [P, F]
         stream_gemv_kernel[(slots, triton.cdiv(F, p.block_n), 1)](
             x, x.stride(0), ids_f, wts_f, counts, sorted_pairs,
             w.gate_up, gs.se, gs.sn, gs.sk, gs.up, gb, gs.sbe, gs.sbn, gs.bup,
-            h, h.stride(0), h, 0, P, E, F, D, D, alpha, limit, w.down, ds.se, ds.sn, ds.sk, pf_rows, F,
+            h, h.stride(0), h, 0, P, E, F, D, D, alpha, limit,
             PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages,
-            STAGES=p.num_stages, PREFETCH=pf_rows > 0, **meta)
+            STAGES=p.num_stages, **meta)
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         if p.down_mode == "token":
             stream_gemv_kernel[(T, triton.cdiv(D, p.down_block_n), 1)](
                 x, x.stride(0), ids_f, wts_f, counts, sorted_pairs,
                 w.down, ds.se, ds.sn, ds.sk, 0, db, ds.sbe, ds.sbn, 0,
-                h, h.stride(0), out, out.stride(0), P, E, D, F, F, alpha, limit, h, 0, 0, 0, 0, 0,
+                h, h.stride(0), out, out.stride(0), P, E, D, F, F, alpha, limit,
                 PROJ=2, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps,
-                num_stages=p.num_stages, STAGES=p.num_stages, **meta, **launch_opts(pdl))
+                num_stages=p.num_stages, STAGES=p.num_stages, **meta)
             return out
         k_split = triton.cdiv(triton.cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = triton.cdiv(F, k_split)
@@ -258,10 +214,10 @@ def build(block: MoEBlock, schedule: Schedule):
         stream_gemv_kernel[(slots, triton.cdiv(D, p.down_block_n), S)](
             x, x.stride(0), ids_f, wts_f, counts, sorted_pairs,
             w.down, ds.se, ds.sn, ds.sk, 0, db, ds.sbe, ds.sbn, 0,
-            h, h.stride(0), y, 0, P, E, D, F, k_split, alpha, limit, h, 0, 0, 0, 0, 0,
+            h, h.stride(0), y, 0, P, E, D, F, k_split, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps,
-            num_stages=p.num_stages, STAGES=p.num_stages, **meta, **launch_opts(pdl))
-        return _combine.combine(y, ids, out, E, pdl=pdl)
+            num_stages=p.num_stages, STAGES=p.num_stages, **meta)
+        return _combine.combine(y, ids, out, E)
 
     return run
 
