@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="score unknown candidate errors inf instead of raising")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exhaustive", action="store_true", help="time every point of each bucket's space")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the buckets whose table entry is current here; tune only the others")
     p.add_argument("--space-cap", type=int, default=None,
                    help="tune a sub-grid of ≤ N points per bucket around the default (also for --exhaustive)")
     p.set_defaults(module="moetune.search.cli")

@@ -146,7 +146,8 @@ def run(args) -> int:
     options = TuneOptions(storage=args.storage, strict=getattr(args, "strict", False),
                           keep_going=getattr(args, "keep_going", False), device=device,
                           seed=getattr(args, "seed", 0) or 0, exhaustive=getattr(args, "exhaustive", False),
-                          space_cap=getattr(args, "space_cap", None) or None)
+                          space_cap=getattr(args, "space_cap", None) or None,
+                          resume=getattr(args, "resume", False))
     print(f"moetune tune: {block.name or block.signature_hash()} [{block.signature_hash()}] "
           f"on {dev_name} ({cap}), backend {backend}, target {target}, T ∈ [{lo},{hi}], budget {budget:.0f} s"
           + (f", trace {args.trace}" if args.trace else "")

@@ -62,6 +62,7 @@ class TuneOptions:
     space_cap: int | None = None  # tune a sub-grid of ≤ this many points per bucket (space.cap_space)
     warm_in_build: bool | None = None  # launch each candidate once in the build pool (None: on GPUs)
     device: str | None = None  # None: cuda for GPU backends, cpu for torch
+    resume: bool = False  # keep buckets whose table entry is current here (same device, kernels, version)
 
     def __post_init__(self) -> None:
         if not 0 <= self.margin < 1:
@@ -494,9 +495,27 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
     total = budget_s if budget_s is not None else options.budget_s * len(buckets)
     t0 = time.monotonic()
     results = []
+    kept = {}
+    if options.resume and table is not None:
+        from ..runtime.table import judge
+
+        for b in buckets:
+            e = table.get(target, be.name, block.signature_hash(), b.lo, b.hi)
+            if e is not None and judge(e, versions) is None:
+                kept[(b.lo, b.hi)] = e
     for i, b in enumerate(buckets):
+        if (b.lo, b.hi) in kept:  # resumed: the table already holds this bucket's current winner
+            e = kept[(b.lo, b.hi)]
+            r = BucketResult((b.lo, b.hi), representative_tokens(b), e.schedule(block), e.time_us * 1e-6, b.floor, None,
+                             None if e.default_time_us is None else e.default_time_us * 1e-6,
+                             e.baseline or "–", None if e.baseline_time_us is None else e.baseline_time_us * 1e-6,
+                             e.trials or 0, 0, {}, f"kept: current table entry tuned {e.tuned_at}", "")
+            results.append(r)
+            if on_bucket:
+                on_bucket(i, len(buckets), r)
+            continue
         left = total - (time.monotonic() - t0)
-        share = max(left / (len(buckets) - i), 1e-3)
+        share = max(left / sum(1 for c in buckets[i:] if (c.lo, c.hi) not in kept), 1e-3)
         opts = _replace_opts(options, budget_s=share, device=device)
         inputs = bucket_inputs(block, b, w, routings=routings, seed=options.seed, sampler=sampler)
         try:

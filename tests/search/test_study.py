@@ -251,3 +251,27 @@ def test_a_launch_failure_is_scored_whether_it_shows_at_warm_up_or_at_the_check(
         run(tb.toy(f"toy-warm-raise-{warm}", faults={("grouped_gemm", 16, 1): "crash",
                                                      ("stream_gemv", 16, 1): "crash",
                                                      ("hybrid", 16, 1): "crash"}), warm_in_build=warm)
+
+
+def test_resume_keeps_current_buckets_and_tunes_only_the_missing_one(tmp_path):
+    from moetune.runtime.table import TABLE
+    from moetune.search.study import tune_block
+
+    tb.toy("toy-block-resume")
+    path = tmp_path / "d.sqlite"
+    with DispatchTable(path) as t:
+        first = tune_block(tb.BLOCK, "toy-block-resume", "cpu", (1, 16), table=t, timer=FakeTimer(tb.cost),
+                           options=TuneOptions(device="cpu"), budget_s=20)
+        gone = first[-1].bucket
+        t.db.execute(f"DELETE FROM {TABLE} WHERE bucket_lo = ?", [gone[0]])
+        t.db.conn.commit()
+        assert len(t.entries()) == len(first) - 1
+        again = tune_block(tb.BLOCK, "toy-block-resume", "cpu", (1, 16), table=t, timer=FakeTimer(tb.cost),
+                           options=TuneOptions(device="cpu", resume=True), budget_s=20)
+        rows = t.entries()
+    assert [r.bucket for r in again] == [r.bucket for r in first]
+    kept = [r for r in again if r.stopped.startswith("kept:")]
+    assert [r.bucket for r in again if r not in kept] == [gone]
+    assert all(r.evaluated == 0 and r.winner == f.winner for r, f in zip(kept, first, strict=False))
+    assert next(r for r in again if r.bucket == gone).evaluated > 0
+    assert [e.bucket for e in rows] == [r.bucket for r in first]
