@@ -366,7 +366,17 @@ class DispatchTable:
 
     # context management
     def close(self) -> None:
+        self._checkpoint("TRUNCATE")
         self._conn.close()
+
+    def _checkpoint(self, mode: str = "PASSIVE") -> None:
+        """Copy committed rows from the write-ahead log into the file itself, so that the .sqlite
+        file alone (copied, shipped, or left by a killed tuner) holds every written entry.  Best
+        effort: a busy database (another worker writing) is checkpointed by a later write."""
+        try:
+            self._conn.execute(f"PRAGMA wal_checkpoint({mode})")
+        except sqlite3.Error:
+            pass
 
     def __enter__(self) -> DispatchTable:
         return self
@@ -391,6 +401,8 @@ class DispatchTable:
             cur = self.db.execute(sql, [row[c] for c in cols])
         except sqlite3.Error as e:
             raise CacheError(f"dispatch table {self.path}: write failed ({e})") from e
+        if cur.rowcount > 0:
+            self._checkpoint()
         return cur.rowcount > 0
 
     # reading

@@ -171,6 +171,36 @@ def test_two_processes_writing_one_file_lose_nothing(tmp_path):
     assert all(shared[i + 1] == pytest.approx(9.0 - i * 1e-3) for i in range(n))  # worker 1's (faster) rows
 
 
+def _killed_writer(path: str, n: int) -> None:
+    """Write n entries and die without closing the table (a tuner killed by its time limit)."""
+    import os
+    import signal
+
+    t = DispatchTable(path)
+    for i in range(n):
+        t.put(entry(i + 1, i + 1, 5.0))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_entries_are_in_the_file_itself_when_the_writer_is_killed(tmp_path):
+    """A tuner killed mid-run leaves its rows in the .sqlite file, not only in its -wal side file: a
+    copy of the file alone (what a deployment ships, what a GPU run sends back) holds every entry."""
+    import multiprocessing as mp
+    import shutil
+
+    path = tmp_path / "d.sqlite"
+    ctx = mp.get_context("fork")
+    p = ctx.Process(target=_killed_writer, args=(str(path), 3))
+    p.start()
+    p.join(60)
+    assert p.exitcode == -9
+    copy = tmp_path / "shipped" / "d.sqlite"
+    copy.parent.mkdir()
+    shutil.copy(path, copy)  # the main file only: no -wal, no -shm
+    with DispatchTable(copy, create=False) as t:
+        assert [e.bucket for e in t.entries()] == [(1, 1), (2, 2), (3, 3)]
+
+
 # ----------------------------------------------------------------------------- stale, foreign, corrupt
 
 JUDGE_CASES = [
