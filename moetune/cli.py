@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="score unknown candidate errors inf instead of raising")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exhaustive", action="store_true", help="time every point of each bucket's space")
+    p.add_argument("--time-limit", default=None,
+                   help="wall clock of the whole run, e.g. 5m: no bucket starts that the last one's time says "
+                        "would pass it; the rest are reported untuned (continue with --resume)")
     p.add_argument("--resume", action="store_true",
                    help="keep the buckets whose table entry is current here; tune only the others")
     p.add_argument("--space-cap", type=int, default=None,

@@ -147,7 +147,8 @@ def run(args) -> int:
                           keep_going=getattr(args, "keep_going", False), device=device,
                           seed=getattr(args, "seed", 0) or 0, exhaustive=getattr(args, "exhaustive", False),
                           space_cap=getattr(args, "space_cap", None) or None,
-                          resume=getattr(args, "resume", False))
+                          resume=getattr(args, "resume", False),
+                          time_limit_s=parse_budget(args.time_limit) if getattr(args, "time_limit", None) else None)
     print(f"moetune tune: {block.name or block.signature_hash()} [{block.signature_hash()}] "
           f"on {dev_name} ({cap}), backend {backend}, target {target}, T ∈ [{lo},{hi}], budget {budget:.0f} s"
           + (f", trace {args.trace}" if args.trace else "")
@@ -187,6 +188,9 @@ def run(args) -> int:
     written = sum(r.written for r in results)
     print(f"\n{written} of {len(results)} bucket winners written to {cache} "
           f"(an entry is replaced only by a faster one); total {time.monotonic() - t0:.0f} s")
+    left = [r for r in results if r.stopped.startswith("not tuned: time limit")]
+    if left:
+        print(f"{len(left)} bucket(s) left untuned by the time limit: rerun with --resume to tune only those")
     return 0 if all(r.winner is not None for r in results) else 1
 
 

@@ -63,6 +63,7 @@ class TuneOptions:
     warm_in_build: bool | None = None  # launch each candidate once in the build pool (None: on GPUs)
     device: str | None = None  # None: cuda for GPU backends, cpu for torch
     resume: bool = False  # keep buckets whose table entry is current here (same device, kernels, version)
+    time_limit_s: float | None = None  # wall clock of a whole tune_block: no bucket starts that would pass it
 
     def __post_init__(self) -> None:
         if not 0 <= self.margin < 1:
@@ -503,7 +504,18 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
             e = table.get(target, be.name, block.signature_hash(), b.lo, b.hi)
             if e is not None and judge(e, versions) is None:
                 kept[(b.lo, b.hi)] = e
+    last_s = 0.0  # wall time of the last bucket tuned: the estimate of the next one
     for i, b in enumerate(buckets):
+        now = time.monotonic() - t0
+        if (options.time_limit_s is not None and (b.lo, b.hi) not in kept and results
+                and now + last_s > options.time_limit_s):
+            r = BucketResult((b.lo, b.hi), representative_tokens(b), None, math.inf, b.floor, None, None, "–",
+                             None, 0, 0, {}, f"not tuned: time limit {options.time_limit_s:.0f} s "
+                             f"(the last bucket took {last_s:.0f} s, {now:.0f} s spent); rerun with resume", "")
+            results.append(r)
+            if on_bucket:
+                on_bucket(i, len(buckets), r)
+            continue
         if (b.lo, b.hi) in kept:  # resumed: the table already holds this bucket's current winner
             e = kept[(b.lo, b.hi)]
             r = BucketResult((b.lo, b.hi), representative_tokens(b), e.schedule(block), e.time_us * 1e-6, b.floor, None,
@@ -516,6 +528,9 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
             continue
         left = total - (time.monotonic() - t0)
         share = max(left / sum(1 for c in buckets[i:] if (c.lo, c.hi) not in kept), 1e-3)
+        if options.time_limit_s is not None:
+            share = max(min(share, options.time_limit_s - now), 1e-3)
+        t_bucket = time.monotonic()
         opts = _replace_opts(options, budget_s=share, device=device)
         inputs = bucket_inputs(block, b, w, routings=routings, seed=options.seed, sampler=sampler)
         try:
@@ -527,6 +542,7 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
             r = BucketResult((b.lo, b.hi), inputs.tokens, None, math.inf, b.floor, None, None, "–", None,
                              0, 0, {}, f"not tuned: {e}", "")
         results.append(r)
+        last_s = time.monotonic() - t_bucket
         if on_bucket:
             on_bucket(i, len(buckets), r)
     return results

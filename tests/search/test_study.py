@@ -275,3 +275,20 @@ def test_resume_keeps_current_buckets_and_tunes_only_the_missing_one(tmp_path):
     assert all(r.evaluated == 0 and r.winner == f.winner for r, f in zip(kept, first, strict=False))
     assert next(r for r in again if r.bucket == gone).evaluated > 0
     assert [e.bucket for e in rows] == [r.bucket for r in first]
+
+
+def test_time_limit_stops_between_buckets_and_resume_finishes(tmp_path):
+    from moetune.search.study import tune_block
+
+    tb.toy("toy-block-limit")
+    with DispatchTable(tmp_path / "d.sqlite") as t:
+        cut = tune_block(tb.BLOCK, "toy-block-limit", "cpu", (1, 16), table=t, timer=FakeTimer(tb.cost),
+                         options=TuneOptions(device="cpu", time_limit_s=1e-6), budget_s=20)
+        assert len(cut) > 2
+        assert cut[0].winner is not None  # the first bucket always runs
+        assert all(r.winner is None and r.stopped.startswith("not tuned: time limit") for r in cut[1:])
+        assert [e.bucket for e in t.entries()] == [cut[0].bucket]
+        done = tune_block(tb.BLOCK, "toy-block-limit", "cpu", (1, 16), table=t, timer=FakeTimer(tb.cost),
+                          options=TuneOptions(device="cpu", resume=True), budget_s=20)
+        assert done[0].stopped.startswith("kept:") and all(r.winner is not None for r in done)
+        assert [e.bucket for e in t.entries()] == [r.bucket for r in done]

@@ -60,6 +60,15 @@ def test_the_table_holds_every_bucket_and_the_runtime_reads_it(tuned):
     assert [(lo, hi) for lo, hi, _ in got] == spans
 
 
+def test_resume_keeps_every_current_bucket(tuned, capsys):
+    rc, _, path = tuned
+    assert cli_main(["tune", "--tiny", FAMILY, "--tokens", "1-8", "--budget", "12s", "--cache", str(path),
+                     "--resume", "--time-limit", "1m"]) == 0
+    out = capsys.readouterr().out
+    progress = [ln for ln in out.splitlines() if "] bucket [" in ln]
+    assert progress and all("kept: current table entry" in ln for ln in progress)
+
+
 def test_show_lists_the_tuned_table(tuned, capsys):
     _, _, path = tuned
     assert cli_main(["show", str(path)]) == 0
