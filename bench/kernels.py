@@ -37,6 +37,8 @@ import types
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -64,19 +66,18 @@ N_ROUT, REPS, WARM = 32, 100, 5
 # ------------------------------------------------------------------------------------------ ceilings
 
 
+@triton.jit
+def read_kernel(src, dst, n, BLOCK: tl.constexpr):
+    """Streaming read of src [n] by a fixed grid: the HBM read ceiling (and a one-launch read bound)."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(src + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(dst + pid, tl.sum(acc, axis=0))
+
+
 def ceilings(dev: torch.device) -> dict:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _read(src, dst, n, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            acc += tl.load(src + offs, mask=offs < n, other=0.0).to(tl.float32)
-        tl.store(dst + pid, tl.sum(acc, axis=0))
-
     n = 2 * 1024**3  # 4 GiB of bf16
     a = torch.randn(n, dtype=torch.bfloat16, device=dev)
     dst = torch.empty(132 * 8, dtype=torch.float32, device=dev)
@@ -93,7 +94,7 @@ def ceilings(dev: torch.device) -> dict:
         torch.cuda.synchronize()
         return s.elapsed_time(e) / reps
 
-    ms = t_ms(lambda: _read[(132 * 8,)](a, dst, n, BLOCK=4096, num_warps=8))
+    ms = t_ms(lambda: read_kernel[(132 * 8,)](a, dst, n, BLOCK=4096, num_warps=8))
     res["hbm_read_TBps"] = 2 * n / ms / 1e9
     b = torch.empty(n // 2, dtype=torch.bfloat16, device=dev)
     ms = t_ms(lambda: b.copy_(a[: n // 2]))

@@ -195,26 +195,18 @@ class PersistentGemv:
 # ------------------------------------------------------------------------------------------ H200 run
 
 
-@triton.jit
-def _read_kernel(src, dst, n, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        acc += tl.load(src + offs, mask=offs < n, other=0.0).to(tl.float32)
-    tl.store(dst + pid, tl.sum(acc, axis=0))
-
-
 def read_only_us(nbytes: int, flush, reps: int = 100) -> float:
     """Graph-mode median of ONE launch that only reads `nbytes` (cold L2): what a single kernel that
     streams the cell's weight bytes costs, ramp and tail included; the bound for a one-launch design."""
+    from kernels import read_kernel  # bench/kernels.py
+
     dev = flush.device
     src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=dev)
     grid = torch.cuda.get_device_properties(dev).multi_processor_count * 8
     dst = torch.empty(grid, dtype=torch.float32, device=dev)
 
     def run():
-        _read_kernel[(grid,)](src, dst, src.numel(), BLOCK=2048, num_warps=8)
+        read_kernel[(grid,)](src, dst, src.numel(), BLOCK=2048, num_warps=8)
 
     run()
     g = torch.cuda.CUDAGraph()
