@@ -73,8 +73,10 @@ def align_kernel(x_ptr, s_xt, counts_ptr, sorted_ptr, xs_ptr, row_pair_ptr, P, E
     v = tl.load(x_ptr + (pair // K_TOP).to(tl.int64)[:, None] * s_xt + offs_d[None, :],
                 mask=valid[:, None] & dm[None, :], other=0.0)
     rows = (t * BM + r).to(tl.int64)
-    tl.store(xs_ptr + rows[:, None] * D + offs_d[None, :], v, mask=dm[None, :])
-    tl.store(row_pair_ptr + rows, tl.where(valid, pair, -1), mask=tl.program_id(1) == 0)
+    # padding rows of a real tile are zeros (their h and y are never kept: rows of a GEMM do not mix);
+    # tiles past the last real one are not written at all, the GEMMs skip them
+    tl.store(xs_ptr + rows[:, None] * D + offs_d[None, :], v, mask=(left > 0) & dm[None, :])
+    tl.store(row_pair_ptr + rows, tl.where(valid, pair, -1), mask=(tl.program_id(1) == 0) & (left > 0))
 
 
 @triton.jit(do_not_specialize=["n_tiles"])
