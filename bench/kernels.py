@@ -163,6 +163,24 @@ def reference(x, ids, wt, w: ExpertTensors) -> torch.Tensor:
     return out
 
 
+def expert_weights(E: int, D: int, F: int, dev, seed: int = 0) -> ExpertTensors:
+    """bf16 gate_up [E, 2F, D] ~ N(0, 1/D) and down [E, D, F] ~ N(0, 1/F), never zeros."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    return ExpertTensors(torch.randn(E, 2 * F, D, device=dev, generator=gen, dtype=torch.bfloat16) / math.sqrt(D),
+                         torch.randn(E, D, F, device=dev, generator=gen, dtype=torch.bfloat16) / math.sqrt(F))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def graph_checked_time(fn, sets, w, flush, ref) -> tuple[float | None, float]:
+    """(graph-mode median µs, or None when the replays' output fails the 1e-2 check; that error)."""
+    t_us, _, gout = time_graph(fn, sets, w, flush)
+    gerr = rel_err(gout, ref)
+    return (t_us if gerr < 1e-2 else None), gerr
+
+
 def routings(T: int, E: int, k: int, D: int, dev, seed: int):
     g = torch.Generator(device=dev).manual_seed(seed)
     sets = []
@@ -305,6 +323,62 @@ def variants(E: int, k: int, D: int, F: int, T: int):
     return out + twins
 
 
+# ------------------------------------------------------------------------------------- prototypes
+
+
+def probe_cells(cells: str, candidates, out_path: Path, title: str, timed_rows=None) -> list[dict]:
+    """The prototypes' H200 run. cells "shape:T,…"; candidates(block, T) → [(tag, experts fn)]. Each
+    candidate is checked eagerly and in graph replay against the float32 reference, then timed with
+    this file's method; one JSON record each (plus what a fn reports in `info()`), a table last.
+    timed_rows(block, T, distinct, flush) → [(impl, µs)]: reference rows timed by the caller."""
+    dev = torch.device("cuda")
+    flush = torch.randn(128 * 1024 * 1024, dtype=torch.bfloat16, device=dev)  # 256 MB, read per rep
+    rows = []
+    for cell in cells.split(","):
+        shape, T = cell.split(":")
+        T = int(T)
+        E, k, D, F = SHAPES[shape]
+        block = MoEBlock(E=E, k=k, D=D, F=F, name=shape)
+        w = expert_weights(E, D, F, dev)
+        sets = routings(T, E, k, D, dev, seed=1000 + T)
+        distinct = statistics.mean(len(torch.unique(s[1])) for s in sets)
+        fl = floor_us(E, k, D, F, T, distinct)
+        x0, ids0, wt0 = sets[0]
+        ref = reference(x0, ids0, wt0, w)
+        for impl, t_us in timed_rows(block, T, distinct, flush) if timed_rows else ():
+            rows.append(dict(shape=shape, tokens=T, impl=impl, floor_us=fl, time_us=t_us, pct_floor=100 * fl / t_us))
+        for tag, fn in candidates(block, T):
+            rec = dict(shape=shape, tokens=T, impl=tag, floor_us=fl)
+            try:
+                rec["rel_err"] = rel_err(fn(x0, ids0, wt0, w), ref)
+                if rec["rel_err"] < 1e-2:
+                    t_us, rec["graph_rel_err"] = graph_checked_time(fn, sets, w, flush, ref)
+                    if t_us is not None:
+                        rec["time_us"] = t_us
+                rec.update(getattr(fn, "info", dict)())
+            except Exception as exc:  # noqa: BLE001 - a failing variant is recorded, the sweep goes on
+                rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                torch.cuda.synchronize()
+            if "time_us" in rec:
+                rec["pct_floor"] = 100 * fl / rec["time_us"]
+            rows.append(rec)
+            print(json.dumps(rec), flush=True)
+        del w
+        torch.cuda.empty_cache()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(rows, indent=1))
+    print(f"\n{title} on {torch.cuda.get_device_name()}; floor at 4.8 TB/s and 989 TFLOP/s; graph replays, "
+          "256 MB read flush per rep")
+    print(f"{'cell':24s} {'impl':22s} {'µs':>8s} {'% floor':>8s} {'rel_err':>9s}")
+    for r in rows:
+        extra = " ".join(f"{key}={val}" for key, val in r.items() if key not in (
+            "shape", "tokens", "impl", "floor_us", "time_us", "pct_floor", "rel_err", "graph_rel_err"))
+        print(f"{r['shape'] + ' T=' + str(r['tokens']):24s} {r['impl']:22s} "
+              f"{r.get('time_us', float('nan')):8.1f} {r.get('pct_floor', float('nan')):8.0f} "
+              f"{r.get('rel_err', float('nan')):9.1e}  {extra[:80]}")
+    return rows
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -318,8 +392,7 @@ def probe(out_dir: Path) -> None:
     for shape, T in (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 4), ("deepseek-v3", 1)):
         E, k, D, F = SHAPES[shape]
         block = MoEBlock(E=E, k=k, D=D, F=F, name=shape)
-        w = ExpertTensors(torch.randn(E, 2 * F, D, device=dev, dtype=torch.bfloat16) / math.sqrt(D),
-                          torch.randn(E, D, F, device=dev, dtype=torch.bfloat16) / math.sqrt(F))
+        w = expert_weights(E, D, F, dev, seed=1)
         x, ids, wt = routings(T, E, k, D, dev, seed=7)[0]
         cfgs = []
         for bn, bk, nw, st in ((8, 256, 4, 4), (4, 256, 2, 4), (16, 256, 4, 4), (8, 512, 4, 3),
@@ -348,8 +421,7 @@ def probe_gemm(out_dir: Path) -> None:
     dev = torch.device("cuda")
     E, k, D, F = SHAPES["mixtral-8x7b"]
     block = MoEBlock(E=E, k=k, D=D, F=F, name="mixtral-8x7b")
-    w = ExpertTensors(torch.randn(E, 2 * F, D, device=dev, dtype=torch.bfloat16) / math.sqrt(D),
-                      torch.randn(E, D, F, device=dev, dtype=torch.bfloat16) / math.sqrt(F))
+    w = expert_weights(E, D, F, dev, seed=1)
     plan = []
     for T in (512, 1024):
         x, ids, wt = routings(T, E, k, D, dev, seed=7)[0]
@@ -407,10 +479,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         E, k, D, F = SHAPES[shape]
         block = MoEBlock(E=E, k=k, D=D, F=F, name=shape)
-        gen = torch.Generator(device=dev).manual_seed(0)
-        w = ExpertTensors(
-            (torch.randn(E, 2 * F, D, device=dev, generator=gen, dtype=torch.bfloat16) / math.sqrt(D)),
-            (torch.randn(E, D, F, device=dev, generator=gen, dtype=torch.bfloat16) / math.sqrt(F)))
+        w = expert_weights(E, D, F, dev)
         for T in tokens:
             if time.time() - t_start > args.budget_s:
                 print(f"budget reached: stopping before {shape} T={T}", flush=True)
@@ -437,7 +506,7 @@ def main() -> None:
                 try:
                     out = fn(x0, ids0, wt0, w)
                     torch.cuda.synchronize()
-                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    err = rel_err(out, ref)
                     rec["rel_err"] = err
                     rec["extra_mem_bytes"] = extra_memory(fn, x0, ids0, wt0, w)
                     if not err < 1e-2:
@@ -446,14 +515,12 @@ def main() -> None:
                         rec["time_us"] = time_host(fn, sets, w, flush)
                         rec["mode"] = "host"
                     else:
-                        t_us, _, gout = time_graph(fn, sets, w, flush)
-                        gerr = ((gout.float() - ref).norm() / ref.norm()).item()
-                        rec["graph_rel_err"] = gerr
-                        if gerr < 1e-2:
+                        t_us, rec["graph_rel_err"] = graph_checked_time(fn, sets, w, flush, ref)
+                        if t_us is not None:
                             rec["time_us"] = t_us
                             rec["mode"] = "graph"
                         else:
-                            rec["error"] = f"graph replay rel_err {gerr:.3g} ≥ 1e-2: not counted"
+                            rec["error"] = f"graph replay rel_err {rec['graph_rel_err']:.3g} ≥ 1e-2: not counted"
                 except Exception as exc:  # a failing candidate is recorded, never stops the sweep
                     rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                     torch.cuda.synchronize()

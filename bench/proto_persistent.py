@@ -26,7 +26,6 @@ the output, P = T·k ≤ 64 (ids grouped in-kernel), F ≤ FP.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -153,6 +152,9 @@ class PersistentGemv:
         self.bar: dict[torch.device, torch.Tensor] = {}
         self.grid: dict[torch.device, int] = {}
 
+    def info(self) -> dict:
+        return {"grid": next(iter(self.grid.values()), None)}
+
     def __call__(self, x, ids, weights, w: ExpertTensors) -> torch.Tensor:
         b, p = self.block, self.p
         E, k, D, F = b.E, b.k, b.D, b.F
@@ -227,7 +229,7 @@ def read_only_us(nbytes: int, flush, reps: int = 100) -> float:
 
 def main() -> None:
     """Check every variant (eager and graph replay) against the float32 reference, then time it beside
-    the shipped stream_gemv defaults, with bench/kernels.py's method; a table last."""
+    the shipped stream_gemv default and a read-only kernel of the same bytes; a table last."""
     import kernels as B  # bench/kernels.py
 
     from moetune.codegen.triton import BACKEND
@@ -237,68 +239,26 @@ def main() -> None:
     ap.add_argument("--cells", default="qwen3-30b-a3b:1,qwen3-30b-a3b:2,qwen3-30b-a3b:4,"
                                        "qwen3.5-397b-a17b:1,deepseek-v3:1")
     args = ap.parse_args()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    dev = torch.device("cuda")
-    flush = torch.randn(128 * 1024 * 1024, dtype=torch.bfloat16, device=dev)
     # sm_90 compile on the CPU machine (ptxas -v): 185-194 registers at 4 or 8 warps, no spills; so 8 warps
     # hold one program per SM, 4 warps two
     variants = {f"p{bn}-{dbn}-w{nw}-s{ps}": PersistentParams(block_n=bn, down_block_n=dbn, num_warps=nw,
                                                                per_sm=ps)
                 for bn, dbn, nw, ps in ((16, 4, 8, 1), (16, 2, 8, 1), (32, 2, 8, 1), (8, 2, 4, 2), (16, 2, 4, 2))}
-    rows = []
-    for cell in args.cells.split(","):
-        shape, T = cell.split(":")
-        T = int(T)
-        E, k, D, F = B.SHAPES[shape]
-        block = MoEBlock(E=E, k=k, D=D, F=F, name=shape)
-        gen = torch.Generator(device=dev).manual_seed(0)
-        w = ExpertTensors(torch.randn(E, 2 * F, D, device=dev, generator=gen, dtype=torch.bfloat16) / D**0.5,
-                          torch.randn(E, D, F, device=dev, generator=gen, dtype=torch.bfloat16) / F**0.5)
-        sets = B.routings(T, E, k, D, dev, seed=1000 + T)
-        distinct = statistics.mean(len(torch.unique(s[1])) for s in sets)
-        fl = B.floor_us(E, k, D, F, T, distinct)
-        x0, ids0, wt0 = sets[0]
-        ref = B.reference(x0, ids0, wt0, w)
-        nbytes = int(distinct * 3 * D * F * 2)
-        rows.append(dict(shape=shape, tokens=T, impl="read-only, same bytes", floor_us=fl,
-                         time_us=read_only_us(nbytes, flush), pct_floor=None))
-        rows[-1]["pct_floor"] = 100 * fl / rows[-1]["time_us"]
-        print(json.dumps(rows[-1]), flush=True)
-        cands = [("stream_gemv default", BACKEND.build(block, BACKEND.default(block, "stream_gemv", T)))]
+
+    def candidates(block, T):
+        out = [("stream_gemv default", BACKEND.build(block, BACKEND.default(block, "stream_gemv", T)))]
         for tag, vp in variants.items():
             try:
-                cands.append((tag, PersistentGemv(block, vp)))
+                out.append((tag, PersistentGemv(block, vp)))
             except UnsupportedSchedule as e:
-                rows.append(dict(shape=shape, tokens=T, impl=tag, error=str(e)))
-        for tag, fn in cands:
-            rec = dict(shape=shape, tokens=T, impl=tag, floor_us=fl)
-            try:
-                out = fn(x0, ids0, wt0, w)
-                torch.cuda.synchronize()
-                rec["rel_err"] = ((out.float() - ref).norm() / ref.norm()).item()
-                if rec["rel_err"] < 1e-2:
-                    t_us, _, gout = B.time_graph(fn, sets, w, flush)
-                    rec["graph_rel_err"] = ((gout.float() - ref).norm() / ref.norm()).item()
-                    if rec["graph_rel_err"] < 1e-2:
-                        rec["time_us"] = t_us
-                        rec["pct_floor"] = 100 * fl / t_us
-                if isinstance(fn, PersistentGemv):
-                    rec["grid"] = next(iter(fn.grid.values()), None)
-            except Exception as exc:  # noqa: BLE001 - a failing variant is recorded, the sweep goes on
-                rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                torch.cuda.synchronize()
-            rows.append(rec)
-            print(json.dumps(rec), flush=True)
-        del w
-        torch.cuda.empty_cache()
-    (out_dir / "proto-persistent.json").write_text(json.dumps(rows, indent=1))
-    print(f"\ndevice {torch.cuda.get_device_name()}; floor at 4.8 TB/s; graph replays, 256 MB read flush")
-    print(f"{'cell':24s} {'impl':22s} {'µs':>8s} {'% floor':>8s} {'rel_err':>9s}  grid")
-    for r in rows:
-        print(f"{r['shape'] + ' T=' + str(r['tokens']):24s} {r['impl']:22s} "
-              f"{r.get('time_us', float('nan')):8.1f} {r.get('pct_floor', float('nan')):8.0f} "
-              f"{r.get('rel_err', float('nan')):9.1e}  {r.get('grid', '')} {r.get('error', '')[:60]}")
+                print(f"{block.name} T={T} {tag}: {e}", flush=True)
+        return out
+
+    def read_only(block, T, distinct, flush):
+        return [("read-only, same bytes", read_only_us(int(distinct * 3 * block.D * block.F * 2), flush))]
+
+    B.probe_cells(args.cells, candidates, Path(args.out) / "proto-persistent.json",
+                  "one-launch GEMV prototype", read_only)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,7 @@ layout (gate_up [E, 2F, D], down [E, D, F], contiguous), SwiGLU, no bias, weight
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,10 +187,6 @@ def main() -> None:
     ap.add_argument("--cells", default="mixtral-8x7b:1024,mixtral-8x7b:512,qwen3-30b-a3b:1024,"
                                        "deepseek-v3:1024")
     args = ap.parse_args()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    dev = torch.device("cuda")
-    flush = torch.randn(128 * 1024 * 1024, dtype=torch.bfloat16, device=dev)
     variants = {
         "t128x128k64s4": TmaParams(),
         "t128x128k64s3": TmaParams(num_stages=3),
@@ -200,48 +194,12 @@ def main() -> None:
         "t64x128k64s4": TmaParams(block_m=64, num_warps=4, down_block_n=128),
         "t128x128g32": TmaParams(group_m=32),
     }
-    rows = []
-    for cell in args.cells.split(","):
-        shape, T = cell.split(":")
-        T = int(T)
-        E, k, D, F = B.SHAPES[shape]
-        block = MoEBlock(E=E, k=k, D=D, F=F, name=shape)
-        gen = torch.Generator(device=dev).manual_seed(0)
-        w = ExpertTensors(torch.randn(E, 2 * F, D, device=dev, generator=gen, dtype=torch.bfloat16) / D**0.5,
-                          torch.randn(E, D, F, device=dev, generator=gen, dtype=torch.bfloat16) / F**0.5)
-        sets = B.routings(T, E, k, D, dev, seed=1000 + T)
-        distinct = statistics.mean(len(torch.unique(s[1])) for s in sets)
-        fl = B.floor_us(E, k, D, F, T, distinct)
-        x0, ids0, wt0 = sets[0]
-        ref = B.reference(x0, ids0, wt0, w)
-        cands = [("grouped_gemm default", BACKEND.build(block, BACKEND.default(block, "grouped_gemm", T)))]
-        cands += [(tag, TmaGemm(block, vp)) for tag, vp in variants.items()]
-        for tag, fn in cands:
-            rec = dict(shape=shape, tokens=T, impl=tag, floor_us=fl)
-            try:
-                out = fn(x0, ids0, wt0, w)
-                torch.cuda.synchronize()
-                rec["rel_err"] = ((out.float() - ref).norm() / ref.norm()).item()
-                if rec["rel_err"] < 1e-2:
-                    t_us, _, gout = B.time_graph(fn, sets, w, flush)
-                    rec["graph_rel_err"] = ((gout.float() - ref).norm() / ref.norm()).item()
-                    if rec["graph_rel_err"] < 1e-2:
-                        rec["time_us"] = t_us
-                        rec["pct_floor"] = 100 * fl / t_us
-            except Exception as exc:  # noqa: BLE001 - a failing variant is recorded, the sweep goes on
-                rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                torch.cuda.synchronize()
-            rows.append(rec)
-            print(json.dumps(rec), flush=True)
-        del w
-        torch.cuda.empty_cache()
-    (out_dir / "proto-tma-gemm.json").write_text(json.dumps(rows, indent=1))
-    print(f"\ndevice {torch.cuda.get_device_name()}; floor at 4.8 TB/s and 989 TFLOP/s; graph replays")
-    print(f"{'cell':24s} {'impl':22s} {'µs':>8s} {'% floor':>8s} {'rel_err':>9s}")
-    for r in rows:
-        print(f"{r['shape'] + ' T=' + str(r['tokens']):24s} {r['impl']:22s} "
-              f"{r.get('time_us', float('nan')):8.1f} {r.get('pct_floor', float('nan')):8.0f} "
-              f"{r.get('rel_err', float('nan')):9.1e}  {r.get('error', '')[:60]}")
+
+    def candidates(block, T):
+        return ([("grouped_gemm default", BACKEND.build(block, BACKEND.default(block, "grouped_gemm", T)))]
+                + [(tag, TmaGemm(block, vp)) for tag, vp in variants.items()])
+
+    B.probe_cells(args.cells, candidates, Path(args.out) / "proto-tma-gemm.json", "TMA grouped-GEMM prototype")
 
 
 if __name__ == "__main__":
