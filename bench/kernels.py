@@ -311,7 +311,8 @@ def variants(E: int, k: int, D: int, F: int, T: int):
              down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
         gemm("m128g32", block_m=128, block_n=128, block_k=64, group_m=32, num_warps=8, num_stages=4,
              down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
-    # twins: `-1` the gate/up as one N = 2·block_n tl.dot, `-1s2` also the down GEMM split in two along F
+    # twins: `-1` the gate/up as one N = 2·block_n tl.dot, `-1s2` also the down GEMM split in two along F,
+    # `-t` / `-ts2` the TMA operand path
     twins = []
     for tag, s in out:
         p = s.params
@@ -320,6 +321,11 @@ def variants(E: int, k: int, D: int, F: int, T: int):
         if tag in ("m128s4", "m128g32"):
             twins.append((tag + "-1s2", dataclasses.replace(
                 s, params=dataclasses.replace(p, one_dot=True, split_k=2))))
+            # `-t`: both operands of both GEMMs through TMA (sorted copy of x), `-ts2` with the split down
+            twins.append((tag + "-t", dataclasses.replace(
+                s, params=dataclasses.replace(p, tma=True, down_stages=3))))
+            twins.append((tag + "-ts2", dataclasses.replace(
+                s, params=dataclasses.replace(p, tma=True, down_stages=3, split_k=2))))
     return out + twins
 
 

@@ -19,7 +19,6 @@ COMMANDS = {  # how a script calls it → the argv that prints its options
     "bench/kernels.py": [sys.executable, "bench/kernels.py", "--help"],
     "bench/grid_vs_tpe.py": [sys.executable, "bench/grid_vs_tpe.py", "--help"],
     "bench/proto_persistent.py": [sys.executable, "bench/proto_persistent.py", "--help"],
-    "bench/proto_tma_gemm.py": [sys.executable, "bench/proto_tma_gemm.py", "--help"],
 }
 
 

@@ -36,7 +36,9 @@ def test_representative_configs_fit_h200():
     for r in rows:
         assert r["shared"] <= H200_SMEM_LIMIT, f"{r['label']}: {r['shared']} B shared > {H200_SMEM_LIMIT}"
         assert r["local"] == 0, f"{r['label']}: register spills to local memory"
-        if r["label"].split("/")[0] in ("gemv", "gemm", "hybrid"):
+        if r["label"].endswith("_tma"):
+            assert r["tma"] > 0, f"{r['label']}: no TMA load (cp.async.bulk.tensor)"
+        elif r["label"].split("/")[0] in ("gemv", "gemm", "hybrid"):
             assert r["cp_async"] > 0, f"{r['label']}: weight loads not pipelined (no cp.async)"
         if "m16" in r["label"] or "m128" in r["label"] or "rows16" in r["label"] or "hybrid" in r["label"]:
             assert r["mma"] > 0, f"{r['label']}: no tensor-core instruction"
@@ -48,13 +50,13 @@ sys.path.insert(0, "bench")
 import kernels as B
 from moetune.codegen.triton import BACKEND
 from moetune.ir import MoEBlock
-from triton_sm90 import compile_sm90
+from triton_sm90 import compile_sm90, tma_descs
 from moetune.codegen.triton.stream_gemv import stream_gemv_kernel
-from moetune.codegen.triton.grouped_gemm import grouped_gemm_kernel
+from moetune.codegen.triton.grouped_gemm import grouped_gemm_kernel, grouped_gemm_tma_kernel
 from moetune.codegen.triton.hybrid import hybrid_kernel
 seen = set()
 def cc(label, kern, cx, **o):
-    key = (label, tuple(sorted(cx.items())), tuple(sorted(o.items())))
+    key = (label, tuple(sorted(cx.items())), repr(sorted(o.items())))
     if key in seen:
         return
     seen.add(key)
@@ -77,6 +79,13 @@ for shape, (E, k, D, F) in B.SHAPES.items():
                    num_warps=p.num_warps, num_stages=p.num_stages)
                 cc(lab, stream_gemv_kernel, dict(m, PROJ=2 if p.down_mode == "token" else 1,
                    BN=p.down_block_n, BK=p.down_block_k), num_warps=p.down_warps, num_stages=p.num_stages)
+            elif s.kind == "grouped_gemm" and p.tma:
+                m = dict(base, BLOCK_E=be, BM=p.block_m, GROUP_M=p.group_m)
+                cc(lab, grouped_gemm_tma_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k),
+                   num_warps=p.num_warps, num_stages=p.num_stages, descs=tma_descs(p.block_m, p.block_n, p.block_k))
+                cc(lab, grouped_gemm_tma_kernel, dict(m, PROJ=1, BN=p.down_block_n, BK=p.down_block_k),
+                   num_warps=p.down_warps, num_stages=p.down_stages,
+                   descs=tma_descs(p.block_m, p.down_block_n, p.down_block_k))
             elif s.kind == "grouped_gemm":
                 m = dict(base, K_TOP=k, BLOCK_E=be, BM=p.block_m, GROUP_M=p.group_m)
                 cc(lab, grouped_gemm_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k, ONE_DOT=p.one_dot),

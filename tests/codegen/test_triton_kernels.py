@@ -57,6 +57,10 @@ SCHEDULES = {
         block_m=32, block_n=32, block_k=64, group_m=4, down_block_n=64, down_block_k=64, one_dot=True)),
     "gemm_m16_split2": Schedule("grouped_gemm", backend="triton", params=GemmParams(
         block_m=16, block_n=32, block_k=64, group_m=2, down_block_n=32, down_block_k=16, split_k=2)),
+    "gemm_m16_tma": Schedule("grouped_gemm", backend="triton", params=GemmParams(
+        block_m=16, block_n=32, block_k=32, group_m=2, down_block_n=32, down_block_k=32, tma=True)),
+    "gemm_m32_tma_split2": Schedule("grouped_gemm", backend="triton", params=GemmParams(
+        block_m=32, block_n=16, block_k=64, group_m=1, down_block_n=64, down_block_k=16, split_k=2, tma=True)),
     "hybrid_r2": Schedule("hybrid", row_threshold=2, backend="triton", params=HybridParams(
         block_m=16, block_n=32, block_k=64, gemv_block_n=16, gemv_block_k=64, down_block_n=64,
         down_block_k=64, down_gemv_block_n=32, down_gemv_block_k=64)),
@@ -129,6 +133,11 @@ def rel_err(out, ref):
 def test_against_reference(case, sched, poisoned):
     name, E, k, D, F, T, kind, dtype, overrides = case
     block, x, ids, weights, w = make_problem(E, k, D, F, T, kind, dtype, overrides)
+    tma = getattr(SCHEDULES[sched].params, "tma", False)
+    if tma and block.layout.transposed:
+        with pytest.raises(UnsupportedSchedule, match="standard layout only"):
+            BACKEND.build(block, SCHEDULES[sched])
+        return
     fn = BACKEND.build(block, SCHEDULES[sched])
     out = fn(x, ids, weights, w)
     ref = experts_reference(block, x, ids, weights, w)
@@ -136,9 +145,10 @@ def test_against_reference(case, sched, poisoned):
     assert torch.isfinite(out).all(), f"{name}/{sched}: unwritten (NaN) output elements"
     err = rel_err(out, ref)
     assert err < tolerances(dtype), f"{name}/{sched}: rel err {err:.2e}"
-    # workspace O(T·k·(F + D) + E): h [P, F], y [S ≤ 2, P, D] fp32, counts, order, histograms
+    # workspace O(T·k·(F + D) + E): h [P, F], y [S ≤ 2, P, D] fp32, (tma: xs [P, D]), counts, order,
+    # histograms
     P = T * k
-    bound = 4 * (P * F + 2 * P * D + T * D + 2 * P) + 4 * 64 * max(16, E) + 4 * E
+    bound = 4 * (P * F + (3 if tma else 2) * P * D + T * D + 2 * P) + 4 * 64 * max(16, E) + 4 * E
     assert sum(poisoned) <= bound, f"{name}/{sched}: {sum(poisoned)} bytes allocated, bound {bound}"
 
 

@@ -20,15 +20,24 @@ UNIT_STRIDES = {"sk"}  # contiguous reduction axis of the standard layout
 ALIGNED_INTS = {"s_xt", "se", "sn", "up", "sbe", "bup", "s_hp", "s_yt", "N", "K", "k_split", "s_ot"}
 
 
-def compile_sm90(kernel, constexprs: dict, *, fp32_out: bool = False, **options):
+def tma_descs(bm: int, bn: int, bk: int) -> dict:
+    """Box shapes of grouped_gemm_tma_kernel's two descriptors for a (BM, BN, BK) tile."""
+    return dict(a_desc=[bm, bk], b_desc=[bn, bk])
+
+
+def compile_sm90(kernel, constexprs: dict, *, fp32_out: bool = False, descs: dict | None = None, **options):
+    """descs: TMA descriptor argument → its box shape (bf16 descriptors)."""
     names = list(kernel.arg_names)
+    descs = descs or {}
     constexprs = dict(constexprs)
     for prm in kernel.params:  # constexprs left out take their declared defaults, as the JIT does
         if prm.is_constexpr and prm.name not in constexprs and prm.has_default:
             constexprs[prm.name] = prm.default
     sig, cx, attrs = {}, {}, {}
     for i, n in enumerate(names):
-        if n in constexprs or n in UNIT_STRIDES:
+        if n in descs:
+            sig[n] = f"tensordesc<bf16[{', '.join(map(str, descs[n]))}]>"
+        elif n in constexprs or n in UNIT_STRIDES:
             sig[n] = "constexpr"
             cx[(i,)] = constexprs.get(n, 1)
         elif n.endswith("_ptr"):
@@ -52,11 +61,12 @@ def compile_sm90(kernel, constexprs: dict, *, fp32_out: bool = False, **options)
 
 
 def representative() -> list[tuple[str, object, dict, dict]]:
-    """(label, kernel, constexprs, options): one config per kernel path the bench's winners use."""
+    """(label, kernel, constexprs, options): one config per kernel path the bench's winners use
+    (options may carry `descs`, the TMA boxes)."""
     from moetune.codegen.triton.combine import combine_kernel
-    from moetune.codegen.triton.grouped_gemm import grouped_gemm_kernel
+    from moetune.codegen.triton.grouped_gemm import grouped_gemm_kernel, grouped_gemm_tma_kernel
     from moetune.codegen.triton.hybrid import hybrid_kernel
-    from moetune.codegen.triton.routing import route_kernel
+    from moetune.codegen.triton.routing import gather_kernel, route_kernel
     from moetune.codegen.triton.stream_gemv import stream_gemv_kernel
 
     base = dict(ACT=0, HAS_BIAS=False, W_IN=False, UPCAST=False)
@@ -79,6 +89,13 @@ def representative() -> list[tuple[str, object, dict, dict]]:
          dict(base, PROJ=1, K_TOP=2, BLOCK_E=16, BM=128, BN=256, BK=64, GROUP_M=8), o8),
         ("gemm/gate_up_m128_one_dot", grouped_gemm_kernel,
          dict(base, PROJ=0, K_TOP=2, BLOCK_E=16, BM=128, BN=128, BK=64, GROUP_M=8, ONE_DOT=True), o8),
+        ("gemm/gate_up_m128_tma", grouped_gemm_tma_kernel,
+         dict(base, PROJ=0, BLOCK_E=16, BM=128, BN=128, BK=64, GROUP_M=8),
+         dict(o8, descs=tma_descs(128, 128, 64))),
+        ("gemm/down_m128_tma", grouped_gemm_tma_kernel,
+         dict(base, PROJ=1, BLOCK_E=16, BM=128, BN=256, BK=64, GROUP_M=8),
+         dict(o8, num_stages=3, descs=tma_descs(128, 256, 64))),
+        ("route/gather", gather_kernel, dict(K_TOP=2, BLOCK_E=16, BR=16, BD=256), dict(num_warps=4)),
         ("hybrid/gate_up", hybrid_kernel,
          dict(base, PROJ=0, K_TOP=8, BLOCK_E=128, BM=16, BN=64, BK=128, BNV=8, BKV=256, RP=1, STAGES=4),
          o4),
@@ -95,6 +112,7 @@ def main() -> None:
         k = compile_sm90(kernel, cx, fp32_out=cx.get("PROJ") == 1 or label == "combine", **opts)
         ptx = k.asm["ptx"]
         print(json.dumps(dict(label=label, shared=k.metadata.shared,
+                              tma=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
                               cp_async=len(re.findall(r"cp\.async\.c[ag]", ptx)),
                               local=len(re.findall(r"(ld|st)\.local", ptx)),
                               mma=len(re.findall(r"\bmma\.|wgmma", ptx)))), flush=True)

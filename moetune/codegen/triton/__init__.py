@@ -49,7 +49,9 @@ class TritonBackend:
         """Heuristic of rows per active expert, from the H200 sweep (bench/results/NOTES.md): one row
         per weight read (pipelined FMA, token-mode down) while it is about one; 16-row tl.dot tiles
         from ~1.05 up to ~12; 64- then 128-row tiles beyond, gate/up as one N = 256 tl.dot (measured 1–3 %
-        faster than two N = 128 dots at mixtral-8x7b T = 512/1024 and qwen3-30b-a3b T = 1024)."""
+        faster than two N = 128 dots at mixtral-8x7b T = 512/1024 and qwen3-30b-a3b T = 1024); from 128
+        rows per expert every operand through TMA (standard layout; measured 8–12 % faster at mixtral-8x7b
+        T = 512/1024, slower at 32–64 rows: qwen3-30b-a3b and deepseek-v3 T = 1024)."""
         rows = tokens * block.k / max(expected_distinct(block, tokens), 1.0)
         if kind == "stream_gemv":
             if rows <= 1.5:
@@ -66,9 +68,12 @@ class TritonBackend:
             elif rows < 48:
                 p = GemmParams(block_m=64, block_n=64, block_k=64, num_stages=4, down_block_n=128,
                                down_block_k=64, down_stages=4)
-            else:
+            elif rows < 128 or grouped_gemm.tma_refusal(block):
                 p = GemmParams(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, one_dot=True,
                                down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
+            else:
+                p = GemmParams(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, tma=True,
+                               down_block_n=256, down_block_k=64, down_warps=8, down_stages=3)
             return Schedule("grouped_gemm", backend="triton", params=p)
         if kind == "hybrid":
             small = rows < 4

@@ -365,58 +365,67 @@ def _token_down(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr, s
 
 @triton.jit
 def _tile_gate_up(x_ptr, s_xt, tok, rmask, w_e, sn, sk, up, n0, N, K, k_end,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
-    """BM rows with tl.dot: (gate [BM, BN], up [BM, BN]) fp32. k_end = 0 skips the loop."""
-    offs_n = n0 + tl.arange(0, BN)
-    nm = offs_n < N
-    accg = tl.zeros([BM, BN], dtype=tl.float32)
-    accu = tl.zeros([BM, BN], dtype=tl.float32)
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
+                  ONE_DOT: tl.constexpr):
+    """BM rows with tl.dot: (gate [BM, BN], up [BM, BN]) fp32. k_end = 0 skips the loop.
+    ONE_DOT: one tl.dot per K step on a B tile [BK, 2·BN] that interleaves gate row n0 + c (column 2c)
+    and up row n0 + c (column 2c + 1), so the tensor cores see one N = 2·BN product; the accumulator
+    [BM, 2·BN] is split back into (gate, up) once, after the loop. Otherwise two N = BN dots."""
     arow = x_ptr + tok.to(tl.int64)[:, None] * s_xt  # [BM, 1]
-    bcol = w_e + offs_n[None, :] * sn  # [1, BN]
-    for k0 in range(0, k_end, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        km = offs_k < K
-        a = tl.load(arow + offs_k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)  # [BM, BK]
-        bp = bcol + offs_k[:, None] * sk  # [BK, BN]
-        bm2 = km[:, None] & nm[None, :]
-        bg = tl.load(bp, mask=bm2, other=0.0)
-        bu = tl.load(bp + up, mask=bm2, other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            bg = bg.to(tl.float32)
-            bu = bu.to(tl.float32)
-        else:
-            a = a.to(bg.dtype)
-        accg = tl.dot(a, bg, accg)
-        accu = tl.dot(a, bu, accu)
+    if ONE_DOT:
+        c = tl.arange(0, 2 * BN)
+        rown = n0 + c // 2
+        colm = rown < N
+        bcol = w_e + rown[None, :] * sn + (c % 2)[None, :] * up  # [1, 2BN]
+        acc = tl.zeros([BM, 2 * BN], dtype=tl.float32)
+        for k0 in range(0, k_end, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            km = offs_k < K
+            a = tl.load(arow + offs_k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)  # [BM, BK]
+            b = tl.load(bcol + offs_k[:, None] * sk, mask=km[:, None] & colm[None, :], other=0.0)  # [BK, 2BN]
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            else:
+                a = a.to(b.dtype)
+            acc = tl.dot(a, b, acc)
+        accg, accu = tl.split(tl.reshape(acc, [BM, BN, 2]))
+    else:
+        offs_n = n0 + tl.arange(0, BN)
+        nm = offs_n < N
+        accg = tl.zeros([BM, BN], dtype=tl.float32)
+        accu = tl.zeros([BM, BN], dtype=tl.float32)
+        bcol = w_e + offs_n[None, :] * sn  # [1, BN]
+        for k0 in range(0, k_end, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            km = offs_k < K
+            a = tl.load(arow + offs_k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)  # [BM, BK]
+            bp = bcol + offs_k[:, None] * sk  # [BK, BN]
+            bm2 = km[:, None] & nm[None, :]
+            bg = tl.load(bp, mask=bm2, other=0.0)
+            bu = tl.load(bp + up, mask=bm2, other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                bg = bg.to(tl.float32)
+                bu = bu.to(tl.float32)
+            else:
+                a = a.to(bg.dtype)
+            accg = tl.dot(a, bg, accg)
+            accu = tl.dot(a, bu, accu)
     return accg, accu
 
 
 @triton.jit
-def _tile_gate_up_one(x_ptr, s_xt, tok, rmask, w_e, sn, sk, up, n0, N, K, k_end,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
-    """`_tile_gate_up` with one tl.dot per K step: the B tile [BK, 2·BN] interleaves gate row n0 + c
-    (column 2c) and up row n0 + c (column 2c + 1), so the tensor cores see one N = 2·BN product;
-    the accumulator [BM, 2·BN] is split back into (gate, up) [BM, BN] once, after the loop."""
-    c = tl.arange(0, 2 * BN)
-    rown = n0 + c // 2
-    colm = rown < N
-    bcol = w_e + rown[None, :] * sn + (c % 2)[None, :] * up  # [1, 2BN]
-    acc = tl.zeros([BM, 2 * BN], dtype=tl.float32)
-    arow = x_ptr + tok.to(tl.int64)[:, None] * s_xt  # [BM, 1]
-    for k0 in range(0, k_end, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        km = offs_k < K
-        a = tl.load(arow + offs_k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)  # [BM, BK]
-        b = tl.load(bcol + offs_k[:, None] * sk, mask=km[:, None] & colm[None, :], other=0.0)  # [BK, 2BN]
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        else:
-            a = a.to(b.dtype)
-        acc = tl.dot(a, b, acc)
-    g, u = tl.split(tl.reshape(acc, [BM, BN, 2]))
-    return g, u
+def _grouped_tile(pid, n_tiles, N, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program → (row tile, first column n0) in grouped order: GROUP_M row tiles sweep each column
+    block together, so the tiles of one expert share its weight tiles in L2."""
+    nb_n = tl.cdiv(N, BN)
+    in_group = GROUP_M * nb_n
+    first = (pid // in_group) * GROUP_M
+    gsize = tl.minimum(n_tiles - first, GROUP_M)
+    tile = first + (pid % in_group) % gsize
+    n0 = ((pid % in_group) // gsize) * BN
+    return tile, n0
 
 
 @triton.jit

@@ -1,14 +1,25 @@
 """grouped_gemm: expert-sorted rows in BLOCK_M tiles through tl.dot; tensor-core bound at many rows.
 
-One kernel, two projections (PROJ):
-  0 gate/up   tile × F-block: A = x[token of each sorted pair] [BM, BK], B = gate and up tiles of the
-              expert [BK, BN] read in place; SwiGLU in the epilogue; h [P, F] (pair order) in x.dtype.
-  1 down      tile × D-block: A = h[pairs], B = down tile; routing weight in the epilogue; fp32 rows
-              y [1, P, D], then combine.py sums the k rows of each token.
+One kernel per operand path, two projections (PROJ) each:
+  0 gate/up   tile × F-block: A = x rows of the tile's sorted pairs [BM, BK], B = gate and up tiles of
+              the expert read in place; SwiGLU in the epilogue; h [P, F] in x.dtype.
+  1 down      tile × D-block (× split_k F ranges): A = h rows, B = down tile; routing weight in the
+              epilogue; fp32 rows y [S, P, D] (S = split_k partial planes), then combine.py sums the
+              S planes and the k rows of each token.
 Tiles come from `counts` (routing.py) through `_find_tile`: tile t of expert e holds sorted rows
 [t·BM, t·BM + BM) of e.  The grid is static: ⌊P/BM⌋ + min(E, P) tiles bound Σ_e ⌈m_e/BM⌉; tiles past
 the real ones skip their K loop.  Program order is grouped (GROUP_M tiles per N-block sweep) so the
 tiles of one expert share its weight tiles in L2.
+
+Operand paths:
+  pointer  `grouped_gemm_kernel`: A gathered row by row (pair → token), B through the layout's strides;
+           h and y in pair order. Any layout.
+  tma      `grouped_gemm_tma_kernel` (GemmParams.tma): routing.gather first copies the token rows into
+           sorted order, xs [P, D]; then a tile's A is one box [row0, row0 + BM) of xs (gate/up) or of h,
+           which gate/up writes in sorted order, and B one box of the weights viewed [E·2F, D] / [E·D, F]
+           (standard layout, read in place): every operand through the tensor memory accelerator, no
+           address registers, no padding rows (rows of the tile past its expert belong to the next one:
+           computed and dropped). Workspace + xs [P, D].
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
 from ..common import ExpertTensors, ParamSpace
@@ -26,11 +38,11 @@ from . import routing
 from ._common import (
     H200_SMEM_LIMIT,
     _find_tile,
+    _grouped_tile,
     _store_h,
     _store_y,
     _tile_down,
     _tile_gate_up,
-    _tile_gate_up_one,
     act_args,
     call_args,
     check_pow2,
@@ -53,6 +65,7 @@ class GemmParams:
     down_stages: int = 3
     one_dot: bool = False  # gate/up as one N = 2·block_n tl.dot (interleaved B tile) instead of two
     split_k: int = 1  # down: F split in this many fp32 partial planes (more tiles: a shorter last wave)
+    tma: bool = False  # both operands of both GEMMs through TMA descriptors (standard layout; see above)
 
     def __post_init__(self) -> None:
         check_pow2("GemmParams", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
@@ -63,6 +76,9 @@ class GemmParams:
             raise UnsupportedSchedule(f"GemmParams {self}: tl.dot needs every block ≥ 16")
         if self.split_k not in (1, 2, 4, 8):
             raise UnsupportedSchedule(f"GemmParams.split_k = {self.split_k}: 1, 2, 4 or 8")
+        if self.tma and self.one_dot:
+            raise UnsupportedSchedule("GemmParams: one_dot interleaves pointer-loaded gate/up columns; "
+                                      "with tma the gate and up boxes feed two dots")
         if self.group_m < 1:
             raise UnsupportedSchedule(f"GemmParams.group_m = {self.group_m}: must be ≥ 1")
         for name, smem in (
@@ -91,6 +107,7 @@ SPACE = ParamSpace(GemmParams, (
     ("down_stages", (2, 3, 4)),
     ("one_dot", (False, True)),
     ("split_k", (1, 2, 4)),
+    ("tma", (False, True)),
 ))
 
 
@@ -104,13 +121,7 @@ def grouped_gemm_kernel(
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
     ONE_DOT: tl.constexpr = False,
 ):
-    pid = tl.program_id(0)
-    nb_n = tl.cdiv(N, BN)
-    in_group = GROUP_M * nb_n
-    first = (pid // in_group) * GROUP_M
-    gsize = tl.minimum(n_tiles - first, GROUP_M)
-    tile = first + (pid % in_group) % gsize
-    n0 = ((pid % in_group) // gsize) * BN
+    tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
     e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
     r = tl.arange(0, BM)
     rmask = r < left
@@ -119,12 +130,8 @@ def grouped_gemm_kernel(
     k_end = tl.where(left > 0, K, 0)
     wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)  # [BM]
     if PROJ == 0:
-        if ONE_DOT:
-            g, u = _tile_gate_up_one(x_ptr, s_xt, pairs // K_TOP, rmask, w_ptr + ec * se, sn, sk, up, n0, N,
-                                     K, k_end, BM, BN, BK, UPCAST)
-        else:
-            g, u = _tile_gate_up(x_ptr, s_xt, pairs // K_TOP, rmask, w_ptr + ec * se, sn, sk, up, n0, N, K,
-                                 k_end, BM, BN, BK, UPCAST)
+        g, u = _tile_gate_up(x_ptr, s_xt, pairs // K_TOP, rmask, w_ptr + ec * se, sn, sk, up, n0, N, K,
+                             k_end, BM, BN, BK, UPCAST, ONE_DOT)
         _store_h(h_ptr, s_hp, pairs, rmask, g, u, wt, b_ptr + ec * sbe, sbn, bup, n0, N, alpha, limit,
                  BN, ACT, HAS_BIAS, W_IN)
     else:
@@ -137,9 +144,74 @@ def grouped_gemm_kernel(
                  (ks == 0).to(tl.float32), n0, N, BN, HAS_BIAS, W_IN)
 
 
+@triton.jit(do_not_specialize=["P", "n_tiles"])
+def grouped_gemm_tma_kernel(
+    a_desc, b_desc, wts_ptr, counts_ptr, sorted_ptr, b_ptr, sbe, sbn, bup,
+    h_ptr, y_ptr, P, E, N, K, n_tiles, k_split, alpha, limit,
+    BLOCK_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    PROJ: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """The TMA operand path. a_desc: xs [P, D] (PROJ 0) or h [P, F] (PROJ 1), sorted order, box [BM, BK];
+    b_desc: gate_up as [E·2F, D] (gate rows e·2F + n, up rows e·2F + F + n) or down as [E·D, F], box
+    [BN, BK]. Boxes past a tensor's edge read zeros."""
+    tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
+    e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
+    if left > 0:
+        r = tl.arange(0, BM)
+        rmask = r < left
+        pairs = tl.load(sorted_ptr + row0 + r, mask=rmask, other=0)  # [BM]
+        wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)  # [BM]
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        if PROJ == 0:
+            accu = tl.zeros([BM, BN], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                a = a_desc.load([row0, k0])  # [BM, BK]
+                bg = b_desc.load([e * 2 * N + n0, k0])  # [BN, BK]
+                bu = b_desc.load([e * 2 * N + N + n0, k0])  # [BN, BK]
+                if UPCAST:
+                    a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
+                acc = tl.dot(a, bg.T, acc)
+                accu = tl.dot(a, bu.T, accu)
+            # h in sorted order: row row0 + r
+            _store_h(h_ptr, N, row0 + r, rmask, acc, accu, wt, b_ptr + e * sbe, sbn, bup, n0, N, alpha, limit,
+                     BN, ACT, HAS_BIAS, W_IN)
+        else:
+            ks = tl.program_id(1)  # split of the F reduction: fp32 partial planes y [S, P, D]
+            k_lo = ks * k_split
+            for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BK):
+                a = a_desc.load([row0, k0])  # [BM, BK]
+                b = b_desc.load([e * N + n0, k0])  # [BN, BK]
+                if UPCAST:
+                    a, b = a.to(tl.float32), b.to(tl.float32)
+                acc = tl.dot(a, b.T, acc)
+            _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, b_ptr + e * sbe, sbn,
+                     (ks == 0).to(tl.float32), n0, N, BN, HAS_BIAS, W_IN)
+
+
 def max_tiles(P: int, E: int, bm: int) -> int:
     """Upper bound of Σ_e ⌈m_e / BM⌉ over any routing of P pairs."""
     return max(1, P // bm + min(E, P))
+
+
+def tma_refusal(block: MoEBlock) -> str | None:
+    """Why the TMA operand path cannot run this block (None: it can)."""
+    lay = block.layout
+    if lay.transposed or lay.interleaved:
+        return ("tma reads gate_up as [E·2F, D] (gate rows, then up rows, hidden dimension contiguous): "
+                f"the standard layout only, this block's is {'transposed' if lay.transposed else 'interleaved'}")
+    wb = 4 if block.weight_dtype == "float32" else 2
+    for name, n in (("D", block.D), ("F", block.F)):
+        if n * wb % 16:
+            return f"tma rows must be multiples of 16 bytes: {name} = {n} × {wb} B is not"
+    return None
+
+
+def _desc(t: torch.Tensor, rows: int, cols: int, row_stride: int, box: list[int]) -> TensorDescriptor:
+    """A 2-D descriptor over `t` seen as [rows, cols] with the given row stride (elements)."""
+    if t.stride(-1) != 1 or t.data_ptr() % 16 or row_stride * t.element_size() % 16:
+        raise UnsupportedSchedule(f"grouped_gemm tma: tensor {tuple(t.shape)} strides {t.stride()} cannot be "
+                                  "a TMA operand (last dimension contiguous, 16-byte aligned rows needed)")
+    return TensorDescriptor(t, [rows, cols], [row_stride, 1], box)
 
 
 def build(block: MoEBlock, schedule: Schedule):
@@ -148,6 +220,11 @@ def build(block: MoEBlock, schedule: Schedule):
         raise UnsupportedSchedule(f"grouped_gemm takes GemmParams, got {type(p).__name__}")
     E, D, F = block.E, block.D, block.F
     alpha, limit = act_args(block)
+    if p.tma:
+        why = tma_refusal(block)
+        if why:
+            raise UnsupportedSchedule(why)
+        return _build_tma(block, p, alpha, limit)
 
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
         a = call_args(block, x, ids, weights, w)
@@ -177,6 +254,45 @@ def build(block: MoEBlock, schedule: Schedule):
     return run
 
 
+def _build_tma(block: MoEBlock, p: GemmParams, alpha: float, limit: float):
+    E, D, F = block.E, block.D, block.F
+
+    def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
+        a = call_args(block, x, ids, weights, w)
+        T, P, gs, ds, wts_f = a.T, a.P, a.gs, a.ds, a.weights
+        gu, dn = w.gate_up, w.down
+        if gs.se != 2 * F * gs.sn or ds.se != D * ds.sn or gs.up != F * gs.sn:
+            raise UnsupportedSchedule(f"grouped_gemm tma: expert weights gate_up {tuple(gu.stride())} / down "
+                                      f"{tuple(dn.stride())} are not one [E·rows, cols] matrix each")
+        counts, sorted_pairs = routing.route(ids, E)
+        meta = {n: v for n, v in a.meta.items() if n != "K_TOP"}
+        meta.update(BM=p.block_m, GROUP_M=p.group_m)
+        nt = max_tiles(P, E, p.block_m)
+        rows = max(P, 1)
+        xs = routing.gather(x, counts, sorted_pairs, block.k, gu.dtype)  # [P, D] sorted token rows
+        h = torch.empty(rows, F, dtype=gu.dtype, device=x.device)  # [P, F] sorted order
+        grouped_gemm_tma_kernel[(nt * triton.cdiv(F, p.block_n),)](
+            _desc(xs, rows, D, D, [p.block_m, p.block_k]),
+            _desc(gu, E * 2 * F, D, gs.sn, [p.block_n, p.block_k]),
+            wts_f, counts, sorted_pairs, a.gate_up_bias, gs.sbe, gs.sbn, gs.bup,
+            h, h, P, E, F, D, nt, D, alpha, limit,
+            PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta)
+        k_split = triton.cdiv(triton.cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
+        S = triton.cdiv(F, k_split)
+        y = torch.empty(S, P, D, dtype=torch.float32, device=x.device)  # [S, P, D]
+        grouped_gemm_tma_kernel[(nt * triton.cdiv(D, p.down_block_n), S)](
+            _desc(h, rows, F, F, [p.block_m, p.down_block_k]),
+            _desc(dn, E * D, F, ds.sn, [p.down_block_n, p.down_block_k]),
+            wts_f, counts, sorted_pairs, a.down_bias, ds.sbe, ds.sbn, 0,
+            h, y, P, E, D, F, nt, k_split, alpha, limit,
+            PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
+            **meta)
+        out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
+        return _combine.combine(y, ids, out, E)
+
+    return run
+
+
 def cost(block: MoEBlock, params: GemmParams, tokens: int, distinct: float) -> tuple[float, float]:
     """(flops, bytes): weights of each distinct expert once (L2 serves the other tiles), x, h, y."""
     wb = 2 if block.weight_dtype != "float32" else 4
@@ -184,6 +300,7 @@ def cost(block: MoEBlock, params: GemmParams, tokens: int, distinct: float) -> t
     tiles = P / params.block_m + distinct
     flops = 2.0 * 3 * tiles * params.block_m * block.D * block.F  # padded rows included
     by = (distinct * block.weight_bytes_per_expert + tokens * block.D * wb + 2 * P * block.F * wb
+          + (2 * P * block.D * wb if params.tma else 0)  # the sorted copy xs: written, read
           + _combine.cost(params.split_k, P, tokens, block.D, wb)[1] + params.split_k * P * block.D * 4
           + routing.cost(P, block.E)[1])
     return flops, by

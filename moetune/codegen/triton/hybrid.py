@@ -117,7 +117,7 @@ def hybrid_kernel(
         wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)
         if PROJ == 0:
             g, u = _tile_gate_up(x_ptr, s_xt, pairs // K_TOP, rmask, w_ptr + ec * se, sn, sk, up, n0, N,
-                                 K, k_end, BM, BN, BK, UPCAST)
+                                 K, k_end, BM, BN, BK, UPCAST, False)
             _store_h(h_ptr, s_hp, pairs, rmask, g, u, wt, b_ptr + ec * sbe, sbn, bup, n0, N, alpha, limit,
                      BN, ACT, HAS_BIAS, W_IN)
         else:

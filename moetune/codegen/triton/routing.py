@@ -12,6 +12,9 @@ Counting sort with one-hot tiles [C, E]:
   larger P      G ≤ 64 programs: PHASE 0 writes per-program histograms hist [G, E]; PHASE 1 reads
                 them all, takes its exclusive prefix and scatters its pairs. Two launches.
 Workspace: counts E + sorted P + hist G·E int32.
+
+`gather` copies the token rows into expert-sorted order, xs [P, D], for the TMA form of the grouped
+GEMM (grouped_gemm.py): there every BLOCK_M tile is one rectangle [row0, row0 + BM) of xs.
 """
 
 from __future__ import annotations
@@ -58,6 +61,22 @@ def route_kernel(ids_ptr, counts_ptr, hist_ptr, sorted_ptr, P, E, per_prog, G,
             run += tl.sum(oh, axis=0)
 
 
+@triton.jit(do_not_specialize=["P"])
+def gather_kernel(x_ptr, s_xt, counts_ptr, sorted_ptr, xs_ptr, P, E, D,
+                  K_TOP: tl.constexpr, BLOCK_E: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """xs[i, :] = x[token of sorted pair i, :] in xs' dtype, for the valid rows i < Σ_e m_e."""
+    ei = tl.arange(0, BLOCK_E)
+    total = tl.sum(tl.load(counts_ptr + ei, mask=ei < E, other=0), axis=0)
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rm = rows < total
+    pair = tl.load(sorted_ptr + rows, mask=rm, other=0)  # [BR]
+    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    m2 = rm[:, None] & (offs_d < D)[None, :]
+    v = tl.load(x_ptr + (pair // K_TOP).to(tl.int64)[:, None] * s_xt + offs_d[None, :], mask=m2)
+    tl.store(xs_ptr + rows.to(tl.int64)[:, None] * D + offs_d[None, :], v.to(xs_ptr.dtype.element_ty),
+             mask=m2)
+
+
 def route_plan(P: int, E: int) -> tuple[int, int, int, int]:
     """(BLOCK_E, C, per_prog, G) for P pairs over E experts: G = 1 means one launch."""
     block_e = max(16, next_pow2(E))
@@ -86,6 +105,18 @@ def route(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
         route_kernel[(g,)](flat, counts, hist, sorted_pairs, P, E, per, g,
                            PHASE=1, BLOCK_E=block_e, C=c, num_warps=4)
     return counts, sorted_pairs
+
+
+def gather(x: torch.Tensor, counts: torch.Tensor, sorted_pairs: torch.Tensor, k: int,
+           dtype: torch.dtype) -> torch.Tensor:
+    """xs [P, D] in `dtype`: row i is the token row of sorted pair i (rows past Σ_e m_e unwritten)."""
+    P, (E,), D = sorted_pairs.numel(), counts.shape, x.shape[1]
+    xs = torch.empty(P, D, dtype=dtype, device=x.device)  # [P, D]
+    br, bd = 16, min(256, next_pow2(D))
+    gather_kernel[(triton.cdiv(P, br), triton.cdiv(D, bd))](
+        x, x.stride(0), counts, sorted_pairs, xs, P, E, D, K_TOP=k, BLOCK_E=max(16, next_pow2(E)),
+        BR=br, BD=bd, num_warps=4)
+    return xs
 
 
 def cost(P: int, E: int) -> tuple[float, float]:

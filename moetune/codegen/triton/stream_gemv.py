@@ -161,7 +161,7 @@ def stream_gemv_kernel(
             else:
                 if PROJ == 0:
                     g, u = _tile_gate_up(x_ptr, s_xt, pairs // K_TOP, rmask, w_e, sn, sk, up, n0, N, K, K,
-                                         ROWS, BN, BK, UPCAST)
+                                         ROWS, BN, BK, UPCAST, False)
                 else:
                     acc = _tile_down(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n0, N, k_lo, k_hi,
                                      ROWS, BN, BK, UPCAST)
