@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One H200 call: the one-launch GEMV prototype outside the package (bench/proto_persistent.py, small T),
-# checked against the float32 reference (eager and graph replay) and timed beside the shipped kernels
-# and a read-only kernel of the same bytes; results in $OUT/protos.tgz, the table printed last.
-# (The large-T TMA prototype is in the package now: GemmParams.tma.)
+# One H200 call: the fused-down GEMV prototype outside the package (bench/proto_fused_down.py, small T),
+# checked against the float32 reference (eager and graph replay) and timed beside the shipped
+# stream_gemv and a read-only kernel of the same bytes; results in $OUT/protos.tgz, the table printed last.
+# (Earlier prototypes, measured and retired: the TMA grouped GEMM is in the package as GemmParams.tma;
+# the persistent one-launch GEMV lost, bench/results/NOTES.md.)
 export PYTHONUNBUFFERED=1
 R=/tmp/protos; mkdir -p $R
-timeout -k 5 240 python3 bench/proto_persistent.py --out $R > $R/persistent.log 2>&1; echo "persistent rc=$?"
+timeout -k 5 240 python3 bench/proto_fused_down.py --out $R > $R/fused-down.log 2>&1; echo "fused-down rc=$?"
 (cd $R && tar czf "$OUT/protos.tgz" .)
-tail -n 32 $R/persistent.log
+tail -n 64 $R/fused-down.log

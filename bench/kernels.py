@@ -77,6 +77,33 @@ def read_kernel(src, dst, n, BLOCK: tl.constexpr):
     tl.store(dst + pid, tl.sum(acc, axis=0))
 
 
+def read_only_us(nbytes: int, flush, reps: int = 100) -> float:
+    """Graph-mode median of ONE launch that only reads `nbytes` (cold L2): what a single kernel that
+    streams the cell's weight bytes costs, ramp and tail included; the bound for a one-launch design."""
+    dev = flush.device
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    grid = torch.cuda.get_device_properties(dev).multi_processor_count * 8
+    dst = torch.empty(grid, dtype=torch.float32, device=dev)
+
+    def run():
+        read_kernel[(grid,)](src, dst, src.numel(), BLOCK=2048, num_warps=8)
+
+    run()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    times = []
+    for _ in range(reps):
+        flush.sum()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
 def ceilings(dev: torch.device) -> dict:
     n = 2 * 1024**3  # 4 GiB of bf16
     a = torch.randn(n, dtype=torch.bfloat16, device=dev)
