@@ -338,12 +338,16 @@ def variants(E: int, k: int, D: int, F: int, T: int):
              down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
         gemm("m128g32", block_m=128, block_n=128, block_k=64, group_m=32, num_warps=8, num_stages=4,
              down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
+    if rows >= 128:  # TMA only: 256-row tiles read each weight tile once per 256 rows (171 / 251 registers)
+        for tag, split in (("m256n64-t", 1), ("m256n64-ts2", 2)):
+            gemm(tag, block_m=256, block_n=64, block_k=64, num_warps=8, num_stages=4, down_block_n=128,
+                 down_block_k=64, down_warps=8, down_stages=3, split_k=split, tma=True)
     # twins: `-1` the gate/up as one N = 2·block_n tl.dot, `-1s2` also the down GEMM split in two along F,
     # `-t` / `-ts2` the TMA operand path
     twins = []
     for tag, s in out:
         p = s.params
-        if s.kind == "grouped_gemm" and p.block_m >= 64:
+        if s.kind == "grouped_gemm" and p.block_m >= 64 and not p.tma:
             twins.append((tag + "-1", dataclasses.replace(s, params=dataclasses.replace(p, one_dot=True))))
         if tag in ("m128s4", "m128g32"):
             twins.append((tag + "-1s2", dataclasses.replace(
