@@ -343,12 +343,14 @@ def variants(E: int, k: int, D: int, F: int, T: int):
             gemm(tag, block_m=256, block_n=64, block_k=64, num_warps=8, num_stages=4, down_block_n=128,
                  down_block_k=64, down_warps=8, down_stages=3, split_k=split, tma=True)
     # twins: `-1` the gate/up as one N = 2·block_n tl.dot, `-1s2` also the down GEMM split in two along F,
-    # `-t` / `-ts2` the TMA operand path
+    # `-t` / `-ts2` the TMA operand path (and split in two)
     twins = []
     for tag, s in out:
         p = s.params
         if s.kind == "grouped_gemm" and p.block_m >= 64 and not p.tma:
             twins.append((tag + "-1", dataclasses.replace(s, params=dataclasses.replace(p, one_dot=True))))
+        if tag in ("m16", "m64n64"):  # the TMA operand path at 16 / 64 rows (the tuner picks it for mixtral)
+            twins.append((tag + "-t", dataclasses.replace(s, params=dataclasses.replace(p, tma=True))))
         if tag in ("m128s4", "m128g32"):
             twins.append((tag + "-1s2", dataclasses.replace(
                 s, params=dataclasses.replace(p, one_dot=True, split_k=2))))

@@ -83,7 +83,7 @@ class Versions:
     """What a measurement depends on besides the block: code, libraries and the device."""
 
     moetune: str
-    kernel_hash: str  # sha256 of the backend's kernel sources (its package folder + codegen/common.py)
+    kernel_hash: str  # sha256 of the backend's kernel sources, per schedule kind (`folder_hash`)
     backend_version: str  # triton / jax version; torch's for the torch backend
     torch: str
     device: str  # "NVIDIA H200", "cpu: AMD EPYC 7B13", ...
@@ -105,7 +105,8 @@ _BACKEND_PACKAGES = {"torch": "torch", "triton": "triton", "pallas": "pallas"}
 
 @functools.cache
 def kernel_source_hash(backend: str) -> str:
-    """sha256[:16] of the backend's kernel sources; a changed kernel makes its old timings stale."""
+    """The hash of the backend's kernel sources that a tuned timing depends on (see `folder_hash`):
+    a changed kernel makes its old timings stale."""
     codegen = Path(__file__).resolve().parent.parent / "codegen"
     folder = codegen / _BACKEND_PACKAGES.get(backend, backend)
     if not folder.is_dir():  # a backend registered from elsewhere: the folder of its module
@@ -117,11 +118,46 @@ def kernel_source_hash(backend: str) -> str:
             folder = Path(sys.modules[type(get(backend)).__module__].__file__).resolve().parent
         except (MoetuneError, KeyError, TypeError) as e:
             raise CacheError(f"backend {backend!r}: no kernel sources found ({e})") from e
-    h = hashlib.sha256()
-    for f in sorted([*folder.rglob("*.py"), codegen / "common.py"]):
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+    return folder_hash(folder, [codegen / "common.py"])
+
+
+def folder_hash(folder: Path, shared: Iterable[Path] = ()) -> str:
+    """sha256[:16] of a backend folder's *.py files and `shared`, per schedule kind where the backend
+    keeps a kind in a file of its own (`<kind>.py`): "grouped_gemm=…;hybrid=…;stream_gemv=…". A kind's
+    part covers every file except the other kinds' own files (unless its file imports one), so editing
+    one kind's kernel leaves the tuned entries of the other kinds current. Without such files: one hash."""
+    import re
+
+    from ..ir import SCHEDULE_KINDS
+
+    files = sorted({*folder.rglob("*.py"), *shared})
+
+    def digest(fs) -> str:
+        h = hashlib.sha256()
+        for f in fs:
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+        return h.hexdigest()[:16]
+
+    own = {f.stem: f for f in files if f.parent == folder and f.stem in SCHEDULE_KINDS}
+    if not own:
+        return digest(files)
+    parts = []
+    for kind, f in sorted(own.items()):
+        text = f.read_text()
+        uses = {k for k in own if re.search(rf"from \.{k}\b|from \. import [^\n]*\b{k}\b", text)}
+        parts.append(f"{kind}={digest(g for g in files if g not in own.values() or g.stem in uses | {kind})}")
+    return ";".join(parts)
+
+
+def kernel_hash_part(kernel_hash: str, kind: str) -> str:
+    """What an entry of schedule `kind` depends on in a kernel hash: its kind's part of a per-kind hash,
+    else the whole hash (an older one-part hash)."""
+    for part in kernel_hash.split(";"):
+        k, sep, h = part.partition("=")
+        if sep and k == kind:
+            return h
+    return kernel_hash
 
 
 def backend_version(backend: str) -> str:
@@ -165,8 +201,9 @@ def judge(entry: DispatchEntry, current: Versions) -> str | None:
     if (v.device, v.capability) != (current.device, current.capability):
         return (f"foreign: tuned on {v.device} ({v.capability}), "
                 f"this is {current.device} ({current.capability})")
-    if v.kernel_hash != current.kernel_hash:
-        return f"stale: kernel sources {v.kernel_hash} changed to {current.kernel_hash}"
+    was, now = kernel_hash_part(v.kernel_hash, entry.kind), kernel_hash_part(current.kernel_hash, entry.kind)
+    if was != now:
+        return f"stale: {entry.kind} kernel sources {was} changed to {now}"
     if v.backend_version != current.backend_version:
         return f"stale: tuned with {v.backend_version}, this is {current.backend_version}"
     return None

@@ -154,7 +154,8 @@ def test_against_reference(case, sched, poisoned):
 
 @settings(max_examples=12, deadline=None)
 @given(E=st.integers(2, 12), k=st.integers(1, 4), T=st.integers(1, 9), seed=st.integers(0, 2**16),
-       sched=st.sampled_from(["gemv_fused_token", "gemv_routed_expert_split", "gemm_m16", "hybrid_r2"]))
+       sched=st.sampled_from(["gemv_fused_token", "gemv_routed_expert_split", "gemm_m16", "gemm_m16_tma",
+                              "hybrid_r2"]))
 def test_hypothesis_routing(E, k, T, seed, sched):
     k = min(k, E)
     gen = torch.Generator().manual_seed(seed)

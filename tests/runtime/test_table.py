@@ -207,7 +207,7 @@ JUDGE_CASES = [
     ({}, None),
     ({"device": "NVIDIA H200"}, "foreign"),
     ({"capability": "sm_90"}, "foreign"),
-    ({"kernel_hash": "deadbeefdeadbeef"}, "stale: kernel sources"),
+    ({"kernel_hash": "deadbeefdeadbeef"}, "stale: stream_gemv kernel sources"),
     ({"backend_version": "torch 2.0.0"}, "stale: tuned with torch 2.0.0"),
     ({"moetune": "0.0.1", "torch": "2.0.0"}, None),  # code identity: the kernel hash, not the version
 ]
@@ -220,6 +220,48 @@ def test_judge_names_the_reason(change, reason):
         assert why is None
     else:
         assert why is not None and why.startswith(reason.split(":")[0]) and reason in why
+
+
+def test_judge_reads_the_entry_kinds_part_of_a_per_kind_hash():
+    now = other(kernel_hash="grouped_gemm=aaaa;hybrid=bbbb;stream_gemv=cccc")
+    gemm = entry(1, 1, 1.0, kind="grouped_gemm", versions=other(kernel_hash="grouped_gemm=aaaa;stream_gemv=0ld"))
+    assert judge(gemm, now) is None  # only the stream_gemv kernel changed
+    gemv = entry(1, 1, 1.0, kind="stream_gemv", versions=other(kernel_hash="grouped_gemm=aaaa;stream_gemv=0ld"))
+    assert judge(gemv, now) == "stale: stream_gemv kernel sources 0ld changed to cccc"
+    one_part = entry(1, 1, 1.0, kind="grouped_gemm", versions=other(kernel_hash="5eed"))  # older one-part form
+    assert judge(one_part, now) is not None
+
+
+def test_folder_hash_has_one_part_per_kind_file(tmp_path):
+    from moetune.runtime.table import folder_hash, kernel_hash_part
+
+    pkg = tmp_path / "kernels"
+    pkg.mkdir()
+    shared = tmp_path / "common.py"
+    for f, text in ((pkg / "_common.py", "A = 1\n"), (pkg / "stream_gemv.py", "from ._common import A\n"),
+                    (pkg / "grouped_gemm.py", "from ._common import A\n"),
+                    (pkg / "hybrid.py", "from .stream_gemv import A\n"), (shared, "B = 1\n")):
+        f.write_text(text)
+
+    def parts():
+        h = folder_hash(pkg, [shared])
+        return {k: kernel_hash_part(h, k) for k in ("grouped_gemm", "hybrid", "stream_gemv")}
+
+    before = parts()
+    assert len(set(before.values())) == 3
+    (pkg / "stream_gemv.py").write_text("from ._common import A  # edited\n")
+    after = parts()
+    assert after["grouped_gemm"] == before["grouped_gemm"]  # not its file
+    assert after["stream_gemv"] != before["stream_gemv"]
+    assert after["hybrid"] != before["hybrid"]  # hybrid.py imports stream_gemv
+    for f in (pkg / "_common.py", shared):  # a shared file: every part
+        f.write_text(f.read_text() + "# edited\n")
+        again = parts()
+        assert all(again[k] != after[k] for k in after)
+        after = again
+    for f in ("stream_gemv.py", "grouped_gemm.py", "hybrid.py"):
+        (pkg / f).unlink()
+    assert ";" not in folder_hash(pkg, [shared])  # no kind of its own file: one hash
 
 
 def test_load_entries_leaves_stale_and_foreign_out_with_one_warning(tmp_path):
