@@ -25,7 +25,7 @@ import torch
 
 from ..codegen.backend import Backend, get
 from ..codegen.common import ExpertsFn, ExpertTensors
-from ..ir import IRError, MoEBlock, MoetuneError, Schedule
+from ..ir import IRError, MoEBlock, MoetuneError, Schedule, UnsupportedSchedule
 from .default import default_schedule, representative_tokens, rows_per_active
 
 REGIME_CUTS = (1.5, 4.0, 16.0)  # rows per active expert where a default bucket ends
@@ -120,7 +120,38 @@ class Dispatcher:
         T = x.shape[0]  # host-side int
         if T == 0:
             return x.new_zeros((0, x.shape[1]))
-        return self._fns[self.index(T)](x, ids, weights, w)
+        i = self.index(T)
+        try:
+            return self._fns[i](x, ids, weights, w)
+        except UnsupportedSchedule as e:  # the call's tensors, not the block, rule the kernel out
+            err = e
+        for _ in range(2):  # the backend's default, then torch's
+            try:
+                return self._refused(i, err)(x, ids, weights, w)
+            except UnsupportedSchedule as e:
+                err = e
+        raise err
+
+    def _refused(self, i: int, err: UnsupportedSchedule) -> ExpertsFn:
+        """A route whose kernel refused a call (checked on the host before any output is written, e.g.
+        weights a TMA descriptor cannot address) is replaced, for good, by the bucket's default on this
+        backend, or by torch's default when the refused route already was one; one DispatchWarning."""
+        r = self.routes[i]
+        why = f"{r.schedule.describe()} refused a call: {err}"
+        if r.source.startswith("default") or r.source.endswith("torch fallback"):
+            torch_be = get("torch")
+            sch = default_schedule(self.block, torch_be, representative_tokens(r.lo, r.hi))
+            new = _build(self.block, torch_be, r.lo, r.hi, sch, f"default ({why}), torch fallback")
+        else:
+            new = _build_default(self.block, self.backend, r.lo, r.hi, _default_factory(self.block, self.backend),
+                                 f"default ({why})", [])  # a torch fallback shows in the route's source
+        warnings.warn(f"{self.block.name or self.block.signature_hash()}: bucket {r.label}: {why}; it runs "
+                      f"{new.schedule.describe()} from now on", DispatchWarning, stacklevel=4)
+        routes = list(self.routes)
+        routes[i] = new
+        self.routes = tuple(routes)
+        self._fns[i] = new.fn
+        return new.fn
 
     def describe(self) -> str:
         return "\n".join(f"  T∈{r.label:<12} {r.schedule.describe()}  ({r.source})" for r in self.routes)

@@ -179,3 +179,48 @@ def test_default_the_backend_cannot_build_runs_torch_with_one_warning():
         torch.rand(3, b.k),
     )
     torch.testing.assert_close(d(x, ids, wt, w), experts_reference(b, x, ids, wt, w), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------- a kernel that refuses the call's tensors
+
+
+def strided_weights(b: MoEBlock, gen: torch.Generator):
+    """Expert weights that are views with a padded expert stride (no [E·rows, cols] matrix): the
+    pointer kernels read them, a TMA descriptor cannot."""
+    from moetune.codegen.common import ExpertTensors
+
+    gu = (torch.randn(b.E, 2 * b.F + 8, b.D, generator=gen) * b.D**-0.5)[:, : 2 * b.F]
+    dn = (torch.randn(b.E, b.D + 8, b.F, generator=gen) * b.F**-0.5)[:, : b.D]
+    assert gu.stride(0) != 2 * b.F * gu.stride(1) and dn.stride(0) != b.D * dn.stride(1)
+    return ExpertTensors(gu, dn)
+
+
+@pytest.mark.parametrize("T,source", [(5, "table"), (300, "default")])
+def test_a_route_whose_kernel_refuses_the_call_falls_back_once(T, source):
+    pytest.importorskip("triton")
+    from moetune.codegen.triton import BACKEND as TRITON
+    from moetune.codegen.triton import GemmParams
+
+    b = block(E=4, k=2, D=64, F=48, T_max=512)
+    gen = torch.Generator().manual_seed(T)
+    w = strided_weights(b, gen)
+    x = torch.randn(T, b.D, generator=gen)
+    ids = torch.stack([torch.randperm(b.E, generator=gen)[: b.k] for _ in range(T)])
+    wt = torch.softmax(torch.randn(T, b.k, generator=gen), -1)
+    if source == "table":  # a tuned TMA entry
+        tma = Schedule("grouped_gemm", backend="triton", params=GemmParams(
+            block_m=16, block_n=32, block_k=32, down_block_n=32, down_block_k=32, tma=True))
+        d = Dispatcher.from_entries(b, TRITON, [(1, 512, tma)])
+    else:  # 150 rows per expert: the backend's own default is the TMA path
+        d = Dispatcher.default(b, TRITON, buckets=[(1, 255), (256, 512)])
+        assert d.route(T).schedule.params.tma
+    with pytest.warns(DispatchWarning, match="refused a call") as rec:
+        out = d(x, ids, wt, w)
+    assert len(rec) == 1
+    want = "torch" if source == "default" else "triton"
+    assert d.route(T).schedule.backend == want and not getattr(d.route(T).schedule.params, "tma", False)
+    ref = experts_reference(b, x, ids, wt, w)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d(x, ids, wt, w)  # the replacement serves from now on, silently
