@@ -173,7 +173,7 @@ def main() -> None:
         the one-row variants and, where experts get several rows, the RP = 2 / 4 ones."""
         rows = T * block.k / max(expected_distinct(block, T), 1.0)
         out = [("stream_gemv default", BACKEND.build(block, BACKEND.default(block, "stream_gemv", T)))]
-        if rows > 1.3:
+        if rows > 1.2:
             out.append(("grouped_gemm default", BACKEND.build(block, BACKEND.default(block, "grouped_gemm", T))))
         vs = {**(one if rows < 2.5 else {}), **(several if rows > 1.2 else {})}
         return out + [(tag, FusedDown(block, vp)) for tag, vp in vs.items()]
