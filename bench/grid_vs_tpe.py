@@ -113,6 +113,14 @@ def _write(path: Path, obj) -> None:
     tmp.replace(path)
 
 
+def _publish(stem: Path, rec: dict, markdown: str) -> dict:
+    """A check's record as STEM.json, its report as STEM.md and on stdout; returns the record."""
+    _write(stem.with_suffix(".json"), rec)
+    stem.with_suffix(".md").write_text(markdown)
+    print(markdown)
+    return rec
+
+
 def _us(s) -> float | None:
     return None if s is None or not math.isfinite(s) else round(s * 1e6, 2)
 
@@ -344,10 +352,7 @@ def grid_vs_tpe(a, argv: list[str]) -> dict:
         "interrupted": rc == "interrupted",
         "phases": recs,
     }
-    _write(out / "grid_vs_tpe.json", rec)
-    (out / "grid_vs_tpe.md").write_text(grid_markdown(rec))
-    print(grid_markdown(rec))
-    return rec
+    return _publish(out / "grid_vs_tpe", rec, grid_markdown(rec))
 
 
 def grid_markdown(rec: dict) -> str:
@@ -499,10 +504,7 @@ def multi_worker(a) -> dict:
         if a.workers >= 2
         else None,
     }
-    _write(out / "multi_worker.json", rec)
-    (out / "multi_worker.md").write_text(worker_markdown(rec))
-    print(worker_markdown(rec))
-    return rec
+    return _publish(out / "multi_worker", rec, worker_markdown(rec))
 
 
 def worker_markdown(rec: dict) -> str:

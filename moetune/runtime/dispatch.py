@@ -138,7 +138,7 @@ class Dispatcher:
         backend, or by torch's default when the refused route already was one; one DispatchWarning."""
         r = self.routes[i]
         why = f"{r.schedule.describe()} refused a call: {err}"
-        if r.source.startswith("default") or r.source.endswith("torch fallback"):
+        if r.source.startswith("default"):  # every default route's source, torch fallbacks included
             torch_be = get("torch")
             sch = default_schedule(self.block, torch_be, representative_tokens(r.lo, r.hi))
             new = _build(self.block, torch_be, r.lo, r.hi, sch, f"default ({why}), torch fallback")

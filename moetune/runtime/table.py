@@ -27,13 +27,14 @@ import hashlib
 import json
 import os
 import platform
+import re
 import sqlite3
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..ir import CacheError, Fusion, MoEBlock, MoetuneError, Schedule
+from ..ir import SCHEDULE_KINDS, CacheError, Fusion, MoEBlock, MoetuneError, Schedule
 
 TABLE = "dispatch_v1"
 PK = ("target", "backend", "signature", "bucket_lo", "bucket_hi")
@@ -126,10 +127,6 @@ def folder_hash(folder: Path, shared: Iterable[Path] = ()) -> str:
     keeps a kind in a file of its own (`<kind>.py`): "grouped_gemm=…;hybrid=…;stream_gemv=…". A kind's
     part covers every file except the other kinds' own files (unless its file imports one), so editing
     one kind's kernel leaves the tuned entries of the other kinds current. Without such files: one hash."""
-    import re
-
-    from ..ir import SCHEDULE_KINDS
-
     files = sorted({*folder.rglob("*.py"), *shared})
 
     def digest(fs) -> str:

@@ -36,6 +36,8 @@ def test_representative_configs_fit_h200():
     for r in rows:
         assert r["shared"] <= H200_SMEM_LIMIT, f"{r['label']}: {r['shared']} B shared > {H200_SMEM_LIMIT}"
         assert r["local"] == 0, f"{r['label']}: register spills to local memory"
+        assert r["spill_bytes"] == 0 and r["regs"] <= 255, f"{r['label']}: ptxas: {r['regs']} registers, " \
+            f"{r['spill_bytes']} bytes spilled"
         if r["label"].endswith("_tma"):
             assert r["tma"] > 0, f"{r['label']}: no TMA load (cp.async.bulk.tensor)"
         elif r["label"].split("/")[0] in ("gemv", "gemm", "hybrid"):

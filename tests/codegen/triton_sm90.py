@@ -8,6 +8,11 @@ reduction stride specialised to 1.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import tempfile
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -60,6 +65,21 @@ def compile_sm90(kernel, constexprs: dict, *, fp32_out: bool = False, descs: dic
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def ptxas_usage(k) -> tuple[int, int]:
+    """(registers per thread, spill-store bytes) of a compiled kernel, from Triton's bundled ptxas -v on its
+    PTX: what the SM gives each thread, and whether ptxas had to spill (the PTX alone cannot tell)."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(k.asm["ptx"])
+        res = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True, check=True)
+    regs = re.search(r"Used (\d+) registers", res.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", res.stderr)
+    return int(regs.group(1)), int(spill.group(1)) if spill else 0
+
+
 def representative() -> list[tuple[str, object, dict, dict]]:
     """(label, kernel, constexprs, options): one config per kernel path the bench's winners use
     (options may carry `descs`, the TMA boxes)."""
@@ -95,6 +115,12 @@ def representative() -> list[tuple[str, object, dict, dict]]:
         ("gemm/down_m128_tma", grouped_gemm_tma_kernel,
          dict(base, PROJ=1, BLOCK_E=16, BM=128, BN=256, BK=64, GROUP_M=8),
          dict(o8, num_stages=3, descs=tma_descs(128, 256, 64))),
+        ("gemm/gate_up_m256n64_tma", grouped_gemm_tma_kernel,
+         dict(base, PROJ=0, BLOCK_E=16, BM=256, BN=64, BK=64, GROUP_M=8),
+         dict(o8, descs=tma_descs(256, 64, 64))),
+        ("gemm/down_m256_tma", grouped_gemm_tma_kernel,
+         dict(base, PROJ=1, BLOCK_E=16, BM=256, BN=128, BK=64, GROUP_M=8),
+         dict(o8, num_stages=3, descs=tma_descs(256, 128, 64))),
         ("route/gather", gather_kernel, dict(K_TOP=2, BLOCK_E=16, BR=16, BD=256), dict(num_warps=4)),
         ("hybrid/gate_up", hybrid_kernel,
          dict(base, PROJ=0, K_TOP=8, BLOCK_E=128, BM=16, BN=64, BK=128, BNV=8, BKV=256, RP=1, STAGES=4),
@@ -111,7 +137,8 @@ def main() -> None:
     for label, kernel, cx, opts in representative():
         k = compile_sm90(kernel, cx, fp32_out=cx.get("PROJ") == 1 or label == "combine", **opts)
         ptx = k.asm["ptx"]
-        print(json.dumps(dict(label=label, shared=k.metadata.shared,
+        regs, spill = ptxas_usage(k)
+        print(json.dumps(dict(label=label, shared=k.metadata.shared, regs=regs, spill_bytes=spill,
                               tma=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
                               cp_async=len(re.findall(r"cp\.async\.c[ag]", ptx)),
                               local=len(re.findall(r"(ld|st)\.local", ptx)),
