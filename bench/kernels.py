@@ -282,6 +282,22 @@ def floor_us(E, k, D, F, T, distinct) -> float:
 # ------------------------------------------------------------------------------------------ variants
 
 
+def table_variant(path: str, shape: str, T: int) -> list[tuple[str, Schedule]]:
+    """[("table", schedule)]: what the dispatch table at `path` routes T to for the preset of this
+    shape, i.e. what a compiled model runs (none when the file, the entry or a current one is missing;
+    stale or foreign entries are said in one warning, as at run time)."""
+    if not path or shape not in TABLE_PRESETS:
+        return []
+    from moetune.ir.presets import preset
+    from moetune.runtime.table import load_entries
+
+    usable = load_entries(path, preset(TABLE_PRESETS[shape]), "h200", "triton", device="cuda")
+    return [("table", s) for lo, hi, s in usable if lo <= T <= hi]
+
+
+TABLE_PRESETS = {name: name for name in SHAPES}  # the bench shapes are the presets of the same name
+
+
 def variants(E: int, k: int, D: int, F: int, T: int):
     """A few parameter choices per kind, picked by rows per active expert."""
     from moetune.codegen.triton import GemmParams, GemvParams, HybridParams
@@ -486,6 +502,9 @@ def main() -> None:
     ap.add_argument("--baselines", default="grouped_mm,batched_mm,eager")
     ap.add_argument("--eager-tokens", default="1")
     ap.add_argument("--tags", default=".*", help="regex: only moetune variants whose tag matches")
+    ap.add_argument("--table", default=str(Path(__file__).resolve().parents[1] / "cache" / "h200.sqlite"),
+                    help="shipped dispatch table: its current entry for the cell's T joins as variant `table` "
+                         "(what a compiled model runs); '' to leave it out")
     ap.add_argument("--probe", action="store_true", help="GEMV configurations for ncu, then exit")
     ap.add_argument("--probe-gemm", action="store_true", help="mixtral large-T GEMM for ncu, then exit")
     args = ap.parse_args()
@@ -531,7 +550,8 @@ def main() -> None:
             ref = reference(x0, ids0, wt0, w)
             best_open = BEST_OPEN[shape][TOKENS.index(T)] if T in TOKENS else None
             cands = [(f"moetune:{s.kind}", tag, s, BACKEND.build(block, s))
-                     for tag, s in variants(E, k, D, F, T) if re.fullmatch(args.tags, tag)]
+                     for tag, s in variants(E, k, D, F, T) + table_variant(args.table, shape, T)
+                     if re.fullmatch(args.tags, tag)]
             for b in baselines:
                 if b == "batched_mm" and (T > 64 or T * k * 3 * D * F * 2 > 24e9):
                     continue
