@@ -144,6 +144,7 @@ def run_phase(a) -> dict:
         keep_going=True,
         routings=a.routings,
         patience=a.patience,
+        edge_timing=False,  # both searches judged at the representative T only: the comparison is of search
         **({} if grid else {"batch": a.batch}),
     )
     per = a.grid_budget if grid else a.tpe_budget

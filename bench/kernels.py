@@ -77,33 +77,6 @@ def read_kernel(src, dst, n, BLOCK: tl.constexpr):
     tl.store(dst + pid, tl.sum(acc, axis=0))
 
 
-def read_only_us(nbytes: int, flush, reps: int = 100) -> float:
-    """Graph-mode median of ONE launch that only reads `nbytes` (cold L2): what a single kernel that
-    streams the cell's weight bytes costs, ramp and tail included; the bound for a one-launch design."""
-    dev = flush.device
-    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=dev)
-    grid = torch.cuda.get_device_properties(dev).multi_processor_count * 8
-    dst = torch.empty(grid, dtype=torch.float32, device=dev)
-
-    def run():
-        read_kernel[(grid,)](src, dst, src.numel(), BLOCK=2048, num_warps=8)
-
-    run()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-    times = []
-    for _ in range(reps):
-        flush.sum()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
-
-
 def ceilings(dev: torch.device) -> dict:
     n = 2 * 1024**3  # 4 GiB of bf16
     a = torch.randn(n, dtype=torch.bfloat16, device=dev)
@@ -354,10 +327,6 @@ def variants(E: int, k: int, D: int, F: int, T: int):
              down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
         gemm("m128g32", block_m=128, block_n=128, block_k=64, group_m=32, num_warps=8, num_stages=4,
              down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
-    if rows >= 128:  # TMA only: 256-row tiles read each weight tile once per 256 rows (171 / 251 registers)
-        for tag, split in (("m256n64-t", 1), ("m256n64-ts2", 2)):
-            gemm(tag, block_m=256, block_n=64, block_k=64, num_warps=8, num_stages=4, down_block_n=128,
-                 down_block_k=64, down_warps=8, down_stages=3, split_k=split, tma=True)
     # twins: `-1` the gate/up as one N = 2·block_n tl.dot, `-1s2` also the down GEMM split in two along F,
     # `-t` / `-ts2` the TMA operand path (and split in two)
     twins = []
@@ -376,62 +345,6 @@ def variants(E: int, k: int, D: int, F: int, T: int):
             twins.append((tag + "-ts2", dataclasses.replace(
                 s, params=dataclasses.replace(p, tma=True, down_stages=3, split_k=2))))
     return out + twins
-
-
-# ------------------------------------------------------------------------------------- prototypes
-
-
-def probe_cells(cells: str, candidates, out_path: Path, title: str, timed_rows=None) -> list[dict]:
-    """The prototypes' H200 run. cells "shape:T,…"; candidates(block, T) → [(tag, experts fn)]. Each
-    candidate is checked eagerly and in graph replay against the float32 reference, then timed with
-    this file's method; one JSON record each (plus what a fn reports in `info()`), a table last.
-    timed_rows(block, T, distinct, flush) → [(impl, µs)]: reference rows timed by the caller."""
-    dev = torch.device("cuda")
-    flush = torch.randn(128 * 1024 * 1024, dtype=torch.bfloat16, device=dev)  # 256 MB, read per rep
-    rows = []
-    for cell in cells.split(","):
-        shape, T = cell.split(":")
-        T = int(T)
-        E, k, D, F = SHAPES[shape]
-        block = MoEBlock(E=E, k=k, D=D, F=F, name=shape)
-        w = expert_weights(E, D, F, dev)
-        sets = routings(T, E, k, D, dev, seed=1000 + T)
-        distinct = statistics.mean(len(torch.unique(s[1])) for s in sets)
-        fl = floor_us(E, k, D, F, T, distinct)
-        x0, ids0, wt0 = sets[0]
-        ref = reference(x0, ids0, wt0, w)
-        for impl, t_us in timed_rows(block, T, distinct, flush) if timed_rows else ():
-            rows.append(dict(shape=shape, tokens=T, impl=impl, floor_us=fl, time_us=t_us, pct_floor=100 * fl / t_us))
-        for tag, fn in candidates(block, T):
-            rec = dict(shape=shape, tokens=T, impl=tag, floor_us=fl)
-            try:
-                rec["rel_err"] = rel_err(fn(x0, ids0, wt0, w), ref)
-                if rec["rel_err"] < 1e-2:
-                    t_us, rec["graph_rel_err"] = graph_checked_time(fn, sets, w, flush, ref)
-                    if t_us is not None:
-                        rec["time_us"] = t_us
-                rec.update(getattr(fn, "info", dict)())
-            except Exception as exc:  # noqa: BLE001 - a failing variant is recorded, the sweep goes on
-                rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                torch.cuda.synchronize()
-            if "time_us" in rec:
-                rec["pct_floor"] = 100 * fl / rec["time_us"]
-            rows.append(rec)
-            print(json.dumps(rec), flush=True)
-        del w
-        torch.cuda.empty_cache()
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(rows, indent=1))
-    print(f"\n{title} on {torch.cuda.get_device_name()}; floor at 4.8 TB/s and 989 TFLOP/s; graph replays, "
-          "256 MB read flush per rep")
-    print(f"{'cell':24s} {'impl':22s} {'µs':>8s} {'% floor':>8s} {'rel_err':>9s}")
-    for r in rows:
-        extra = " ".join(f"{key}={val}" for key, val in r.items() if key not in (
-            "shape", "tokens", "impl", "floor_us", "time_us", "pct_floor", "rel_err", "graph_rel_err"))
-        print(f"{r['shape'] + ' T=' + str(r['tokens']):24s} {r['impl']:22s} "
-              f"{r.get('time_us', float('nan')):8.1f} {r.get('pct_floor', float('nan')):8.0f} "
-              f"{r.get('rel_err', float('nan')):9.1e}  {extra[:80]}")
-    return rows
 
 
 # ------------------------------------------------------------------------------------------ main

@@ -5,14 +5,19 @@
 
 A bucket's study:
 1. The default heuristic schedules (the backend's `default` for every candidate kind, and the runtime's
-   choice among them) are enqueued first, so the study starts from what a model gets untuned.
+   choice among them) are enqueued first, so the study starts from what a model gets untuned; then the
+   seeds: tune_block passes the table's earlier winner of this bucket (current or stale: a re-tune after
+   a kernel change starts from it) and the winners of the two neighbouring buckets.
 2. TPE (multivariate, grouped for the conditional kind → parameters space, constant liar) asks a batch
    of candidates; they are built in parallel on the CPU cores (a thread pool over `build`), then each
    is checked against the float32 reference and timed one after the other (objective.py).
 3. It stops when the best is within `margin` of the bucket's floor, when `patience` trials in a row
    bring no improvement, when every point of the space has been tried, or when its budget is spent.
-4. The best few are re-timed back to back with the default, the fastest is the winner; it is written
-   to the dispatch table with its time, floor, % of floor, default time and baseline time.
+4. The best few are re-timed back to back with the default, and timed at the bucket's first and last
+   token counts too: the one that loses least against the fastest at each of the three counts is the
+   winner (a bucket can straddle a tile boundary: mixtral-8x7b [305, 633] spans 76–158 rows per expert
+   around the 128-row tile). It is written to the dispatch table with its time at the representative
+   count, floor, % of floor, default time and baseline time.
 
 With `storage` (an RDB URL or a journal file) several `moetune tune` workers share each study: each
 asks its own trials, skips points another worker already scored, and writes the study's winner.
@@ -64,6 +69,7 @@ class TuneOptions:
     device: str | None = None  # None: cuda for GPU backends, cpu for torch
     resume: bool = False  # keep buckets whose table entry is current here (same device, kernels, version)
     time_limit_s: float | None = None  # wall clock of a whole tune_block: no bucket starts that would pass it
+    edge_timing: bool = True  # finalists also timed at the bucket's first and last T; least total loss wins
 
     def __post_init__(self) -> None:
         if not 0 <= self.margin < 1:
@@ -255,8 +261,10 @@ class _Study:
 def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, inputs: BucketInputs,
                 timer: Timer, options: TuneOptions, *, table: DispatchTable | None = None,
                 versions: Versions | None = None,
-                progress: Callable[[dict], None] | None = None) -> BucketResult:
-    """Tune one bucket (see the module doc); write the winner to `table` when given."""
+                progress: Callable[[dict], None] | None = None,
+                seeds: Sequence[Schedule] = ()) -> BucketResult:
+    """Tune one bucket (see the module doc); write the winner to `table` when given. `seeds` (those inside
+    this bucket's space) are tried right after the defaults."""
     t_start = time.monotonic()
     deadline = t_start + options.budget_s
     space = build_space(block, backend, bucket)
@@ -274,6 +282,7 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
         name += f":cap{options.space_cap}"
     st = _Study(name, space, options)
     st.enqueue(default_schedules(block, backend, space, inputs.tokens, first=default))
+    st.enqueue([s for s in seeds if space.contains(s)])
     if options.exhaustive:
         st.enqueue([s for s in space.grid() if isinstance(s, Schedule)])
 
@@ -349,7 +358,12 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
     if default is not None and key(default) not in outcomes:  # outside the space: measured all the same
         outcomes[key(default)] = objective.evaluate(default)
 
-    winner, win_s, default_s = _final(st, space, objective, outcomes, default, options)
+    edges = None
+    if options.edge_timing and bucket.lo < bucket.hi:
+        gen = torch.Generator().manual_seed(options.seed * 1_000_003 + bucket.hi + 17)
+        edges = {t: make_cases(block, objective.w, t, len(inputs.cases), gen, inputs.sampler)
+                 for t in sorted({bucket.lo, bucket.hi} - {inputs.tokens})}
+    winner, win_s, default_s = _final(st, space, objective, outcomes, default, options, edges)
     bname = options.baseline or default_baseline(objective.device)
     base_fn, blabel = baseline_fn(block, bname)
     base_s = None
@@ -420,8 +434,11 @@ def _replace(r: BucketResult, **kw) -> BucketResult:
 
 
 def _final(st: _Study, space: SearchSpace, objective: Objective, outcomes: dict[str, Outcome],
-           default: Schedule | None, options: TuneOptions):
-    """Re-time the best few (every worker's) beside the default, back to back; the fastest wins."""
+           default: Schedule | None, options: TuneOptions, edges: dict[int, list[Case]] | None = None):
+    """Re-time the best few (every worker's) beside the default, back to back; the fastest wins. With
+    `edges` (cases at the bucket's first and last token counts), each finalist is timed there too and
+    the one that loses least over the three counts wins (`_robust`); its time is still the representative
+    count's."""
     ranked = sorted((t for t in st.study.trials if t.value is not None and math.isfinite(t.value)),
                     key=lambda t: t.value)
     finalists: dict[str, Schedule] = {}
@@ -457,7 +474,23 @@ def _final(st: _Study, space: SearchSpace, objective: Objective, outcomes: dict[
         times[k].append(objective.timer(fns[k], objective.timing_cases, finalists[k]).median_s)
     med = {k: statistics.median(v) for k, v in times.items()}
     wk = min(med, key=med.get)
+    if edges and len(med) > 1:
+        wk = _robust(med, {t: {k: objective.timer(fns[k], cases, finalists[k]).median_s for k in med}
+                           for t, cases in edges.items()})
     return finalists[wk], med[wk], (med[dk] if default_ok and dk in med else None)
+
+
+def _robust(at_rep: dict[str, float], at_edges: dict[int, dict[str, float]]) -> str:
+    """The finalist with the least geometric-mean slowdown against the fastest at each token count timed
+    (the representative one and the bucket's edges): a winner must hold over the whole bucket, not only
+    where it was searched (a tile boundary inside a bucket can flip the order). Ties: the faster at the
+    representative count."""
+    rows = [at_rep, *at_edges.values()]
+
+    def regret(k: str) -> float:
+        return math.fsum(math.log(r[k] / min(r.values())) for r in rows) / len(rows)
+
+    return min(at_rep, key=lambda k: (round(regret(k), 6), at_rep[k]))
 
 
 def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, int] = (1, 1024), *,
@@ -535,7 +568,7 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
         inputs = bucket_inputs(block, b, w, routings=routings, seed=options.seed, sampler=sampler)
         try:
             r = tune_bucket(block, be, target, b, inputs, timer, opts, table=table, versions=versions,
-                            progress=progress)
+                            progress=progress, seeds=_seeds(block, table, target, be.name, buckets, i, results))
         except UnsupportedSchedule as e:  # nothing to tune here: the runtime keeps its default
             if options.strict:
                 raise
@@ -546,6 +579,39 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
         if on_bucket:
             on_bucket(i, len(buckets), r)
     return results
+
+
+def _seeds(block: MoEBlock, table: DispatchTable | None, target: str, backend: str, buckets: Sequence[Bucket],
+           i: int, results: Sequence[BucketResult]) -> list[Schedule]:
+    """Schedules worth trying first in bucket i: its own earlier winner in the table (current or stale),
+    then the winners of buckets i − 1 and i + 1 (this run's result, else the table's entry). Entries whose
+    schedule the backend can no longer rebuild are skipped."""
+    from ..runtime.table import CacheError
+
+    b = buckets[i]
+    out: list[Schedule] = []
+    if table is not None:
+        mine = table.get(target, backend, block.signature_hash(), b.lo, b.hi)
+        out += [mine] if mine is not None else []
+    if i > 0 and results and results[-1].winner is not None:
+        out.append(results[-1].winner)
+    elif i > 0 and table is not None:
+        out += [e for e in [table.get(target, backend, block.signature_hash(), buckets[i - 1].lo,
+                                      buckets[i - 1].hi)] if e is not None]
+    if i + 1 < len(buckets) and table is not None:
+        out += [e for e in [table.get(target, backend, block.signature_hash(), buckets[i + 1].lo,
+                                      buckets[i + 1].hi)] if e is not None]
+    seeds, seen = [], set()
+    for s in out:
+        if isinstance(s, DispatchEntry):
+            try:
+                s = s.schedule(block)
+            except CacheError:
+                continue
+        if key(s) not in seen:
+            seen.add(key(s))
+            seeds.append(s)
+    return seeds
 
 
 def _replace_opts(o: TuneOptions, **kw) -> TuneOptions:

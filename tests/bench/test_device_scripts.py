@@ -1,5 +1,5 @@
 """The H200 scripts in bench/ are spent on scarce device time: check here that each parses as bash, and
-that every option it passes to `moetune tune`, bench/kernels.py, bench/grid_vs_tpe.py or a prototype
+that every option it passes to `moetune tune`, bench/kernels.py or bench/grid_vs_tpe.py
 exists in that command's --help."""
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ COMMANDS = {  # how a script calls it → the argv that prints its options
     "moetune.cli show": [sys.executable, "-m", "moetune.cli", "show", "--help"],
     "bench/kernels.py": [sys.executable, "bench/kernels.py", "--help"],
     "bench/grid_vs_tpe.py": [sys.executable, "bench/grid_vs_tpe.py", "--help"],
-    "bench/proto_fused_down.py": [sys.executable, "bench/proto_fused_down.py", "--help"],
 }
 
 

@@ -292,3 +292,108 @@ def test_time_limit_stops_between_buckets_and_resume_finishes(tmp_path):
                           options=TuneOptions(device="cpu", resume=True), budget_s=20)
         assert done[0].stopped.startswith("kept:") and all(r.winner is not None for r in done)
         assert [e.bucket for e in t.entries()] == [r.bucket for r in done]
+
+
+def test_seeds_are_tried_right_after_the_defaults(tmp_path):
+    """A seed (here the known best) is built among the first trials, before TPE's own points."""
+    from moetune.ir import Schedule
+
+    be = tb.toy("toy-seeds")
+    best = Schedule("stream_gemv", backend="toy-seeds", params=tb.ToyParams(tile=32, stages=2))
+    outside = Schedule("stream_gemv", backend="toy-seeds", params=tb.ToyParams(tile=48, stages=2))  # not in space
+    b = tb.bucket()
+    inputs = bucket_inputs(tb.BLOCK, b, expert_tensors(tb.BLOCK), routings=2)
+    r = tune_bucket(tb.BLOCK, be, "toy-target", b, inputs, FakeTimer(tb.cost),
+                    TuneOptions(budget_s=60, batch=1, build_workers=1), versions=VERSIONS,
+                    seeds=[outside, best])
+    first = [(s.kind, s.params.tile, s.params.stages) for s in be.built[:4]]
+    assert sorted(first[:3]) == sorted((k, 16, 1) for k in ("grouped_gemm", "stream_gemv", "hybrid"))  # defaults
+    assert first[3] == tb.BEST  # the seed, before any sampled point
+    assert all(s.params.tile != 48 for s in be.built)  # a seed outside the space is left out
+    assert r.time_s <= tb.cost(best)
+
+
+def test_retune_of_a_stale_bucket_starts_from_its_old_winner_and_its_neighbours(tmp_path):
+    """After a kernel change (stale rows), `tune_block` seeds each bucket with its own earlier winner and
+    the winners of the buckets beside it: each is built before the bucket's study samples a point."""
+    import moetune.search.study as study
+    from moetune.runtime.table import TABLE
+
+    tb.toy("toy-block-seeds")
+    with DispatchTable(tmp_path / "d.sqlite") as t:
+        first = study.tune_block(tb.BLOCK, "toy-block-seeds", "cpu", (1, 16), table=t, timer=FakeTimer(tb.cost),
+                                 options=TuneOptions(device="cpu"), budget_s=20)
+        assert len(first) >= 3
+        # a distinctive earlier winner in bucket 1, then every row stale (an older kernel hash)
+        planted = '{"stages": 3, "tile": 32}'
+        t.db.execute(f"UPDATE {TABLE} SET kind = 'stream_gemv', row_threshold = NULL, params = ? "
+                     "WHERE bucket_lo = ?", [planted, first[1].bucket[0]])
+        t.db.execute(f"UPDATE {TABLE} SET kernel_hash = 'old'")
+        t.db.conn.commit()
+        seen = {}
+        real = study.tune_bucket
+
+        def spy(block, backend, target, bucket, *a, seeds=(), **kw):
+            seen[(bucket.lo, bucket.hi)] = list(seeds)
+            return real(block, backend, target, bucket, *a, seeds=seeds, **kw)
+
+        study.tune_bucket = spy
+        try:
+            again = study.tune_block(tb.BLOCK, "toy-block-seeds", "cpu", (1, 16), table=t,
+                                     timer=FakeTimer(tb.cost), options=TuneOptions(device="cpu", resume=True),
+                                     budget_s=20)
+        finally:
+            study.tune_bucket = real
+    assert not any(r.stopped.startswith("kept:") for r in again)  # stale: every bucket re-tuned
+    b0, b1, b2 = (r.bucket for r in again[:3])
+    own = seen[b1][0]
+    assert (own.kind, own.params.tile, own.params.stages) == ("stream_gemv", 32, 3)  # its old winner first
+    assert again[0].winner in seen[b1]  # the bucket before: this run's new winner
+    assert first[2].winner in seen[b1]  # the bucket after: its (stale) table entry
+    assert own in seen[b0]  # the bucket after bucket 0: its table entry
+    assert again[1].winner in seen[b2]  # past a re-tuned bucket: its new winner, not its old entry
+
+
+class TokensTimer:
+    """A fake timer whose time depends on the schedule and on the token count of the cases it is given."""
+
+    name = "fake-by-tokens"
+
+    def __init__(self, cost):
+        self.cost = cost
+
+    def __call__(self, fn, cases, schedule=None):
+        from moetune.search.timing import Timing
+
+        c = cases[0]
+        fn(c.x, c.ids, c.weights, c.w)
+        return Timing(self.cost(schedule, c.tokens), 0.0, 1, self.name)
+
+
+@pytest.mark.parametrize("edge_timing", [True, False])
+def test_the_winner_holds_at_the_bucket_edges(edge_timing):
+    """Two finalists: A is 1 % faster at the representative T but 40 % slower at the bucket's last T (a
+    tile boundary inside the bucket); B is steady. Timed at the edges too, B wins; at one T only, A."""
+    from moetune.ir import Schedule
+
+    name = f"toy-edges-{edge_timing}"
+    be = tb.toy(name)
+    a = Schedule("stream_gemv", backend=name, params=tb.ToyParams(tile=64, stages=1))
+    b = Schedule("grouped_gemm", backend=name, params=tb.ToyParams(tile=64, stages=1))
+    bucket = tb.bucket(lo=1, hi=8, floor_s=1e-7)  # far below both: the search does not stop at A
+
+    def cost(s, T):
+        if s is None or s.params is None:
+            return 50e-6
+        if (s.kind, s.params.tile, s.params.stages) == ("stream_gemv", 64, 1):
+            return 1.40e-6 if T == bucket.hi else 0.99e-6
+        if (s.kind, s.params.tile, s.params.stages) == ("grouped_gemm", 64, 1):
+            return 1.0e-6
+        return tb.cost(s) + 1e-6
+
+    inputs = bucket_inputs(tb.BLOCK, bucket, expert_tensors(tb.BLOCK), routings=2)
+    assert bucket.lo < inputs.tokens < bucket.hi
+    r = tune_bucket(tb.BLOCK, be, "toy-target", bucket, inputs, TokensTimer(cost),
+                    TuneOptions(budget_s=60, edge_timing=edge_timing), versions=VERSIONS, seeds=[a, b])
+    assert r.winner == (b if edge_timing else a)
+    assert r.time_s == pytest.approx(cost(r.winner, inputs.tokens))  # the stored time: the representative T's
