@@ -8,7 +8,9 @@ One versioned table, `dispatch_v1`, with typed columns (sqlite-utils), in WAL mo
     context signature_text, moetune, kernel_hash, backend_version, torch, device, capability, tuned_at
 
 An entry is replaced only by a faster one (`put`), or by any new one when the stored entry was measured
-with another kernel source, backend version or device (it no longer says anything about this code).
+with another kernel source, backend version or device (it no longer says anything about this code), or
+when the tuner that writes it measured the stored winner itself, on the same cases, and chose against it
+(`put(..., replace=True)`: its choice also weighs the bucket's edges, so its time may be the higher).
 Several tuners may write one file at once: each `put` is one atomic statement and waits for the lock.
 
 This module is what a deployment reads: it imports neither the search nor Optuna.
@@ -419,14 +421,14 @@ class DispatchTable:
         self.close()
 
     # writing
-    def put(self, entry: DispatchEntry, *, replace_stale: bool = True) -> bool:
+    def put(self, entry: DispatchEntry, *, replace_stale: bool = True, replace: bool = False) -> bool:
         """Insert, or replace the stored entry of the same key when `entry` is faster (or, with
-        `replace_stale`, when the stored one was measured with other kernels, libraries or device).
-        Returns whether the row was written."""
+        `replace_stale`, when the stored one was measured with other kernels, libraries or device; with
+        `replace`, always). Returns whether the row was written."""
         row = entry.row()
         cols = list(COLUMNS)
         updates = ", ".join(f"{c} = excluded.{c}" for c in cols if c not in PK)
-        cond = f"excluded.time_us < {TABLE}.time_us"
+        cond = "1" if replace else f"excluded.time_us < {TABLE}.time_us"
         if replace_stale:
             cond += "".join(f" OR excluded.{c} IS NOT {TABLE}.{c}" for c in _VERSION_COLUMNS)
         sql = (f"INSERT INTO {TABLE} ({', '.join(cols)}) VALUES ({', '.join('?' for _ in cols)}) "

@@ -188,7 +188,8 @@ def run(args) -> int:
     print("\n".join(table_lines(results, f"{dev_name} ({cap})")))
     written = sum(r.written for r in results)
     print(f"\n{written} of {len(results)} bucket winners written to {cache} "
-          f"(an entry is replaced only by a faster one); total {time.monotonic() - t0:.0f} s")
+          f"(an entry is replaced by a faster one, or by a winner chosen against it here); "
+          f"total {time.monotonic() - t0:.0f} s")
     left = [r for r in results if r.stopped.startswith("not tuned: time limit")]
     if left:
         print(f"{len(left)} bucket(s) left untuned by the time limit: rerun with --resume to tune only those")

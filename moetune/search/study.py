@@ -388,7 +388,7 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
             baseline_time_us=None if base_s is None else base_s * 1e6, baseline=result.baseline,
             timer=getattr(timer, "name", type(timer).__name__), trials=result.trials,
         )
-        result = _replace(result, written=table.put(entry))
+        result = _replace(result, written=table.put(entry, replace=_judged_here(table, entry, block, outcomes)))
     return result
 
 
@@ -579,6 +579,20 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
         if on_bucket:
             on_bucket(i, len(buckets), r)
     return results
+
+
+def _judged_here(table: DispatchTable, entry: DispatchEntry, block: MoEBlock, outcomes: dict[str, Outcome]) -> bool:
+    """Whether this study measured the table's stored winner of the entry's bucket itself (it is a seed):
+    then its own winner replaces it even when slower at the representative T (chosen over the edges too)."""
+    from ..runtime.table import CacheError
+
+    old = table.get(entry.target, entry.backend, entry.signature, entry.bucket_lo, entry.bucket_hi)
+    if old is None:
+        return False
+    try:
+        return key(old.schedule(block)) in outcomes
+    except CacheError:
+        return False
 
 
 def _seeds(block: MoEBlock, table: DispatchTable | None, target: str, backend: str, buckets: Sequence[Bucket],

@@ -397,3 +397,34 @@ def test_the_winner_holds_at_the_bucket_edges(edge_timing):
                     TuneOptions(budget_s=60, edge_timing=edge_timing), versions=VERSIONS, seeds=[a, b])
     assert r.winner == (b if edge_timing else a)
     assert r.time_s == pytest.approx(cost(r.winner, inputs.tokens))  # the stored time: the representative T's
+
+
+def test_a_winner_chosen_against_the_stored_one_replaces_it_even_if_slower_on_paper(tmp_path):
+    """The stored entry claims an impossible 0.001 µs: a plain `put` keeps it (faster), but a re-tune that
+    measured the stored winner itself (it is a seed) and chose another writes its own."""
+    from moetune.runtime.table import TABLE
+    from moetune.search.study import tune_block
+
+    tb.toy("toy-block-replace")
+    with DispatchTable(tmp_path / "d.sqlite") as t:
+        first = tune_block(tb.BLOCK, "toy-block-replace", "cpu", (1, 8), table=t, timer=FakeTimer(tb.cost),
+                           options=TuneOptions(device="cpu"), budget_s=10)
+        b = first[0].bucket
+        t.db.execute(f"UPDATE {TABLE} SET kind = 'stream_gemv', row_threshold = NULL, params = ?, time_us = 0.001 "
+                     "WHERE bucket_lo = ?", ['{"stages": 3, "tile": 16}', b[0]])
+        t.db.conn.commit()
+        planted = t.entries()[0]
+        assert planted.bucket == b
+        assert not t.put(dataclasses_replace(planted, time_us=5.0))  # slower on paper: kept
+        again = tune_block(tb.BLOCK, "toy-block-replace", "cpu", (1, 8), table=t, timer=FakeTimer(tb.cost),
+                           options=TuneOptions(device="cpu"), budget_s=10)
+        now = t.get(planted.target, planted.backend, planted.signature, *b)
+    assert again[0].written
+    assert now.schedule(tb.BLOCK) == again[0].winner != planted.schedule(tb.BLOCK)
+    assert now.time_us == pytest.approx(again[0].time_s * 1e6)
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)
