@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the buckets whose table entry is current here; tune only the others")
     p.add_argument("--space-cap", type=int, default=None,
                    help="tune a sub-grid of ≤ N points per bucket around the default (also for --exhaustive)")
+    p.add_argument("--at-tokens", default=None,
+                   help="e.g. 256,512: tune only the buckets (of the whole --tokens range) that hold these "
+                        "token counts, whatever the table holds for them (a targeted re-tune)")
     p.add_argument("--no-edge-timing", action="store_true",
                    help="choose each bucket's winner at its representative T only (default: the finalists "
                         "are also timed at the bucket's first and last T, the least total loss wins)")

@@ -135,6 +135,16 @@ def table_lines(results: list[BucketResult], device: str) -> list[str]:
 
 def run(args) -> int:
     lo, hi = parse_tokens(args.tokens)
+    at_tokens = None
+    if getattr(args, "at_tokens", None):
+        try:
+            at_tokens = sorted({int(t) for t in args.at_tokens.split(",") if t.strip()})
+        except ValueError:
+            raise SystemExit(f"moetune tune: --at-tokens {args.at_tokens!r}: token counts separated by "
+                             "commas") from None
+        if not at_tokens or not all(lo <= t <= hi for t in at_tokens):
+            raise SystemExit(f"moetune tune: --at-tokens {args.at_tokens!r}: every count must lie in "
+                             f"--tokens {lo}-{hi}")
     budget = parse_budget(args.budget)
     backend = args.backend or _default_backend()
     device = "cpu" if backend == "torch" else "cuda"
@@ -183,7 +193,7 @@ def run(args) -> int:
 
     with DispatchTable(cache) as table:
         results = tune_block(block, backend, target, (lo, hi), trace=args.trace, table=table, options=options,
-                             budget_s=budget, progress=progress, on_bucket=on_bucket)
+                             budget_s=budget, progress=progress, on_bucket=on_bucket, at_tokens=at_tokens)
     print()
     print("\n".join(table_lines(results, f"{dev_name} ({cap})")))
     written = sum(r.written for r in results)

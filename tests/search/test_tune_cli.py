@@ -69,6 +69,25 @@ def test_resume_keeps_every_current_bucket(tuned, capsys):
     assert progress and all("kept: current table entry" in ln for ln in progress)
 
 
+def test_at_tokens_retunes_only_the_buckets_holding_them(tuned, capsys, tmp_path):
+    import shutil
+
+    _, _, path = tuned
+    copy = tmp_path / "copy.sqlite"
+    shutil.copy(path, copy)
+    with DispatchTable(copy) as t:
+        spans = [e.bucket for e in t.entries()]
+    hit = next(b for b in spans if b[0] <= 5 <= b[1])
+    assert cli_main(["tune", "--tiny", FAMILY, "--tokens", "1-8", "--budget", "6s", "--cache", str(copy),
+                     "--at-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    progress = [ln for ln in out.splitlines() if "] bucket [" in ln]
+    assert len(progress) == 1 and f"bucket [{hit[0]},{hit[1]}]" in progress[0]  # current, yet re-tuned
+    assert "kept:" not in progress[0]
+    with pytest.raises(SystemExit, match="every count must lie in"):
+        cli_main(["tune", "--tiny", FAMILY, "--tokens", "1-8", "--cache", str(copy), "--at-tokens", "9"])
+
+
 def test_show_lists_the_tuned_table(tuned, capsys):
     _, _, path = tuned
     assert cli_main(["show", str(path)]) == 0
