@@ -8,7 +8,8 @@
 # or not (`--at-tokens` instead of `--resume`; each bucket's study starts from its stored winner).
 export PYTHONUNBUFFERED=1
 budget=$1; limit=$2; shift 2
-which=(--resume); [ -n "${AT:-}" ] && which=(--at-tokens "$AT")
+# With REVALIDATE=1: stale buckets re-check and re-time their stored winner beside the defaults, no search.
+which=(--resume); [ -n "${REVALIDATE:-}" ] && which=(--revalidate); [ -n "${AT:-}" ] && which=(--at-tokens "$AT")
 out=${OUT:-out}; mkdir -p "$out"
 for preset in "$@"; do
   timeout -k 5 -s INT $((limit + 60)) python3 -m moetune.cli tune --preset "$preset" --backend triton \

@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the buckets whose table entry is current here; tune only the others")
     p.add_argument("--space-cap", type=int, default=None,
                    help="tune a sub-grid of ≤ N points per bucket around the default (also for --exhaustive)")
+    p.add_argument("--revalidate", action="store_true",
+                   help="as --resume, but a stale bucket is not searched again: its stored winner is re-checked "
+                        "and re-timed with the current kernels beside the defaults (and its neighbours' winners), "
+                        "the best kept (after a kernel change that should not move the timings)")
     p.add_argument("--at-tokens", default=None,
                    help="e.g. 256,512: tune only the buckets (of the whole --tokens range) that hold these "
                         "token counts, whatever the table holds for them (a targeted re-tune)")

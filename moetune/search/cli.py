@@ -159,6 +159,7 @@ def run(args) -> int:
                           space_cap=getattr(args, "space_cap", None) or None,
                           resume=getattr(args, "resume", False),
                           edge_timing=not getattr(args, "no_edge_timing", False),
+                          revalidate=getattr(args, "revalidate", False),
                           time_limit_s=parse_budget(args.time_limit) if getattr(args, "time_limit", None) else None)
     print(f"moetune tune: {block.name or block.signature_hash()} [{block.signature_hash()}] "
           f"on {dev_name} ({cap}), backend {backend}, target {target}, T ∈ [{lo},{hi}], budget {budget:.0f} s"

@@ -68,6 +68,7 @@ class TuneOptions:
     warm_in_build: bool | None = None  # launch each candidate once in the build pool (None: on GPUs)
     device: str | None = None  # None: cuda for GPU backends, cpu for torch
     resume: bool = False  # keep buckets whose table entry is current here (same device, kernels, version)
+    revalidate: bool = False  # as resume, and a stale entry's winner is re-checked beside the defaults, no search
     time_limit_s: float | None = None  # wall clock of a whole tune_block: no bucket starts that would pass it
     edge_timing: bool = True  # finalists also timed at the bucket's first and last T; least total loss wins
 
@@ -262,9 +263,10 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
                 timer: Timer, options: TuneOptions, *, table: DispatchTable | None = None,
                 versions: Versions | None = None,
                 progress: Callable[[dict], None] | None = None,
-                seeds: Sequence[Schedule] = ()) -> BucketResult:
+                seeds: Sequence[Schedule] = (), first_only: bool = False) -> BucketResult:
     """Tune one bucket (see the module doc); write the winner to `table` when given. `seeds` (those inside
-    this bucket's space) are tried right after the defaults."""
+    this bucket's space) are tried right after the defaults; with `first_only`, nothing else is (no
+    search: `--revalidate` re-checks and re-times a stale winner beside the defaults)."""
     t_start = time.monotonic()
     deadline = t_start + options.budget_s
     space = build_space(block, backend, bucket)
@@ -281,8 +283,9 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
     if options.space_cap and space.full_size is not None:  # a capped space is a study of its own
         name += f":cap{options.space_cap}"
     st = _Study(name, space, options)
-    st.enqueue(default_schedules(block, backend, space, inputs.tokens, first=default))
-    st.enqueue([s for s in seeds if space.contains(s)])
+    first = default_schedules(block, backend, space, inputs.tokens, first=default)
+    first += [s for s in seeds if space.contains(s)]
+    st.enqueue(first)
     if options.exhaustive:
         st.enqueue([s for s in space.grid() if isinstance(s, Schedule)])
 
@@ -291,7 +294,7 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
     failures: dict[str, int] = {}
     best, since_best, stopped = math.inf, 0, ""
     untried = _Untried(st, space, options.seed)
-    batch = options.batch or max(2, options.build_workers)
+    batch = len({key(s) for s in first}) if first_only else options.batch or max(2, options.build_workers)
     pool = ThreadPoolExecutor(max_workers=options.build_workers, thread_name_prefix="moetune-build")
     try:
         while not stopped:
@@ -343,7 +346,9 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
             tried = len(set(outcomes) | set(scored))
             if untried.size == space.size():  # not listed: params refusals count as tried points
                 tried += len(refused)
-            if floor_s and best <= floor_s / (1 - options.margin) and not options.exhaustive:
+            if first_only:
+                stopped = "revalidated: the stored winner re-checked and re-timed beside the defaults, no search"
+            elif floor_s and best <= floor_s / (1 - options.margin) and not options.exhaustive:
                 stopped = f"within {options.margin:.0%} of the floor"
             elif since_best >= options.patience and not options.exhaustive:
                 stopped = f"no {options.min_gain:.0%} gain in {since_best} trials"
@@ -530,7 +535,7 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
     t0 = time.monotonic()
     results = []
     kept = {}
-    if options.resume and table is not None:
+    if (options.resume or options.revalidate) and table is not None:
         from ..runtime.table import judge
 
         for b in buckets:
@@ -567,8 +572,10 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
         opts = _replace_opts(options, budget_s=share, device=device)
         inputs = bucket_inputs(block, b, w, routings=routings, seed=options.seed, sampler=sampler)
         try:
+            stored = table.get(target, be.name, block.signature_hash(), b.lo, b.hi) if table is not None else None
             r = tune_bucket(block, be, target, b, inputs, timer, opts, table=table, versions=versions,
-                            progress=progress, seeds=_seeds(block, table, target, be.name, buckets, i, results))
+                            progress=progress, seeds=_seeds(block, table, target, be.name, buckets, i, results),
+                            first_only=options.revalidate and stored is not None)
         except UnsupportedSchedule as e:  # nothing to tune here: the runtime keeps its default
             if options.strict:
                 raise

@@ -428,3 +428,30 @@ def dataclasses_replace(obj, **kw):
     import dataclasses
 
     return dataclasses.replace(obj, **kw)
+
+
+def test_revalidate_rechecks_a_stale_winner_without_a_search(tmp_path):
+    """After a kernel change, `revalidate` keeps current buckets, and for a stale one builds only its
+    defaults and the stored (and neighbouring) winners: the stored winner is re-checked, re-timed and
+    stamped with the current kernels, with no TPE point sampled."""
+    from moetune.runtime.table import TABLE
+    from moetune.search.study import tune_block
+
+    be = tb.toy("toy-block-revalidate")
+    with DispatchTable(tmp_path / "d.sqlite") as t:
+        first = tune_block(tb.BLOCK, "toy-block-revalidate", "cpu", (1, 16), table=t, timer=FakeTimer(tb.cost),
+                           options=TuneOptions(device="cpu"), budget_s=20)
+        stale = first[1].bucket
+        t.db.execute(f"UPDATE {TABLE} SET kernel_hash = 'old' WHERE bucket_lo = ?", [stale[0]])
+        t.db.conn.commit()
+        be.built.clear()
+        again = tune_block(tb.BLOCK, "toy-block-revalidate", "cpu", (1, 16), table=t, timer=FakeTimer(tb.cost),
+                           options=TuneOptions(device="cpu", revalidate=True), budget_s=20)
+        rows = {e.bucket: e for e in t.entries()}
+    redone = [r for r in again if not r.stopped.startswith("kept:")]
+    assert [r.bucket for r in redone] == [stale]
+    r = redone[0]
+    assert r.stopped.startswith("revalidated") and r.written
+    assert r.winner == first[1].winner  # the stored winner (the known best) holds
+    assert r.evaluated <= 3 + 3  # defaults (3 kinds) and at most 3 seeds: no search
+    assert rows[stale].versions.kernel_hash != "old"
