@@ -480,8 +480,13 @@ def _final(st: _Study, space: SearchSpace, objective: Objective, outcomes: dict[
     med = {k: statistics.median(v) for k, v in times.items()}
     wk = min(med, key=med.get)
     if edges and len(med) > 1:
-        wk = _robust(med, {t: {k: objective.timer(fns[k], cases, finalists[k]).median_s for k in med}
-                           for t, cases in edges.items()})
+        def at(k: str, cases) -> float:
+            try:
+                return objective.timer(fns[k], cases, finalists[k]).median_s
+            except Exception:  # noqa: BLE001 - checked at the edges already; a launch failure there only disqualifies
+                return math.inf
+
+        wk = _robust(med, {t: {k: at(k, cases) for k in med} for t, cases in edges.items()})
     return finalists[wk], med[wk], (med[dk] if default_ok and dk in med else None)
 
 
@@ -490,10 +495,11 @@ def _robust(at_rep: dict[str, float], at_edges: dict[int, dict[str, float]]) -> 
     (the representative one and the bucket's edges): a winner must hold over the whole bucket, not only
     where it was searched (a tile boundary inside a bucket can flip the order). Ties: the faster at the
     representative count."""
-    rows = [at_rep, *at_edges.values()]
+    rows = [r for r in (at_rep, *at_edges.values()) if math.isfinite(min(r.values()))]
 
     def regret(k: str) -> float:
-        return math.fsum(math.log(r[k] / min(r.values())) for r in rows) / len(rows)
+        return math.fsum(math.log(r[k] / min(r.values())) if math.isfinite(r[k]) else math.inf
+                         for r in rows) / len(rows)
 
     return min(at_rep, key=lambda k: (round(regret(k), 6), at_rep[k]))
 

@@ -455,3 +455,14 @@ def test_revalidate_rechecks_a_stale_winner_without_a_search(tmp_path):
     assert r.winner == first[1].winner  # the stored winner (the known best) holds
     assert r.evaluated <= 3 + 3  # defaults (3 kinds) and at most 3 seeds: no search
     assert rows[stale].versions.kernel_hash != "old"
+
+
+def test_robust_choice_over_the_edges():
+    from moetune.search.study import _robust
+
+    rep = {"a": 1.00, "b": 1.01}
+    assert _robust(rep, {}) == "a"  # no edges: the faster at the representative T
+    assert _robust(rep, {8: {"a": 1.40, "b": 1.00}}) == "b"  # a loses 40 % at the last T
+    assert _robust(rep, {8: {"a": 1.005, "b": 1.00}}) == "a"  # a small loss there does not outweigh
+    assert _robust(rep, {8: {"a": math.inf, "b": 1.00}}) == "b"  # failed to launch at an edge
+    assert _robust(rep, {8: {"a": math.inf, "b": math.inf}}) == "a"  # nothing ran there: that edge is ignored
