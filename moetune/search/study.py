@@ -525,6 +525,7 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
     block = block.replace(T_max=max(block.T_max, tokens[1])) if block.T_max < tokens[1] else block
     sb = schedule_block(block, target, trace=trace, tokens=tokens)
     buckets = [b for b in sb.buckets if b.hi >= tokens[0] and b.lo <= tokens[1]]
+    every = list(buckets)  # before --at-tokens: the neighbours a bucket is seeded from
     if at_tokens is not None:
         buckets = [b for b in buckets if any(b.lo <= t <= b.hi for t in at_tokens)]
     sampler = None
@@ -580,7 +581,7 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
         try:
             stored = table.get(target, be.name, block.signature_hash(), b.lo, b.hi) if table is not None else None
             r = tune_bucket(block, be, target, b, inputs, timer, opts, table=table, versions=versions,
-                            progress=progress, seeds=_seeds(block, table, target, be.name, buckets, i, results),
+                            progress=progress, seeds=_seeds(block, table, target, be.name, every, b, results),
                             first_only=options.revalidate and stored is not None)
         except UnsupportedSchedule as e:  # nothing to tune here: the runtime keeps its default
             if options.strict:
@@ -608,26 +609,24 @@ def _judged_here(table: DispatchTable, entry: DispatchEntry, block: MoEBlock, ou
         return False
 
 
-def _seeds(block: MoEBlock, table: DispatchTable | None, target: str, backend: str, buckets: Sequence[Bucket],
-           i: int, results: Sequence[BucketResult]) -> list[Schedule]:
-    """Schedules worth trying first in bucket i: its own earlier winner in the table (current or stale),
-    then the winners of buckets i − 1 and i + 1 (this run's result, else the table's entry). Entries whose
-    schedule the backend can no longer rebuild are skipped."""
+def _seeds(block: MoEBlock, table: DispatchTable | None, target: str, backend: str, every: Sequence[Bucket],
+           b: Bucket, results: Sequence[BucketResult]) -> list[Schedule]:
+    """Schedules worth trying first in bucket b: its own earlier winner in the table (current or stale),
+    then the winners of the buckets just below and above it in `every` (this run's result, else the
+    table's entry). Entries whose schedule the backend can no longer rebuild are skipped."""
     from ..runtime.table import CacheError
 
-    b = buckets[i]
-    out: list[Schedule] = []
-    if table is not None:
-        mine = table.get(target, backend, block.signature_hash(), b.lo, b.hi)
-        out += [mine] if mine is not None else []
-    if i > 0 and results and results[-1].winner is not None:
-        out.append(results[-1].winner)
-    elif i > 0 and table is not None:
-        out += [e for e in [table.get(target, backend, block.signature_hash(), buckets[i - 1].lo,
-                                      buckets[i - 1].hi)] if e is not None]
-    if i + 1 < len(buckets) and table is not None:
-        out += [e for e in [table.get(target, backend, block.signature_hash(), buckets[i + 1].lo,
-                                      buckets[i + 1].hi)] if e is not None]
+    done = {r.bucket: r.winner for r in results if r.winner is not None}
+    i = next(j for j, c in enumerate(every) if (c.lo, c.hi) == (b.lo, b.hi))
+    out: list[Schedule | DispatchEntry | None] = []
+    for j in (i, i - 1, i + 1):
+        if not 0 <= j < len(every):
+            continue
+        c = every[j]
+        if j != i and (c.lo, c.hi) in done:
+            out.append(done[(c.lo, c.hi)])
+        elif table is not None:
+            out.append(table.get(target, backend, block.signature_hash(), c.lo, c.hi))
     seeds, seen = [], set()
     for s in out:
         if isinstance(s, DispatchEntry):
@@ -635,7 +634,7 @@ def _seeds(block: MoEBlock, table: DispatchTable | None, target: str, backend: s
                 s = s.schedule(block)
             except CacheError:
                 continue
-        if key(s) not in seen:
+        if s is not None and key(s) not in seen:
             seen.add(key(s))
             seeds.append(s)
     return seeds
