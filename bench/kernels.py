@@ -420,7 +420,11 @@ def main() -> None:
                          "(what a compiled model runs); '' to leave it out")
     ap.add_argument("--probe", action="store_true", help="GEMV configurations for ncu, then exit")
     ap.add_argument("--probe-gemm", action="store_true", help="mixtral large-T GEMM for ncu, then exit")
+    ap.add_argument("--render", metavar="JSON", help="rewrite the markdown table of a results JSON, then exit")
     args = ap.parse_args()
+    if args.render:
+        print(render(args.render))
+        return
     if args.probe_gemm:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         probe_gemm(Path(args.out))
@@ -526,10 +530,11 @@ def table(records: list[dict], ceil: dict, name: str) -> str:
     lines = [f"# moetune Triton experts kernels on {name}", "",
              "ceilings measured in the same run: " + ", ".join(f"{k} {v:.3g}" for k, v in ceil.items()),
              "",
-             "| shape | T | floor µs | best moetune µs | % floor | kind/variant | best open-source µs "
+             "| shape | T | floor µs | best moetune µs | % floor | kind/variant | table µs | best open-source µs "
              "| speedup | grouped_mm | batched_mm | eager (host) | GEMV best | GEMM best | hybrid best "
              "| rel_err | extra MiB |",
-             "|" + "---|" * 16]
+             "|" + "---|" * 17]
+    summary = []  # (speedup, % floor, target %, table µs / best µs or None) per cell
     cells = sorted({(r["shape"], r["tokens"]) for r in records},
                    key=lambda c: (list(SHAPES).index(c[0]), c[1]))
     for shape, T in cells:
@@ -552,18 +557,59 @@ def table(records: list[dict], ceil: dict, name: str) -> str:
 
         def named(name, best_of=best_of):
             return fmt(best_of(lambda rec: rec["impl"] == name))
+        tab = best_of(lambda rec: rec["impl"].startswith("moetune") and rec["variant"] == "table")
+        tab_ratio = tab["time_us"] / b["time_us"] if tab else None
+        summary.append((bo / b["time_us"] if bo else None, 100 * fl / b["time_us"], target_pct(T), tab_ratio))
         lines.append(
             f"| {shape} | {T} | {fl:.1f} | {fmt(b)} | {100 * fl / b['time_us']:.0f}% | "
-            f"{b['impl'].split(':')[1]}/{b['variant']} | {bo} | "
+            f"{b['impl'].split(':')[1]}/{b['variant']} | "
+            f"{fmt(tab) + (f' ({1 / tab_ratio:.2f}×)' if tab_ratio and tab is not b else '')} | {bo} | "
             f"{(bo / b['time_us']) if bo else float('nan'):.2f}× | "
             f"{named('grouped_mm')} | {named('batched_mm')} | {named('eager')} | "
             f"{named('moetune:stream_gemv')} | {named('moetune:grouped_gemm')} | {named('moetune:hybrid')} | "
             f"{max(r['rel_err'] for r in mine):.1e} | {b['extra_mem_bytes'] / 2**20:.2f} |")
+    lines += [""] + summary_lines(summary)
     errs = [r for r in records if "error" in r]
     if errs:
         lines += ["", "Failures:"] + [
             f"- {r['shape']} T={r['tokens']} {r['impl']}/{r['variant']}: {r['error']}" for r in errs]
     return "\n".join(lines) + "\n"
+
+
+def target_pct(T: int) -> float:
+    """The issue's % of floor target for a cell: 80 % at T = 1, 85 % at T = 2…64, 75 % above."""
+    return 80.0 if T == 1 else 85.0 if T <= 64 else 75.0
+
+
+def summary_lines(summary: list[tuple]) -> list[str]:
+    """The table's footer: speedups over the best open-source figures, % of floor against the targets, and
+    how close the shipped table's own choice (variant `table`) comes to the best variant."""
+    def gmean(xs):
+        return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+
+    sp = [c[0] for c in summary if c[0]]
+    pf = [c[1] for c in summary]
+    under = sum(1 for _, p, t, _ in summary if p < t)
+    tab = [c[3] for c in summary if c[3]]
+    out = [f"{len(summary)} cells: speedup over the best open-source figure, geometric mean {gmean(sp):.3f}× "
+           f"(lowest {min(sp):.3f}×); % of floor, geometric mean {gmean(pf):.1f} %; "
+           f"{under} cells under their target (80 % at T = 1, 85 % at T = 2–64, 75 % above)."] if sp else []
+    if tab:
+        near = sum(1 for r in tab if r <= 1.02)
+        out.append(f"`table` (the shipped dispatch table's schedule for the cell's T, what a compiled model runs): "
+                   f"within 2 % of the best variant in {near} of {len(tab)} cells, at worst {1 / max(tab):.2f}× "
+                   "its speed.")
+    return out
+
+
+def render(json_path: str) -> str:
+    """The markdown table of a results JSON, written beside it (no GPU needed)."""
+    path = Path(json_path)
+    d = json.loads(path.read_text())
+    name = path.name.removesuffix("-kernels.json")
+    md = table(d["records"], d["ceilings"], name)
+    path.with_name(f"{name}-kernels.md").write_text(md)
+    return md
 
 
 if __name__ == "__main__":

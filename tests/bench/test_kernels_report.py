@@ -1,0 +1,48 @@
+"""The committed H200 results: the markdown table is what bench/kernels.py renders from the JSON beside it,
+and its footer's figures are computed from the records (recomputed here independently)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results" / "nvidia-h200-kernels.json"
+
+pytest.importorskip("triton")  # bench/kernels.py defines a Triton kernel at import
+sys.path.insert(0, str(ROOT / "bench"))
+import kernels as B  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def records():
+    if not RESULTS.exists():
+        pytest.skip("no committed H200 results")
+    return json.loads(RESULTS.read_text())
+
+
+def test_the_committed_markdown_is_rendered_from_the_committed_json(records, tmp_path):
+    copy = tmp_path / RESULTS.name
+    copy.write_text(json.dumps(records))
+    md = B.render(str(copy))
+    assert md == RESULTS.with_name("nvidia-h200-kernels.md").read_text()
+
+
+def test_the_footer_figures(records):
+    best: dict = {}
+    for r in records["records"]:
+        if r["impl"].startswith("moetune") and "time_us" in r:
+            k = (r["shape"], r["tokens"])
+            if k not in best or r["time_us"] < best[k]["time_us"]:
+                best[k] = r
+    sp = [r["best_open_us"] / r["time_us"] for r in best.values()]
+    gm = math.exp(sum(map(math.log, sp)) / len(sp))
+    under = sum(1 for (s, t), r in best.items() if 100 * r["floor_us"] / r["time_us"] < B.target_pct(t))
+    md = B.table(records["records"], records["ceilings"], "x")
+    assert f"{len(best)} cells: speedup over the best open-source figure, geometric mean {gm:.3f}×" in md
+    assert f"; {under} cells under their target" in md
+    assert [B.target_pct(t) for t in (1, 2, 64, 128, 1024)] == [80.0, 85.0, 85.0, 75.0, 75.0]
