@@ -128,7 +128,8 @@ def table_lines(results: list[BucketResult], device: str) -> list[str]:
             f"{_ratio(r.default_time_s, r.time_s):>10} {_ratio(r.baseline_time_s, r.time_s):>11}  "
             f"{r.stopped}")
     base = next((r.baseline for r in results), "")
-    lines.append(f"device: {device}; time: median at the bucket's T; floor at the target's roofs; "
+    lines.append(f"device: {device}; time: at the bucket's T (GPU: each routing's median replay, averaged "
+                 f"over the routings; CPU: the median call); floor at the target's roofs; "
                  f"vs default: the untuned heuristic's time / winner's; vs baseline: {base} / winner's")
     return lines
 

@@ -74,3 +74,20 @@ def test_cuda_graph_timer_on_a_gpu():  # pragma: no cover - GPU only
     fn, _ = baseline_fn(block, "batched_mm")
     t = CudaGraphTimer(reps=20, warmup=2)(fn, cs)
     assert 0 < t.median_s < 0.1 and t.host_median_s is not None
+
+
+def test_routing_mean_weighs_every_routing_and_drops_each_ones_outliers():
+    from moetune.search.timing import routing_mean
+
+    # 4 routings, 3 reps each in rotation; routings 0 and 1 are 3-expert ones (10 µs), 2 and 3 four-expert
+    # ones (14 µs); one rep of routing 1 is a 90 µs outlier
+    times = [10e-6, 10e-6, 14e-6, 14e-6] * 3
+    times[5] = 90e-6  # rep 5 → routing 1
+    assert routing_mean(times, 4) == pytest.approx(12e-6)  # the mean over routings, outlier dropped
+    # a plain median of the reps sits in one mode when the two kinds are not split evenly
+    skewed = [10e-6] * 3 + [14e-6] * 1
+    import statistics
+
+    assert statistics.median(skewed * 3) == pytest.approx(10e-6)
+    assert routing_mean(skewed * 3, 4) == pytest.approx(11e-6)
+    assert routing_mean([5e-6, 7e-6], 4) == pytest.approx(6e-6)  # fewer reps than routings
