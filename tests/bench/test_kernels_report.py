@@ -46,3 +46,19 @@ def test_the_footer_figures(records):
     assert f"{len(best)} cells: speedup over the best open-source figure, geometric mean {gm:.3f}×" in md
     assert f"; {under} cells under their target" in md
     assert [B.target_pct(t) for t in (1, 2, 64, 128, 1024)] == [80.0, 85.0, 85.0, 75.0, 75.0]
+
+
+def test_table_variant_survives_a_missing_or_corrupt_table(tmp_path, capsys):
+    import warnings
+
+    from moetune.runtime.table import CacheWarning
+
+    assert B.table_variant("", "mixtral-8x7b", 512) == []  # left out on request
+    with pytest.warns(CacheWarning, match="no such file"):
+        assert B.table_variant(str(tmp_path / "none.sqlite"), "mixtral-8x7b", 512) == []
+    bad = tmp_path / "bad.sqlite"
+    bad.write_bytes(b"not a sqlite file" * 100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert B.table_variant(str(bad), "mixtral-8x7b", 512) == []
+    assert "bad.sqlite" in capsys.readouterr().out  # the file is named
