@@ -52,56 +52,20 @@ sys.path.insert(0, "bench")
 import kernels as B
 from moetune.codegen.triton import BACKEND
 from moetune.ir import MoEBlock
-from triton_sm90 import compile_sm90, tma_descs
-from moetune.codegen.triton.stream_gemv import stream_gemv_kernel
-from moetune.codegen.triton.grouped_gemm import grouped_gemm_kernel, grouped_gemm_tma_kernel
-from moetune.codegen.triton.hybrid import hybrid_kernel
+from triton_sm90 import compile_sm90, schedule_kernels
 seen = set()
-def cc(label, kern, cx, **o):
-    key = (label, tuple(sorted(cx.items())), repr(sorted(o.items())))
-    if key in seen:
-        return
-    seen.add(key)
-    k = compile_sm90(kern, cx, fp32_out=cx.get("PROJ") == 1, **o)
-    print(json.dumps(dict(label=label, shared=k.metadata.shared)), flush=True)
-base = dict(ACT=0, HAS_BIAS=False, W_IN=False, UPCAST=False)
 for shape, (E, k, D, F) in B.SHAPES.items():
-    be = max(16, 1 << (E - 1).bit_length())
-    kp = 1 << (k - 1).bit_length()
     block = MoEBlock(E=E, k=k, D=D, F=F, name=shape)
     for T in B.TOKENS:
         defaults = [(f"default-{kind}", BACKEND.default(block, kind, T)) for kind in BACKEND.kinds(block)]
         for tag, s in B.variants(E, k, D, F, T) + defaults:
-            p = s.params
-            lab = f"{shape}/T{T}/{tag}"
-            if s.kind == "stream_gemv":
-                m = dict(base, K_TOP=k, KP=kp, BLOCK_E=be, BP=16, FUSED=p.fused_route and T * k <= 64,
-                         ROWS=p.rows, STAGES=p.num_stages)
-                cc(lab, stream_gemv_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k),
-                   num_warps=p.num_warps, num_stages=p.num_stages)
-                cc(lab, stream_gemv_kernel, dict(m, PROJ=2 if p.down_mode == "token" else 1,
-                   BN=p.down_block_n, BK=p.down_block_k), num_warps=p.down_warps, num_stages=p.num_stages)
-            elif s.kind == "grouped_gemm" and p.tma:
-                m = dict(base, BLOCK_E=be, BM=p.block_m, GROUP_M=p.group_m)
-                cc(lab, grouped_gemm_tma_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k),
-                   num_warps=p.num_warps, num_stages=p.num_stages, descs=tma_descs(p.block_m, p.block_n, p.block_k))
-                cc(lab, grouped_gemm_tma_kernel, dict(m, PROJ=1, BN=p.down_block_n, BK=p.down_block_k),
-                   num_warps=p.down_warps, num_stages=p.down_stages,
-                   descs=tma_descs(p.block_m, p.down_block_n, p.down_block_k))
-            elif s.kind == "grouped_gemm":
-                m = dict(base, K_TOP=k, BLOCK_E=be, BM=p.block_m, GROUP_M=p.group_m)
-                cc(lab, grouped_gemm_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k, ONE_DOT=p.one_dot),
-                   num_warps=p.num_warps, num_stages=p.num_stages)
-                cc(lab, grouped_gemm_kernel, dict(m, PROJ=1, BN=p.down_block_n, BK=p.down_block_k),
-                   num_warps=p.down_warps, num_stages=p.down_stages)
-            else:
-                rp = 1 << max(0, (s.row_threshold - 2).bit_length())
-                m = dict(base, K_TOP=k, BLOCK_E=be, BM=p.block_m, RP=rp)
-                cc(lab, hybrid_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k, BNV=p.gemv_block_n,
-                   BKV=p.gemv_block_k, STAGES=p.num_stages), num_warps=p.num_warps, num_stages=p.num_stages)
-                cc(lab, hybrid_kernel, dict(m, PROJ=1, BN=p.down_block_n, BK=p.down_block_k,
-                   BNV=p.down_gemv_block_n, BKV=p.down_gemv_block_k, STAGES=p.down_stages),
-                   num_warps=p.down_warps, num_stages=p.down_stages)
+            for _, kern, cx, o in schedule_kernels(block, T, s):
+                key = (kern.fn.__name__, tuple(sorted(cx.items())), repr(sorted(o.items())))
+                if key in seen:
+                    continue
+                seen.add(key)
+                c = compile_sm90(kern, cx, fp32_out=cx.get("PROJ") == 1, **o)
+                print(json.dumps(dict(label=f"{shape}/T{T}/{tag}", shared=c.metadata.shared)), flush=True)
 '''
 
 
@@ -113,3 +77,16 @@ def test_every_bench_config_and_default_fits_h200():
     assert rows
     over = [r for r in rows if r["shared"] > H200_SMEM_LIMIT]
     assert not over, over
+
+
+@pytest.mark.slow
+def test_every_shipped_table_winner_compiles_for_sm_90():
+    """Every kernel of every winner in cache/h200.sqlite compiles for sm_90 at its bucket's edges; the PTX
+    digests are what `python tests/codegen/triton_sm90.py --digests cache/h200.sqlite` prints (compared
+    before and after a source edit that must not change the code)."""
+    rows = _compile("import json, triton_sm90 as S; "
+                    "print(json.dumps(S.table_digests('cache/h200.sqlite')))")
+    assert len(rows) == 1
+    digests = rows[0]
+    entries = {k.split(" T=")[0] for k in digests}
+    assert len(entries) >= 40 and all(len(v) == 16 for v in digests.values())

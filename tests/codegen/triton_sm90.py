@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import triton
@@ -123,6 +124,81 @@ def representative() -> list[tuple[str, object, dict, dict]]:
     ]
 
 
+def schedule_kernels(block, tokens: int, schedule) -> list[tuple[str, object, dict, dict]]:
+    """(projection, kernel, constexprs, options) of every kernel a Triton schedule launches on `block` at
+    `tokens` (the launchers' constexprs; options may carry `descs`, the TMA boxes)."""
+    from moetune.codegen.triton.grouped_gemm import grouped_gemm_kernel, grouped_gemm_tma_kernel
+    from moetune.codegen.triton.hybrid import hybrid_kernel
+    from moetune.codegen.triton.stream_gemv import stream_gemv_kernel
+
+    E, k = block.E, block.k
+    be = max(16, 1 << (E - 1).bit_length())
+    base = dict(ACT=0, HAS_BIAS=False, W_IN=False, UPCAST=False)
+    p = schedule.params
+    if schedule.kind == "stream_gemv":
+        m = dict(base, K_TOP=k, KP=1 << (k - 1).bit_length(), BLOCK_E=be, BP=16,
+                 FUSED=p.fused_route and tokens * k <= 64, ROWS=p.rows, STAGES=p.num_stages)
+        return [("gate_up", stream_gemv_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k),
+                 dict(num_warps=p.num_warps, num_stages=p.num_stages)),
+                ("down", stream_gemv_kernel, dict(m, PROJ=2 if p.down_mode == "token" else 1, BN=p.down_block_n,
+                                                  BK=p.down_block_k),
+                 dict(num_warps=p.down_warps, num_stages=p.num_stages))]
+    if schedule.kind == "grouped_gemm" and p.tma:
+        m = dict(base, BLOCK_E=be, BM=p.block_m, GROUP_M=p.group_m)
+        return [("gate_up", grouped_gemm_tma_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k),
+                 dict(num_warps=p.num_warps, num_stages=p.num_stages,
+                      descs=tma_descs(p.block_m, p.block_n, p.block_k))),
+                ("down", grouped_gemm_tma_kernel, dict(m, PROJ=1, BN=p.down_block_n, BK=p.down_block_k),
+                 dict(num_warps=p.down_warps, num_stages=p.down_stages,
+                      descs=tma_descs(p.block_m, p.down_block_n, p.down_block_k)))]
+    if schedule.kind == "grouped_gemm":
+        m = dict(base, K_TOP=k, BLOCK_E=be, BM=p.block_m, GROUP_M=p.group_m)
+        return [("gate_up", grouped_gemm_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k, ONE_DOT=p.one_dot),
+                 dict(num_warps=p.num_warps, num_stages=p.num_stages)),
+                ("down", grouped_gemm_kernel, dict(m, PROJ=1, BN=p.down_block_n, BK=p.down_block_k),
+                 dict(num_warps=p.down_warps, num_stages=p.down_stages))]
+    rp = 1 << max(0, (schedule.row_threshold - 2).bit_length())
+    m = dict(base, K_TOP=k, BLOCK_E=be, BM=p.block_m, RP=rp)
+    return [("gate_up", hybrid_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k, BNV=p.gemv_block_n,
+                                            BKV=p.gemv_block_k, STAGES=p.num_stages),
+             dict(num_warps=p.num_warps, num_stages=p.num_stages)),
+            ("down", hybrid_kernel, dict(m, PROJ=1, BN=p.down_block_n, BK=p.down_block_k, BNV=p.down_gemv_block_n,
+                                         BKV=p.down_gemv_block_k, STAGES=p.down_stages),
+             dict(num_warps=p.down_warps, num_stages=p.down_stages))]
+
+
+def ptx_digest(k) -> str:
+    """sha256[:16] of a compiled kernel's PTX without its debug lines (.loc / .file, comments, labels):
+    two sources that compile to the same instructions give the same digest."""
+    import hashlib
+
+    lines = k.asm["ptx"].split(".section\t.debug")[0].splitlines()
+    keep = [ln for ln in lines if not ln.lstrip().startswith(("//", ".loc", ".file", "$L__")) and "debug" not in ln]
+    return hashlib.sha256("\n".join(keep).encode()).hexdigest()[:16]
+
+
+def table_digests(path: str) -> dict[str, str]:
+    """PTX digest of every kernel of every entry of a shipped H200 table whose block is a preset, compiled for
+    sm_90 at the bucket's first and last T: equal digests before and after a source edit show the edit left
+    the stored winners' code unchanged (their timings still hold)."""
+    from moetune.ir.presets import PRESETS, preset
+    from moetune.runtime.table import DispatchTable
+
+    blocks = {b.signature_hash(): b for b in map(preset, PRESETS)}
+    out = {}
+    with DispatchTable(path, create=False) as t:
+        for e in t.entries(backend="triton"):
+            block = blocks.get(e.signature)
+            if block is None:
+                continue
+            s = e.schedule(block)
+            for T in sorted({e.bucket_lo, e.bucket_hi}):
+                for proj, kern, cx, opts in schedule_kernels(block, T, s):
+                    k = compile_sm90(kern, cx, fp32_out=cx.get("PROJ") == 1, **opts)
+                    out[f"{block.name or e.signature} [{e.bucket_lo},{e.bucket_hi}] T={T} {proj}"] = ptx_digest(k)
+    return out
+
+
 def main() -> None:
     """Compile `representative()` (run with TRITON_INTERPRET unset); one JSON line per config."""
     import json
@@ -140,4 +216,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--digests":  # python tests/codegen/triton_sm90.py --digests TABLE
+        import json
+
+        print(json.dumps(table_digests(sys.argv[2]), indent=0, sort_keys=True))
+    else:
+        main()

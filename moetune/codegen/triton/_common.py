@@ -379,16 +379,7 @@ def _tile_gate_up(x_ptr, s_xt, tok, rmask, w_e, sn, sk, up, n0, N, K, k_end,
         bcol = w_e + rown[None, :] * sn + (c % 2)[None, :] * up  # [1, 2BN]
         acc = tl.zeros([BM, 2 * BN], dtype=tl.float32)
         for k0 in range(0, k_end, BK):
-            offs_k = k0 + tl.arange(0, BK)
-            km = offs_k < K
-            a = tl.load(arow + offs_k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)  # [BM, BK]
-            b = tl.load(bcol + offs_k[:, None] * sk, mask=km[:, None] & colm[None, :], other=0.0)  # [BK, 2BN]
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            else:
-                a = a.to(b.dtype)
-            acc = tl.dot(a, b, acc)
+            acc = _dot_step(arow, bcol, sk, k0, K, rmask, colm, acc, BK, UPCAST)  # B [BK, 2BN]
         accg, accu = tl.split(tl.reshape(acc, [BM, BN, 2]))
     else:
         offs_n = n0 + tl.arange(0, BN)
@@ -438,17 +429,24 @@ def _tile_down(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n0, N, k_lo, k_hi,
     arow = h_ptr + pairs.to(tl.int64)[:, None] * s_hp
     bcol = w_e + offs_n[None, :] * sn
     for k0 in range(k_lo, k_hi, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        km = offs_k < k_hi
-        a = tl.load(arow + offs_k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-        b = tl.load(bcol + offs_k[:, None] * sk, mask=km[:, None] & nm[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        else:
-            a = a.to(b.dtype)
-        acc = tl.dot(a, b, acc)
+        acc = _dot_step(arow, bcol, sk, k0, k_hi, rmask, nm, acc, BK, UPCAST)
     return acc
+
+
+@triton.jit
+def _dot_step(arow, bcol, sk, k0, k_hi, rmask, cmask, acc, BK: tl.constexpr, UPCAST: tl.constexpr):
+    """One K step of a tile: acc += A[rows, k0:k0+BK] · B[k0:k0+BK, cols] (A rows at arow [R, 1], B columns
+    at bcol [1, C] with K stride sk; reduction index < k_hi, rows in rmask, columns in cmask)."""
+    offs_k = k0 + tl.arange(0, BK)
+    km = offs_k < k_hi
+    a = tl.load(arow + offs_k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)  # [R, BK]
+    b = tl.load(bcol + offs_k[:, None] * sk, mask=km[:, None] & cmask[None, :], other=0.0)  # [BK, C]
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    else:
+        a = a.to(b.dtype)
+    return tl.dot(a, b, acc)
 
 
 @triton.jit

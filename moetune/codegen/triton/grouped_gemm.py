@@ -2,7 +2,7 @@
 
 One kernel per operand path, two projections (PROJ) each:
   0 gate/up   tile × F-block: A = x rows of the tile's sorted pairs [BM, BK], B = gate and up tiles of
-              the expert read in place; SwiGLU in the epilogue; h [P, F] in x.dtype.
+              the expert read in place; SwiGLU in the epilogue; h [P, F] in x.dtype (tma: the weights').
   1 down      tile × D-block (× split_k F ranges): A = h rows, B = down tile; routing weight in the
               epilogue; fp32 rows y [S, P, D] (S = split_k partial planes), then combine.py sums the
               S planes and the k rows of each token.
@@ -256,14 +256,21 @@ def build(block: MoEBlock, schedule: Schedule):
 
 def _build_tma(block: MoEBlock, p: GemmParams, alpha: float, limit: float):
     E, D, F = block.E, block.D, block.F
+    weight_descs: dict = {}  # the last weights' two descriptors (host objects), by pointer, shape and strides
 
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
         a = call_args(block, x, ids, weights, w)
         T, P, gs, ds, wts_f = a.T, a.P, a.gs, a.ds, a.weights
         gu, dn = w.gate_up, w.down
-        if gs.se != 2 * F * gs.sn or ds.se != D * ds.sn or gs.up != F * gs.sn:
-            raise UnsupportedSchedule(f"grouped_gemm tma: expert weights gate_up {tuple(gu.stride())} / down "
-                                      f"{tuple(dn.stride())} are not one [E·rows, cols] matrix each")
+        key = (gu.data_ptr(), dn.data_ptr(), gu.shape, dn.shape, gu.stride(), dn.stride(), gu.dtype)
+        if key not in weight_descs:
+            if gs.se != 2 * F * gs.sn or ds.se != D * ds.sn or gs.up != F * gs.sn:
+                raise UnsupportedSchedule(f"grouped_gemm tma: expert weights gate_up {tuple(gu.stride())} / down "
+                                          f"{tuple(dn.stride())} are not one [E·rows, cols] matrix each")
+            weight_descs.clear()
+            weight_descs[key] = (_desc(gu, E * 2 * F, D, gs.sn, [p.block_n, p.block_k]),
+                                 _desc(dn, E * D, F, ds.sn, [p.down_block_n, p.down_block_k]))
+        gu_desc, dn_desc = weight_descs[key]
         counts, sorted_pairs = routing.route(ids, E)
         meta = {n: v for n, v in a.meta.items() if n != "K_TOP"}
         meta.update(BM=p.block_m, GROUP_M=p.group_m)
@@ -272,8 +279,7 @@ def _build_tma(block: MoEBlock, p: GemmParams, alpha: float, limit: float):
         xs = routing.gather(x, counts, sorted_pairs, block.k, gu.dtype)  # [P, D] sorted token rows
         h = torch.empty(rows, F, dtype=gu.dtype, device=x.device)  # [P, F] sorted order
         grouped_gemm_tma_kernel[(nt * triton.cdiv(F, p.block_n),)](
-            _desc(xs, rows, D, D, [p.block_m, p.block_k]),
-            _desc(gu, E * 2 * F, D, gs.sn, [p.block_n, p.block_k]),
+            _desc(xs, rows, D, D, [p.block_m, p.block_k]), gu_desc,
             wts_f, counts, sorted_pairs, a.gate_up_bias, gs.sbe, gs.sbn, gs.bup,
             h, h, P, E, F, D, nt, D, alpha, limit,
             PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta)
@@ -281,8 +287,7 @@ def _build_tma(block: MoEBlock, p: GemmParams, alpha: float, limit: float):
         S = triton.cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=torch.float32, device=x.device)  # [S, P, D]
         grouped_gemm_tma_kernel[(nt * triton.cdiv(D, p.down_block_n), S)](
-            _desc(h, rows, F, F, [p.block_m, p.down_block_k]),
-            _desc(dn, E * D, F, ds.sn, [p.down_block_n, p.down_block_k]),
+            _desc(h, rows, F, F, [p.block_m, p.down_block_k]), dn_desc,
             wts_f, counts, sorted_pairs, a.down_bias, ds.sbe, ds.sbn, 0,
             h, y, P, E, D, F, nt, k_split, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
