@@ -259,20 +259,18 @@ def table_variant(path: str, shape: str, T: int) -> list[tuple[str, Schedule]]:
     """[("table", schedule)]: what the dispatch table at `path` routes T to for the preset of this
     shape, i.e. what a compiled model runs (none when the file, the entry or a current one is missing;
     stale or foreign entries are said in one warning, as at run time)."""
-    if not path or shape not in TABLE_PRESETS:
+    if not path or shape not in SHAPES:  # the bench shapes are the presets of the same name
         return []
     from moetune.ir.presets import preset
     from moetune.runtime.table import CacheError, load_entries
 
     try:
-        usable = load_entries(path, preset(TABLE_PRESETS[shape]), "h200", "triton", device="cuda")
+        usable = load_entries(path, preset(shape), "h200", "triton", device="cuda")
     except CacheError as e:  # an unreadable table costs the `table` variant, never the sweep
         print(f"variant `table` left out: {e}", flush=True)
         return []
     return [("table", s) for lo, hi, s in usable if lo <= T <= hi]
 
-
-TABLE_PRESETS = {name: name for name in SHAPES}  # the bench shapes are the presets of the same name
 
 
 def variants(E: int, k: int, D: int, F: int, T: int):
