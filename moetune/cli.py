@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-edge-timing", action="store_true",
                    help="choose each bucket's winner at its representative T only (default: the finalists "
                         "are also timed at the bucket's first and last T, the least total loss wins)")
+    p.add_argument("--no-local-search", action="store_true",
+                   help="TPE only (default: each new fastest candidate's one-knob neighbours are tried "
+                        "next, a local search from the incumbent)")
     p.set_defaults(module="moetune.search.cli")
 
     p = sub.add_parser("show", help="list a dispatch table's contents")

@@ -160,6 +160,7 @@ def run(args) -> int:
                           space_cap=getattr(args, "space_cap", None) or None,
                           resume=getattr(args, "resume", False),
                           edge_timing=not getattr(args, "no_edge_timing", False),
+                          local_search=not getattr(args, "no_local_search", False),
                           revalidate=getattr(args, "revalidate", False),
                           time_limit_s=parse_budget(args.time_limit) if getattr(args, "time_limit", None) else None)
     print(f"moetune tune: {block.name or block.signature_hash()} [{block.signature_hash()}] "

@@ -118,6 +118,29 @@ class SearchSpace:
         except UnsupportedSchedule:
             return False
 
+    def neighbours(self, schedule: Schedule) -> list[Schedule]:
+        """The points one parameter away from `schedule` in its kind (each other value of each knob, the
+        values next to its own first), those the params class accepts; [] when it is outside the space.
+        The tuner's local search: kernel parameters interact little, so a single-knob move from the
+        incumbent (one more pipeline stage, split-K on, a wider group) is where the next gain usually is."""
+        try:
+            params = self.params_of(schedule)
+        except UnsupportedSchedule:
+            return []
+        ks = self.kind(schedule.kind)
+        moves = []
+        for name, vals in ks.choices():
+            i = _encode(vals).index(params[name])
+            moves += [(abs(j - i), name, vals[j]) for j in range(len(vals)) if j != i]
+        own = {n: _decode(vals, params[n]) for n, vals in ks.choices()}
+        out = []
+        for _, name, v in sorted(moves, key=lambda m: m[0]):
+            try:
+                out.append(self._schedule(ks, {**own, name: v}))
+            except UnsupportedSchedule:
+                continue
+        return out
+
     def _schedule(self, ks: KindSpace, values: dict) -> Schedule:
         rt = values.pop(f"{ks.kind}:row_threshold", None)
         params = ks.params.make(**{n.split(":", 1)[1]: v for n, v in values.items()})

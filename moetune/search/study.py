@@ -11,6 +11,9 @@ A bucket's study:
 2. TPE (multivariate, grouped for the conditional kind → parameters space, constant liar) asks a batch
    of candidates; they are built in parallel on the CPU cores (a thread pool over `build`), then each
    is checked against the float32 reference and timed one after the other (objective.py).
+   After each round, a new fastest candidate's one-knob neighbours (one more stage, split-K on, the
+   next tile size: `SearchSpace.neighbours`) are enqueued ahead of TPE's next points: a local search
+   from the incumbent, which TPE alone reaches slowly in a space of a dozen knobs.
 3. It stops when the best is within `margin` of the bucket's floor, when `patience` trials in a row
    bring no improvement, when every point of the space has been tried, or when its budget is spent.
 4. The best few are re-timed back to back with the default, and timed at the bucket's first and last
@@ -71,6 +74,7 @@ class TuneOptions:
     revalidate: bool = False  # as resume, and a stale entry's winner is re-checked beside the defaults, no search
     time_limit_s: float | None = None  # wall clock of a whole tune_block: no bucket starts that would pass it
     edge_timing: bool = True  # finalists also timed at the bucket's first and last T; least total loss wins
+    local_search: bool = True  # each new incumbent's one-knob neighbours are tried before TPE's next points
 
     def __post_init__(self) -> None:
         if not 0 <= self.margin < 1:
@@ -294,6 +298,7 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
     failures: dict[str, int] = {}
     best, since_best, stopped = math.inf, 0, ""
     untried = _Untried(st, space, options.seed)
+    climbed: set[str] = set()  # incumbents whose neighbours were enqueued
     batch = len({key(s) for s in first}) if first_only else options.batch or max(2, options.build_workers)
     pool = ThreadPoolExecutor(max_workers=options.build_workers, thread_name_prefix="moetune-build")
     try:
@@ -342,6 +347,8 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
                 for trial, _, _ in todo[told:]:
                     st.fail(trial)
                 raise
+            if options.local_search and not first_only and not options.exhaustive:
+                _climb(st, space, outcomes, scored, climbed)
             n_trials = len(st.study.trials)
             tried = len(set(outcomes) | set(scored))
             if untried.size == space.size():  # not listed: params refusals count as tried points
@@ -395,6 +402,23 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
         )
         result = _replace(result, written=table.put(entry, replace=_judged_here(table, entry, block, outcomes)))
     return result
+
+
+def _climb(st: _Study, space: SearchSpace, outcomes: dict[str, Outcome], scored: dict, climbed: set[str]) -> None:
+    """Local search: when the fastest candidate so far is new, enqueue its untried one-knob neighbours
+    (space.neighbours), so that the next rounds walk downhill from it before TPE samples again; a better
+    neighbour becomes the next incumbent and is climbed in turn (coordinate descent inside the study)."""
+    ok = [o for o in outcomes.values() if o.ok and math.isfinite(o.time_s)]
+    if not ok:
+        return
+    best = min(ok, key=lambda o: o.time_s)
+    k = key(best.schedule)
+    if k in climbed:
+        return
+    climbed.add(k)
+    todo = [s for s in space.neighbours(best.schedule) if key(s) not in outcomes and key(s) not in scored]
+    if todo:
+        st.enqueue(todo)
 
 
 class _Untried:

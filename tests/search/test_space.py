@@ -87,3 +87,34 @@ def test_every_bucket_of_the_passes_has_a_torch_space():
         for s in space.grid():
             assert isinstance(s, Schedule) and s.backend == "torch"
             torch_be.build(block, s)  # every point builds
+
+
+def test_neighbours_differ_in_exactly_one_knob_nearest_values_first():
+    space = build_space(tb.BLOCK, tb.toy("toy-space-nb"), tb.bucket(1, 8))
+    s = Schedule("hybrid", row_threshold=2, backend="toy-space-nb", params=tb.ToyParams(tile=64, stages=2))
+    got = [(n.row_threshold, n.params.tile, n.params.stages) for n in space.neighbours(s)]
+    # R 4; tile 32 (next to 64), then 16; stages 1 (3 at tile 64 is refused by ToyParams)
+    assert sorted(got[:3]) == [(2, 32, 2), (2, 64, 1), (4, 64, 2)]
+    assert got[3:] == [(2, 16, 2)]
+    assert all(n.kind == s.kind and n.fusion == s.fusion and space.contains(n) for n in space.neighbours(s))
+    outside = Schedule("hybrid", row_threshold=16, backend="toy-space-nb", params=tb.ToyParams())
+    assert space.neighbours(outside) == []
+
+
+def test_neighbours_on_the_triton_space_reach_split_k_from_the_tma_default():
+    """The case the local search exists for (session 5, mixtral-8x7b T = 634…1024): the TMA default's
+    split-K twin, the bench's best variant there, is one knob away."""
+    import dataclasses
+
+    from moetune.codegen.triton import BACKEND
+    from moetune.passes.pipeline import schedule_block
+    from moetune.ir.presets import preset
+
+    block = preset("mixtral-8x7b")
+    bucket = next(b for b in schedule_block(block, "h200", tokens=(1, 1024)).buckets if b.lo <= 806 <= b.hi)
+    space = build_space(block, BACKEND, bucket)
+    d = BACKEND.default(block, "grouped_gemm", 806)
+    nb = space.neighbours(d)
+    assert dataclasses.replace(d, params=dataclasses.replace(d.params, split_k=2), fusion=nb[0].fusion) in nb
+    assert all(sum(getattr(n.params, f.name) != getattr(d.params, f.name)
+                   for f in dataclasses.fields(d.params)) == 1 for n in nb)

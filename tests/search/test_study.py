@@ -313,6 +313,25 @@ def test_seeds_are_tried_right_after_the_defaults(tmp_path):
     assert r.time_s <= tb.cost(best)
 
 
+@pytest.mark.parametrize("local", [True, False])
+def test_local_search_tries_the_incumbents_neighbours_next(local):
+    """After the defaults, the fastest of them (stream_gemv tile 16 stages 1) is climbed: its four one-knob
+    neighbours are the next four candidates, the fastest point of the space (tile 64, stages 1) among
+    them. Tile 32 (11 µs) is a new incumbent when it is timed, tile 64 (1 µs) after it: their untried
+    neighbours follow, in that order. Without local search TPE picks the next points."""
+    be = tb.toy(f"toy-climb-{local}")
+    run(be, batch=1, build_workers=1, patience=6, local_search=local, bucket=tb.bucket(floor_s=1e-9))
+    built = [(s.kind, s.params.tile, s.params.stages) for s in be.built]
+    assert sorted(built[:3]) == sorted((k, 16, 1) for k in ("grouped_gemm", "stream_gemv", "hybrid"))
+    climb = {("stream_gemv", 32, 1), ("stream_gemv", 64, 1), ("stream_gemv", 16, 2), ("stream_gemv", 16, 3)}
+    if local:
+        assert set(built[3:7]) == climb
+        # (32, 2), (32, 3), then (64, 2): (64, 3) is refused by ToyParams, the rest were tried
+        assert built[7:10] == [("stream_gemv", 32, 2), ("stream_gemv", 32, 3), ("stream_gemv", 64, 2)]
+    else:
+        assert set(built[3:7]) != climb
+
+
 def test_retune_of_a_stale_bucket_starts_from_its_old_winner_and_its_neighbours(tmp_path):
     """After a kernel change (stale rows), `tune_block` seeds each bucket with its own earlier winner and
     the winners of the buckets beside it: each is built before the bucket's study samples a point."""
