@@ -193,6 +193,9 @@ def run(args) -> int:
                 + (f"; failed: {fails}" if fails else "")
                 + f"  [{time.monotonic() - t0:.0f} s]")
         print(("\r" if tty else "") + line + (" " * 8 if tty else ""), flush=True)
+        for j, (s, t_s, edge) in enumerate(r.finalists if len(r.finalists) > 1 else ()):
+            at = "".join(f", {_us(v)} at T={t}" for t, v in sorted(edge.items()))
+            print(f"      {'winner ' if j == 0 else 'final  '} {_us(t_s)} µs{at}: {s.describe()}", flush=True)
 
     with DispatchTable(cache) as table:
         results = tune_block(block, backend, target, (lo, hi), trace=args.trace, table=table, options=options,

@@ -103,6 +103,8 @@ class BucketResult:
     stopped: str
     space: str
     written: bool = False
+    # the final round: (candidate, time at the representative T, {edge T: time}), winner first
+    finalists: tuple[tuple[Schedule, float, dict[int, float]], ...] = ()
 
     @property
     def pct_of_floor(self) -> float | None:
@@ -375,7 +377,7 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
         gen = torch.Generator().manual_seed(options.seed * 1_000_003 + bucket.hi + 17)
         edges = {t: make_cases(block, objective.w, t, len(inputs.cases), gen, inputs.sampler)
                  for t in sorted({bucket.lo, bucket.hi} - {inputs.tokens})}
-    winner, win_s, default_s = _final(st, space, objective, outcomes, default, options, edges)
+    winner, win_s, default_s, finals = _final(st, space, objective, outcomes, default, options, edges)
     bname = options.baseline or default_baseline(objective.device)
     base_fn, blabel = baseline_fn(block, bname)
     base_s = None
@@ -389,7 +391,7 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
         default=default, default_time_s=default_s,
         baseline=blabel if base_fn is not None else f"none ({blabel})",
         baseline_time_s=base_s, trials=len(st.study.trials), evaluated=len(outcomes), failures=failures,
-        stopped=stopped, space=space.describe(),
+        stopped=stopped, space=space.describe(), finalists=finals,
     )
     if table is not None and winner is not None:
         entry = DispatchEntry.of(
@@ -484,11 +486,11 @@ def _final(st: _Study, space: SearchSpace, objective: Objective, outcomes: dict[
     if default_ok:
         finalists.setdefault(dk, default)
     if not finalists:
-        return None, math.inf, None
+        return None, math.inf, None, ()
     if len(finalists) == 1 and not options.storage:
         (k, s), = finalists.items()
         t = outcomes[k].time_s if k in outcomes else objective.evaluate(s).time_s
-        return s, t, (t if k == dk else None)
+        return s, t, (t if k == dk else None), ((s, t, {}),)
     times: dict[str, list[float]] = {}
     fns = {}
     for k, s in finalists.items():
@@ -503,6 +505,7 @@ def _final(st: _Study, space: SearchSpace, objective: Objective, outcomes: dict[
         times[k].append(objective.timer(fns[k], objective.timing_cases, finalists[k]).median_s)
     med = {k: statistics.median(v) for k, v in times.items()}
     wk = min(med, key=med.get)
+    at_edges: dict[int, dict[str, float]] = {}
     if edges and len(med) > 1:
         def at(k: str, cases) -> float:
             try:
@@ -510,8 +513,11 @@ def _final(st: _Study, space: SearchSpace, objective: Objective, outcomes: dict[
             except Exception:  # noqa: BLE001 - checked at the edges already; a launch failure there only disqualifies
                 return math.inf
 
-        wk = _robust(med, {t: {k: at(k, cases) for k in med} for t, cases in edges.items()})
-    return finalists[wk], med[wk], (med[dk] if default_ok and dk in med else None)
+        at_edges = {t: {k: at(k, cases) for k in med} for t, cases in edges.items()}
+        wk = _robust(med, at_edges)
+    order = [wk] + sorted((k for k in med if k != wk), key=med.get)
+    finals = tuple((finalists[k], med[k], {t: r[k] for t, r in at_edges.items()}) for k in order)
+    return finalists[wk], med[wk], (med[dk] if default_ok and dk in med else None), finals
 
 
 def _robust(at_rep: dict[str, float], at_edges: dict[int, dict[str, float]]) -> str:

@@ -107,8 +107,8 @@ def test_neighbours_on_the_triton_space_reach_split_k_from_the_tma_default():
     import dataclasses
 
     from moetune.codegen.triton import BACKEND
-    from moetune.passes.pipeline import schedule_block
     from moetune.ir.presets import preset
+    from moetune.passes.pipeline import schedule_block
 
     block = preset("mixtral-8x7b")
     bucket = next(b for b in schedule_block(block, "h200", tokens=(1, 1024)).buckets if b.lo <= 806 <= b.hi)

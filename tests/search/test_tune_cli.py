@@ -40,6 +40,11 @@ def test_tune_prints_a_line_per_bucket_and_the_final_table(tuned):
     for ln in rows:
         assert "%" in ln and "×" in ln
     assert "device: cpu:" in out and "transformers:grouped_mm" in out
+    # each bucket's final round: the winner (with its times at the bucket's edges) and the others re-timed
+    winners = [ln for ln in lines if ln.strip().startswith("winner ")]
+    assert winners and all(" µs" in ln and ("grouped_gemm" in ln or "stream_gemv" in ln or "hybrid" in ln)
+                           for ln in winners)
+    assert any(" at T=" in ln for ln in winners)
 
 
 def test_the_table_holds_every_bucket_and_the_runtime_reads_it(tuned):
