@@ -36,7 +36,7 @@ def test_every_pass_is_identity_on_its_own_output():
 def test_failing_pass_is_named_with_the_passes_before_it():
     block = MoEBlock(8, 2, 64, 32, T_max=16)
     with pytest.raises(PassError) as e:
-        run_pipeline(block, policy=Policy(gemv_max_heavy_rows=-1.0, hybrid_thresholds=()))
+        run_pipeline(block, "cpu", policy=Policy(gemv_max_heavy_rows=-1.0, hybrid_thresholds=()))
     msg = str(e.value)
     assert "pass 'specialise' failed (after capture → bucketing)" in msg and "every rule refused" in msg
     assert e.value.pass_name == "specialise" and e.value.before == ["capture", "bucketing"]
@@ -58,8 +58,10 @@ def test_describe_lists_buckets_candidates_and_refusals():
     steps = run_pipeline(gpu_block("mixtral-8x7b", T_max=1024))
     text = describe(steps[-1][1])
     assert text.count("\n  [") == len(steps[-1][1].buckets)
-    assert "stream_gemv" in text and "hybrid(R∈" in text and "✗ grouped_gemm: one-row regime" in text
+    assert "stream_gemv" in text and "hybrid(R∈" in text and "✗ stream_gemv" in text
     assert describe(steps[0][1]) == str(steps[0][1])
+    cpu = describe(run_pipeline(gpu_block("mixtral-8x7b", T_max=1024), "cpu")[-1][1])
+    assert "✗ grouped_gemm: one-row regime up to T=1 on cpu" in cpu
 
 
 def test_presets_run_through_the_pipeline():
