@@ -16,11 +16,14 @@ A bucket's study:
    from the incumbent, which TPE alone reaches slowly in a space of a dozen knobs.
 3. It stops when the best is within `margin` of the bucket's floor, when `patience` trials in a row
    bring no improvement, when every point of the space has been tried, or when its budget is spent.
-4. The best few are re-timed back to back with the default, and timed at the bucket's first and last
-   token counts too: the one that loses least against the fastest at each of the three counts is the
-   winner (a bucket can straddle a tile boundary: mixtral-8x7b [305, 633] spans 76–158 rows per expert
-   around the 128-row tile). It is written to the dispatch table with its time at the representative
-   count, floor, % of floor, default time and baseline time.
+4. The best few are re-timed back to back with the default (`retime_rounds` rounds, every other one in
+   reverse order; a finalist's time is the median of its search time and those rounds: two timings of
+   one kernel differ by up to 3 % on the H200, e.g. 1194.0 and 1230.0 µs for mixtral-8x7b's default at
+   T = 806), and timed at the bucket's first and last token counts too: the one that loses least against
+   the fastest at each of the three counts is the winner (a bucket can straddle a tile boundary:
+   mixtral-8x7b [305, 633] spans 76–158 rows per expert around the 128-row tile). It is written to the
+   dispatch table with its time at the representative count, floor, % of floor, default time and
+   baseline time.
 
 With `storage` (an RDB URL or a journal file) several `moetune tune` workers share each study: each
 asks its own trials, skips points another worker already scored, and writes the study's winner.
@@ -61,6 +64,7 @@ class TuneOptions:
     batch: int = 0  # candidates asked per round (0: build_workers, at least 2)
     routings: int = 0  # timing cases rotated through (0: 32 on a GPU, 8 on CPU)
     retime: int = 3  # best candidates re-timed against the default at the end
+    retime_rounds: int = 2  # back-to-back rounds of that re-time (order reversed every other round)
     baseline: str | None = None  # transformers experts function (None: batched_mm on GPU, grouped_mm on CPU)
     seed: int = 0
     strict: bool = False
@@ -81,6 +85,8 @@ class TuneOptions:
             raise UnsupportedSchedule(f"TuneOptions.margin = {self.margin}: need 0 ≤ margin < 1")
         if self.budget_s <= 0:
             raise UnsupportedSchedule(f"TuneOptions.budget_s = {self.budget_s}: need a positive budget")
+        if self.retime_rounds < 1:
+            raise UnsupportedSchedule(f"TuneOptions.retime_rounds = {self.retime_rounds}: need ≥ 1")
         if self.space_cap is not None and self.space_cap < 1:
             raise UnsupportedSchedule(f"TuneOptions.space_cap = {self.space_cap}: need at least 1 point "
                                       "(None: the whole space)")
@@ -501,8 +507,9 @@ def _final(st: _Study, space: SearchSpace, objective: Objective, outcomes: dict[
                 continue
         times[k] = [out.time_s]
         fns[k] = objective.build(s).fn
-    for k in times:  # one more round, back to back
-        times[k].append(objective.timer(fns[k], objective.timing_cases, finalists[k]).median_s)
+    for r in range(options.retime_rounds):  # back to back; every other round in reverse, so drift cancels
+        for k in (list(times) if r % 2 == 0 else list(times)[::-1]):
+            times[k].append(objective.timer(fns[k], objective.timing_cases, finalists[k]).median_s)
     med = {k: statistics.median(v) for k, v in times.items()}
     wk = min(med, key=med.get)
     at_edges: dict[int, dict[str, float]] = {}

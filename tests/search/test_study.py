@@ -485,3 +485,31 @@ def test_robust_choice_over_the_edges():
     assert _robust(rep, {8: {"a": 1.005, "b": 1.00}}) == "a"  # a small loss there does not outweigh
     assert _robust(rep, {8: {"a": math.inf, "b": 1.00}}) == "b"  # failed to launch at an edge
     assert _robust(rep, {8: {"a": math.inf, "b": math.inf}}) == "a"  # nothing ran there: that edge is ignored
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_finalists_are_retimed_in_rounds_and_a_one_off_slow_timing_does_not_decide(rounds):
+    """Each finalist is timed once in the search and `retime_rounds` more times at the end, every other
+    round in reverse; its time is the median. A timer that is 30 % slow on the known best's first final
+    timing (a noisy replay) loses it the bucket with one re-time round, not with three."""
+    from moetune.search.timing import FakeTimer
+
+    calls: dict[tuple, int] = {}
+
+    def noisy(s):
+        p = (s.kind, s.params.tile, s.params.stages) if s is not None and s.params is not None else None
+        calls[p] = calls.get(p, 0) + 1
+        t = tb.cost(s)
+        return t * 1.3 if p == tb.BEST and calls[p] == 2 else t  # the 2nd timing: the first final round
+
+    be = tb.toy(f"toy-rounds-{rounds}", faults={p: "wrong" for p in FASTEST})
+    b = tb.bucket(floor_s=1e-9)
+    inputs = bucket_inputs(tb.BLOCK, b, expert_tensors(tb.BLOCK), routings=2)
+    r = tune_bucket(tb.BLOCK, be, "toy-target", b, inputs, FakeTimer(noisy),
+                    TuneOptions(budget_s=60, patience=1000, retime=2, retime_rounds=rounds, edge_timing=False),
+                    versions=VERSIONS)
+    assert calls[tb.BEST] == 1 + rounds
+    won = (r.winner.kind, r.winner.params.tile, r.winner.params.stages) == tb.BEST
+    assert won == (rounds == 3)
+    with pytest.raises(UnsupportedSchedule, match="retime_rounds"):
+        TuneOptions(retime_rounds=0)
