@@ -44,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moetune.codegen.common import ExpertTensors  # noqa: E402
 from moetune.ir import MoEBlock, Schedule  # noqa: E402
+from moetune.search.objective import reference  # noqa: E402
+from moetune.search.timing import Case  # noqa: E402
 
 SHAPES = {  # name: (E, k, D, F)
     "qwen3-30b-a3b": (128, 8, 2048, 768),
@@ -148,19 +150,6 @@ def eager_fn(E: int):
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-
-def reference(x, ids, wt, w: ExpertTensors) -> torch.Tensor:
-    """The float32 experts_reference, computed expert by expert (its gather would need T·k copies)."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    F = w.down.shape[2]
-    for e in torch.unique(ids).tolist():
-        tok, pos = torch.where(ids == e)
-        gu = x[tok].float() @ w.gate_up[e].float().t()  # [m, 2F]
-        h = torch.nn.functional.silu(gu[:, :F]) * gu[:, F:]
-        y = (h @ w.down[e].float().t()) * wt[tok, pos, None].float()
-        out.index_add_(0, tok, y)
-    return out
 
 
 def expert_weights(E: int, D: int, F: int, dev, seed: int = 0) -> ExpertTensors:
@@ -466,7 +455,7 @@ def main() -> None:
             distinct = statistics.mean(len(torch.unique(s[1])) for s in sets)
             fl = floor_us(E, k, D, F, T, distinct)
             x0, ids0, wt0 = sets[0]
-            ref = reference(x0, ids0, wt0, w)
+            ref = reference(block, Case(x0, ids0, wt0, w))  # the tuner's fp32 reference, expert by expert
             best_open = BEST_OPEN[shape][TOKENS.index(T)] if T in TOKENS else None
             cands = [(f"moetune:{s.kind}", tag, s, BACKEND.build(block, s))
                      for tag, s in variants(E, k, D, F, T) + table_variant(args.table, shape, T)

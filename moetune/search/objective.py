@@ -21,7 +21,7 @@ import torch
 
 from ..codegen.backend import Backend
 from ..codegen.common import ExpertsFn, ExpertTensors
-from ..codegen.torch import experts_reference
+from ..codegen.torch import apply_activation, split_gate_up
 from ..ir import MoEBlock, MoetuneError, Schedule, UnsupportedSchedule
 from .timing import Case, Timer, Timing
 
@@ -109,13 +109,36 @@ def make_cases(block: MoEBlock, w: ExpertTensors, tokens: int, n: int, gen: torc
     return cases
 
 
-def reference(block: MoEBlock, case: Case, max_bytes: int = 1 << 30) -> torch.Tensor:
-    """experts_reference in chunks of tokens, so its gathered fp32 weights stay under `max_bytes`."""
-    per_token = block.k * 3 * block.D * block.F * 4
-    chunk = max(1, max_bytes // per_token)
-    outs = [experts_reference(block, case.x[i:i + chunk], case.ids[i:i + chunk], case.weights[i:i + chunk],
-                              case.w) for i in range(0, case.tokens, chunk)]
-    return torch.cat(outs)  # [T, D] float32
+def reference(block: MoEBlock, case: Case) -> torch.Tensor:
+    """The float32 reference of `case`, [T, D], computed expert by expert: each selected expert's weights
+    are widened to fp32 once and multiply all of its rows. This is `experts_reference`'s formula (the
+    same activation, layout, bias and weight-placement helpers; tests/search/test_objective.py holds
+    the two equal on every layout), without its gather of T·k fp32 weight copies. Chunked over tokens,
+    that gather widened the whole weight tensors once per chunk: on the H200, deepseek-v3's checks at
+    T = 777 kept one bucket's first candidate waiting 313 s (bench/results/h200-retune-s5/call3)."""
+    x, ids, wts, w = case.x, case.ids, case.weights, case.w
+    out = torch.zeros(x.shape[0], block.D, dtype=torch.float32, device=x.device)
+    valid = (ids >= 0) & (ids < block.E)  # ids outside [0, E) contribute nothing
+    tr = block.layout.transposed
+    for e in torch.unique(ids[valid]).tolist():
+        tok, pos = torch.where(ids == e)
+        xs = x[tok].float()  # [m, D]
+        wt = wts[tok, pos].float()[:, None]  # [m, 1]
+        if block.weight_application == "input":
+            xs = xs * wt
+        gu_w = w.gate_up[e].float()  # [2F, D] or [D, 2F]
+        gu = xs @ (gu_w if tr else gu_w.t())  # [m, 2F]
+        if block.layout.has_bias:
+            gu = gu + w.gate_up_bias[e].float()
+        h = apply_activation(block.activation, *split_gate_up(block, gu))  # [m, F]
+        dn_w = w.down[e].float()  # [D, F] or [F, D]
+        y = h @ (dn_w if tr else dn_w.t())  # [m, D]
+        if block.layout.has_bias:
+            y = y + w.down_bias[e].float()
+        if block.weight_application == "output":
+            y = y * wt
+        out.index_add_(0, tok, y)
+    return out
 
 
 # ------------------------------------------------------------------------------------------ outcome
