@@ -282,7 +282,7 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
     t_start = time.monotonic()
     deadline = t_start + options.budget_s
     space = build_space(block, backend, bucket)
-    default = runtime_default(block, backend, bucket)
+    default = _fit(space, runtime_default(block, backend, bucket))
     if options.space_cap:  # the same sub-grid for TPE and --exhaustive: centred on the defaults
         space = cap_space(space, options.space_cap,
                           default_schedules(block, backend, space, inputs.tokens, first=default))
@@ -296,7 +296,7 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
         name += f":cap{options.space_cap}"
     st = _Study(name, space, options)
     first = default_schedules(block, backend, space, inputs.tokens, first=default)
-    first += [s for s in seeds if space.contains(s)]
+    first += [_fit(space, s) for s in seeds if space.contains(s)]
     st.enqueue(first)
     if options.exhaustive:
         st.enqueue([s for s in space.grid() if isinstance(s, Schedule)])
@@ -408,7 +408,7 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
             baseline_time_us=None if base_s is None else base_s * 1e6, baseline=result.baseline,
             timer=getattr(timer, "name", type(timer).__name__), trials=result.trials,
         )
-        result = _replace(result, written=table.put(entry, replace=_judged_here(table, entry, block, outcomes)))
+        result = _replace(result, written=table.put(entry, replace=_judged_here(table, entry, block, outcomes, space)))
     return result
 
 
@@ -632,7 +632,18 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
     return results
 
 
-def _judged_here(table: DispatchTable, entry: DispatchEntry, block: MoEBlock, outcomes: dict[str, Outcome]) -> bool:
+def _fit(space: SearchSpace, s: Schedule | None) -> Schedule | None:
+    """`s` with the fusion the passes chose for its kind in this bucket. Fusion is the IR's record of
+    which steps share a kernel, decided per bucket by the fusion pass, not a knob of the kernels: a stored
+    winner or the runtime's default labelled otherwise is the same kernel, and timed once, not twice."""
+    if s is None or not any(ks.kind == s.kind for ks in space.kinds):
+        return s
+    f = space.kind(s.kind).fusion
+    return s if s.fusion == f else dataclasses.replace(s, fusion=f)
+
+
+def _judged_here(table: DispatchTable, entry: DispatchEntry, block: MoEBlock, outcomes: dict[str, Outcome],
+                 space: SearchSpace | None = None) -> bool:
     """Whether this study measured the table's stored winner of the entry's bucket itself (it is a seed):
     then its own winner replaces it even when slower at the representative T (chosen over the edges too)."""
     from ..runtime.table import CacheError
@@ -641,7 +652,7 @@ def _judged_here(table: DispatchTable, entry: DispatchEntry, block: MoEBlock, ou
     if old is None:
         return False
     try:
-        return key(old.schedule(block)) in outcomes
+        return key(_fit(space, old.schedule(block)) if space is not None else old.schedule(block)) in outcomes
     except CacheError:
         return False
 

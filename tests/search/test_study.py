@@ -513,3 +513,29 @@ def test_finalists_are_retimed_in_rounds_and_a_one_off_slow_timing_does_not_deci
     assert won == (rounds == 3)
     with pytest.raises(UnsupportedSchedule, match="retime_rounds"):
         TuneOptions(retime_rounds=0)
+
+
+def test_a_default_or_seed_labelled_with_another_fusion_is_the_same_kernel_and_timed_as_one():
+    """The passes record combine_in_down = False for grouped GEMM with k > 1; the runtime default (and a
+    winner stored before a fusion-pass change) carries another label for the same kernel. Both take the
+    bucket's fusion: nothing is built or timed under the foreign label, and the default is not a
+    finalist of its own beside its twin from the space."""
+    import dataclasses
+
+    from moetune.ir import CandidateSpace, Fusion, Schedule
+    from moetune.search.study import runtime_default
+
+    be = tb.toy("toy-fusion-label")
+    f = Fusion(combine_in_down=False)
+    b = dataclasses.replace(tb.bucket(), candidates=(CandidateSpace("stream_gemv", fusion=f, rule="toy"),
+                                                     CandidateSpace("grouped_gemm", fusion=f, rule="toy")))
+    assert runtime_default(tb.BLOCK, be, b).fusion != f  # the runtime's default: stream_gemv, its own label
+    seed = Schedule("grouped_gemm", backend="toy-fusion-label", params=tb.ToyParams(tile=32, stages=2))
+    assert seed.fusion != f
+    inputs = bucket_inputs(tb.BLOCK, b, expert_tensors(tb.BLOCK), routings=2)
+    r = tune_bucket(tb.BLOCK, be, "toy-target", b, inputs, FakeTimer(tb.cost),
+                    TuneOptions(budget_s=60, batch=1, build_workers=1, patience=4, retime=2), versions=VERSIONS,
+                    seeds=[seed])
+    assert {s.fusion for s in be.built} == {f}
+    finals = [(s.kind, s.params) for s, _, _ in r.finalists]
+    assert len(finals) == len(set(finals))
