@@ -1,27 +1,34 @@
 #!/usr/bin/env bash
-# One H200 call (at most ~9.5 minutes): re-tune the buckets whose shipped-table choice trailed the bench's
-# best variant in session 4 (bench/results/NOTES.md, "Session 4", item 5), with the tuner's seeds and
-# edge timing, then time the table's new choice (variant `table`) beside the variants that were best there.
-# Results in $OUT/retune.tgz (the table, the tuning logs, the bench JSON/markdown); a short table last.
-#   bash bench/h200_retune_check.sh [BUDGET_PER_PRESET]
+# One H200 call (at most ~9.5 minutes): re-tune the buckets holding the given cells (seeds, local search,
+# edge timing; `moetune tune --at-tokens`, each study's trials kept in an Optuna journal), then time the
+# table's new choice (variant `table`) beside the variants that were best there.
+# Results in $OUT/retune.tgz (the table, the tuning logs and journals, the bench JSON/markdown); a short
+# table last.
+#   bash bench/h200_retune_check.sh [BUDGET_PER_PRESET] [PRESET:T,T,... ...]
+# The default cells: the one-row buckets where grouped GEMM became a candidate (session 5) and the
+# mixtral-8x7b cells whose table choice trailed the best variant in session 4 and were not re-tuned.
 export PYTHONUNBUFFERED=1
-budget=${1:-150s}
+budget=${1:-60s}
+shift || true
+cells=("$@")
+[ ${#cells[@]} -gt 0 ] || cells=(deepseek-v3:8,16 qwen3.5-397b-a17b:8,16 mixtral-8x7b:2,16,32 qwen3-30b-a3b:8)
 R=/tmp/retune; mkdir -p $R
 pack() { cp cache/h200.sqlite $R/h200.sqlite; (cd $R && tar czf "$OUT/retune.tgz" .); }
-retune() {  # PRESET TOKENS TIME_LIMIT_S
-  timeout -k 5 -s INT $(($3 + 60)) python3 -m moetune.cli tune --preset "$1" --backend triton --target h200 \
-    --tokens 1-1024 --at-tokens "$2" --budget "$budget" --time-limit "${3}s" --cache cache/h200.sqlite \
-    --keep-going > "$R/tune-$1.log" 2>&1
-  echo "$1 at $2: rc=$?"; grep -E "^\s+\[[0-9]+/" "$R/tune-$1.log"; pack
-}
-retune mixtral-8x7b 256,512,1024 200
-retune deepseek-v3 8,16 100
-retune qwen3.5-397b-a17b 16 60
-tags='table|m16|m16-t|g16|m128g1-1|m128g32-ts2|m128s4-ts2|m64n64|m64n64-t'
-for cell in mixtral-8x7b:256,512,1024 deepseek-v3:8,16 qwen3.5-397b-a17b:16; do
-  left=$((570 - SECONDS)); [ $left -gt 40 ] || break
+share=$((420 / ${#cells[@]}))  # the tuning's part of the call, split over the presets
+for cell in "${cells[@]}"; do
+  p=${cell%%:*}
+  left=$((450 - SECONDS)); [ $left -gt 60 ] || break
+  lim=$(( share < left - 30 ? share : left - 30 ))
+  timeout -k 5 -s INT $((lim + 30)) python3 -m moetune.cli tune --preset "$p" --backend triton --target h200 \
+    --tokens 1-1024 --at-tokens "${cell#*:}" --budget "$budget" --time-limit "${lim}s" \
+    --cache cache/h200.sqlite --storage "$R/$p.journal" --keep-going > "$R/tune-$p.log" 2>&1
+  echo "$p at ${cell#*:}: rc=$?"; grep -E "^\s+\[[0-9]+/|winner |final  " "$R/tune-$p.log"; pack
+done
+tags='table|g16|ga|gb|gd|m16|m16-t|m64n64|m64n64-t'
+for cell in "${cells[@]}"; do
+  left=$((570 - SECONDS)); [ $left -gt 30 ] || break
   timeout -k 10 -s INT $left python3 bench/kernels.py --out $R/bench-${cell%%:*} --baselines "" \
-    --budget-s $((left - 30)) --shapes ${cell%%:*} --tokens ${cell#*:} --tags "$tags" >> $R/bench.log 2>&1
+    --budget-s $((left - 20)) --shapes ${cell%%:*} --tokens ${cell#*:} --tags "$tags" >> $R/bench.log 2>&1
   echo "bench ${cell}: rc=$? (${left} s left)"; pack
 done
-for j in $R/bench-*/*-kernels.json; do python3 bench/kernels.py --render "$j" | grep -E "^\| |^\`table"; done
+for j in $R/bench-*/*-kernels.json; do python3 bench/kernels.py --render "$j" | grep -E "^\| [a-z]|^\`table"; done
