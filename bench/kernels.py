@@ -261,7 +261,6 @@ def table_variant(path: str, shape: str, T: int) -> list[tuple[str, Schedule]]:
     return [("table", s) for lo, hi, s in usable if lo <= T <= hi]
 
 
-
 def variants(E: int, k: int, D: int, F: int, T: int):
     """A few parameter choices per kind, picked by rows per active expert."""
     from moetune.codegen.triton import GemmParams, GemvParams, HybridParams

@@ -465,8 +465,6 @@ def _placeholder(trial) -> Schedule:
 
 
 def _replace(r: BucketResult, **kw) -> BucketResult:
-    import dataclasses
-
     return dataclasses.replace(r, **kw)
 
 
@@ -616,10 +614,11 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
         opts = _replace_opts(options, budget_s=share, device=device)
         inputs = bucket_inputs(block, b, w, routings=routings, seed=options.seed, sampler=sampler)
         try:
-            stored = table.get(target, be.name, block.signature_hash(), b.lo, b.hi) if table is not None else None
+            recheck = options.revalidate and table is not None and table.get(
+                target, be.name, block.signature_hash(), b.lo, b.hi) is not None
             r = tune_bucket(block, be, target, b, inputs, timer, opts, table=table, versions=versions,
                             progress=progress, seeds=_seeds(block, table, target, be.name, every, b, results),
-                            first_only=options.revalidate and stored is not None)
+                            first_only=recheck)
         except UnsupportedSchedule as e:  # nothing to tune here: the runtime keeps its default
             if options.strict:
                 raise
@@ -643,7 +642,7 @@ def _fit(space: SearchSpace, s: Schedule | None) -> Schedule | None:
 
 
 def _judged_here(table: DispatchTable, entry: DispatchEntry, block: MoEBlock, outcomes: dict[str, Outcome],
-                 space: SearchSpace | None = None) -> bool:
+                 space: SearchSpace) -> bool:
     """Whether this study measured the table's stored winner of the entry's bucket itself (it is a seed):
     then its own winner replaces it even when slower at the representative T (chosen over the edges too)."""
     from ..runtime.table import CacheError
@@ -652,7 +651,7 @@ def _judged_here(table: DispatchTable, entry: DispatchEntry, block: MoEBlock, ou
     if old is None:
         return False
     try:
-        return key(_fit(space, old.schedule(block)) if space is not None else old.schedule(block)) in outcomes
+        return key(_fit(space, old.schedule(block))) in outcomes
     except CacheError:
         return False
 
@@ -689,6 +688,4 @@ def _seeds(block: MoEBlock, table: DispatchTable | None, target: str, backend: s
 
 
 def _replace_opts(o: TuneOptions, **kw) -> TuneOptions:
-    import dataclasses
-
     return dataclasses.replace(o, **kw)
