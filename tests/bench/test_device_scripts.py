@@ -18,6 +18,7 @@ COMMANDS = {  # how a script calls it → the argv that prints its options
     "moetune.cli show": [sys.executable, "-m", "moetune.cli", "show", "--help"],
     "bench/kernels.py": [sys.executable, "bench/kernels.py", "--help"],
     "bench/grid_vs_tpe.py": [sys.executable, "bench/grid_vs_tpe.py", "--help"],
+    "bench/host_overhead.py": [sys.executable, "bench/host_overhead.py", "--help"],
 }
 
 

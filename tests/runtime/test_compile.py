@@ -125,6 +125,48 @@ def test_the_custom_op_is_what_runs():
     moetune.uncompile(model)
 
 
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "grad"])
+def test_untraced_inference_skips_the_op_dispatch(mode):
+    """Eager inference runs the op's body without the op (no moetune::experts event in a profile),
+    bit-identical to the op; with gradients on, the op runs (its autograd says why backward fails)."""
+    model = moetune.compile(build("qwen3_moe"))
+    ex = _experts(model)
+    block = ex._moetune_plan.block
+    x = torch.randn(5, block.D)
+    ids = torch.stack([torch.randperm(block.E)[: block.k] for _ in range(5)])
+    w = torch.rand(5, block.k)
+    ctx = torch.enable_grad() if mode == "grad" else getattr(torch, mode)()
+    with ctx:
+        via_op = torch.ops.moetune.experts(x, ids, w, ex.gate_up_proj, ex.down_proj, None, None,
+                                           ex._moetune_plan.id)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            got = ex(x, ids, w)
+    ran_op = any("moetune::experts" in e.name for e in prof.events())
+    assert ran_op == (mode == "grad")
+    torch.testing.assert_close(got, via_op, rtol=0, atol=0)
+    moetune.uncompile(model)
+
+
+def test_fake_tensors_take_the_op():
+    """Under FakeTensorMode (what export and compile trace with) the hook runs the op's fake kernel:
+    with the plans gone from the registry the real body would raise."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = moetune.compile(build("qwen3_moe"))
+    ex = _experts(model)
+    block = ex._moetune_plan.block
+    saved = {p.id: PLANS.pop(p.id) for p in plans(model)}
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+            x = mode.from_tensor(torch.randn(4, block.D))
+            ids = mode.from_tensor(torch.zeros(4, block.k, dtype=torch.long))
+            out = ex(x, ids, mode.from_tensor(torch.rand(4, block.k)))
+        assert out.shape == (4, block.D)
+    finally:
+        PLANS.update(saved)
+    moetune.uncompile(model)
+
+
 def test_compile_twice_replaces_plans():
     model = build("mixtral")
     moetune.compile(model)

@@ -1,0 +1,108 @@
+"""Host time of one experts call of a compiled model, by the path it takes (eager decode is host-bound).
+
+A tiny model of the real transformers class (moetune.tiny) is compiled: on a CUDA device with the triton
+backend, else on the CPU with the torch backend (one thread: steadier). One MoE layer's experts module
+is called T tokens at a time, `--reps` calls back to back with one synchronisation at the end; the
+figure is wall time per call, the median of `--rounds` rounds in which the paths take turns. The GPU
+work of a tiny block is a few µs, so on a GPU this is the host's time per call; on the CPU the torch
+kernels' own time is in every row alike, and the differences between rows are the host's.
+
+    op          torch.ops.moetune.experts (what tracers and grad mode run)
+    hook        the experts module's forward through transformers' hook (what eager inference runs)
+    dispatcher  the plan's Dispatcher alone: bisect on T, then the bucket's kernels
+    step        a whole decode step of the model (T sequences, one token each, no KV cache)
+
+    python bench/host_overhead.py [--family qwen3_moe] [--tokens 1] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import moetune
+from moetune.codegen.common import ExpertTensors
+from moetune.tiny import VOCAB, build
+
+
+def per_call_us(paths: dict, reps: dict, rounds: int, sync) -> dict[str, float]:
+    """Median over rounds of wall µs per call of each path; the paths take turns within each round
+    (order rotated), so drift of the machine's speed falls on all of them alike."""
+    names = list(paths)
+    for n in names:
+        for _ in range(20):
+            paths[n]()
+    sync()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[: r % len(names)]:
+            fn = paths[n]
+            t0 = time.perf_counter()
+            for _ in range(reps[n]):
+                fn()
+            sync()
+            times[n].append((time.perf_counter() - t0) / reps[n] * 1e6)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", default="qwen3_moe")
+    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=500)
+    ap.add_argument("--rounds", type=int, default=21)
+    ap.add_argument("--out", type=Path, default=None, help="folder for host-overhead.json")
+    args = ap.parse_args()
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        torch.set_num_threads(1)
+    dev = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = build(args.family, dtype=dtype).to(dev)
+    moetune.compile(model, backend="triton" if cuda else "torch")
+    ex = next(m for m in model.modules() if getattr(m, "_moetune_plan", None) is not None)
+    plan = ex._moetune_plan
+    b = plan.block
+    T = args.tokens
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T, b.D, generator=gen).to(dev, dtype)
+    ids = torch.stack([torch.randperm(b.E, generator=gen)[: b.k] for _ in range(T)]).to(dev)
+    wt = torch.rand(T, b.k, generator=gen).to(dev, dtype)
+    bias = (ex.gate_up_proj_bias, ex.down_proj_bias) if b.layout.has_bias else (None, None)
+    w = ExpertTensors(ex.gate_up_proj, ex.down_proj, *bias)
+    step_ids = torch.randint(0, VOCAB, (T, 1), generator=gen).to(dev)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    paths = {
+        "op": lambda: torch.ops.moetune.experts(x, ids, wt, ex.gate_up_proj, ex.down_proj, *bias, plan.id),
+        "hook": lambda: ex(x, ids, wt),
+        "dispatcher": lambda: plan.dispatcher(x, ids, wt, w),
+        "step": lambda: model(input_ids=step_ids, use_cache=False),
+    }
+    reps = {n: max(args.reps // 20, 20) if n == "step" else args.reps for n in paths}
+    rows = []
+    for mode in ("no_grad", "inference_mode"):
+        with getattr(torch, mode)():
+            us = per_call_us(paths, reps, args.rounds, sync)
+        rows += [dict(mode=mode, path=n, us=us[n]) for n in paths]
+    device = torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or platform.machine()}, " \
+        f"{torch.get_num_threads()} threads)"
+    rec = dict(device=device, family=args.family, tokens=T, backend=plan.dispatcher.backend.name,
+               route=plan.dispatcher.route(T).schedule.describe(), torch=torch.__version__, rows=rows)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "host-overhead.json").write_text(json.dumps(rec, indent=1))
+    print(f"{device}, {args.family}, T={T}, backend {rec['backend']}: {rec['route']}")
+    print(f"{'mode':16s} {'path':12s} {'µs per call':>12s}")
+    for r in rows:
+        print(f"{r['mode']:16s} {r['path']:12s} {r['us']:12.1f}")
+
+
+if __name__ == "__main__":
+    main()
