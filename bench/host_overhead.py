@@ -8,11 +8,14 @@ work of a tiny block is a few µs, so on a GPU this is the host's time per call;
 kernels' own time is in every row alike, and the differences between rows are the host's.
 
     op          torch.ops.moetune.experts (what tracers and grad mode run)
+    body        the op's body called as a function (what the hook runs instead in eager inference)
     hook        the experts module's forward through transformers' hook (what eager inference runs)
     dispatcher  the plan's Dispatcher alone: bisect on T, then the bucket's kernels
     step        a whole decode step of the model (T sequences, one token each, no KV cache)
 
     python bench/host_overhead.py [--family qwen3_moe] [--tokens 1] [--out DIR]
+    python bench/host_overhead.py --tokens 0      # no kernel runs (T = 0 returns at the dispatcher):
+                                                  # the paths' own host time, also on a CPU
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 
 import moetune
 from moetune.codegen.common import ExpertTensors
+from moetune.runtime import compiled
 from moetune.tiny import VOCAB, build
 
 
@@ -73,7 +77,8 @@ def main() -> None:
     T = args.tokens
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(T, b.D, generator=gen).to(dev, dtype)
-    ids = torch.stack([torch.randperm(b.E, generator=gen)[: b.k] for _ in range(T)]).to(dev)
+    ids = torch.stack([torch.randperm(b.E, generator=gen)[: b.k] for _ in range(T)] or
+                      [torch.zeros(0, b.k, dtype=torch.long)]).reshape(T, b.k).to(dev)
     wt = torch.rand(T, b.k, generator=gen).to(dev, dtype)
     bias = (ex.gate_up_proj_bias, ex.down_proj_bias) if b.layout.has_bias else (None, None)
     w = ExpertTensors(ex.gate_up_proj, ex.down_proj, *bias)
@@ -81,10 +86,13 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     paths = {
         "op": lambda: torch.ops.moetune.experts(x, ids, wt, ex.gate_up_proj, ex.down_proj, *bias, plan.id),
+        "body": lambda: compiled._run_plan(x, ids, wt, ex.gate_up_proj, ex.down_proj, *bias, plan.id),
         "hook": lambda: ex(x, ids, wt),
         "dispatcher": lambda: plan.dispatcher(x, ids, wt, w),
         "step": lambda: model(input_ids=step_ids, use_cache=False),
     }
+    if T == 0:
+        del paths["step"]
     reps = {n: max(args.reps // 20, 20) if n == "step" else args.reps for n in paths}
     rows = []
     for mode in ("no_grad", "inference_mode"):
