@@ -235,3 +235,35 @@ def test_default_schedule_matches_reference(kind, T, poisoned):
     block, x, ids, weights, w = make_problem(6, 2, 64, 48, T, "uniform", torch.float32, {})
     out = BACKEND.build(block, BACKEND.default(block, kind, T))(x, ids, weights, w)
     assert rel_err(out, experts_reference(block, x, ids, weights, w)) < tolerances(torch.float32)
+
+
+@pytest.mark.parametrize("sched", ["gemv_routed_expert_split", "gemv_fused_token", "gemm_m16", "hybrid_r2"])
+def test_one_kernel_follows_the_weights_it_is_handed(sched):
+    """A built kernel keeps per-weights host work between calls (call_args' memo): weights with other
+    strides, other values or another dtype, handed to the same kernel in turn, each match the reference,
+    and bad shapes are still refused after the good calls."""
+    from moetune.ir import IRError
+
+    block, x, ids, weights, w = make_problem(6, 2, 64, 48, 5, "uniform", torch.float32, {})
+    fn = BACKEND.build(block, SCHEDULES[sched])
+
+    def restride(t):  # same shape and values, gate_up/down columns strided: other strides
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+    _, _, _, _, w_new = make_problem(6, 2, 64, 48, 5, "uniform", torch.float32, {}, seed=1)
+    calls = [
+        (x, w),
+        (x, ExpertTensors(restride(w.gate_up), restride(w.down))),
+        (x, w_new),
+        (x, w),
+        (x.half(), ExpertTensors(w.gate_up.half(), w.down.half())),
+    ]
+    for i, (xi, wi) in enumerate(calls):
+        assert wi.gate_up.stride() == calls[0][1].gate_up.stride() or i == 1
+        out = fn(xi, ids, weights.to(xi.dtype), wi)
+        err = rel_err(out, experts_reference(block, xi, ids, weights.to(xi.dtype), wi))
+        assert err < tolerances(xi.dtype), f"call {i}: rel err {err:.2e}"
+    with pytest.raises(IRError, match="gate_up"):
+        fn(x, ids, weights, ExpertTensors(w.gate_up[:, :-1], w.down))
+    with pytest.raises(UnsupportedSchedule, match="ids"):
+        fn(x, ids[:, :1], weights, w)

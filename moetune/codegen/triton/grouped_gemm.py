@@ -226,8 +226,10 @@ def build(block: MoEBlock, schedule: Schedule):
             raise UnsupportedSchedule(why)
         return _build_tma(block, p, alpha, limit)
 
+    memo: dict = {}  # call_args' per-weights host work
+
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
-        a = call_args(block, x, ids, weights, w)
+        a = call_args(block, x, ids, weights, w, memo)
         T, P, gs, ds, gb, db, wts_f = a.T, a.P, a.gs, a.ds, a.gate_up_bias, a.down_bias, a.weights
         counts, sorted_pairs = routing.route(ids, E)
         meta = dict(a.meta, BM=p.block_m, GROUP_M=p.group_m)
@@ -258,8 +260,10 @@ def _build_tma(block: MoEBlock, p: GemmParams, alpha: float, limit: float):
     E, D, F = block.E, block.D, block.F
     weight_descs: dict = {}  # the last weights' two descriptors (host objects), by pointer, shape and strides
 
+    memo: dict = {}  # call_args' per-weights host work
+
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
-        a = call_args(block, x, ids, weights, w)
+        a = call_args(block, x, ids, weights, w, memo)
         T, P, gs, ds, wts_f = a.T, a.P, a.gs, a.ds, a.weights
         gu, dn = w.gate_up, w.down
         key = (gu.data_ptr(), dn.data_ptr(), gu.shape, dn.shape, gu.stride(), dn.stride(), gu.dtype)

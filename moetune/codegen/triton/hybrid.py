@@ -172,8 +172,10 @@ def build(block: MoEBlock, schedule: Schedule):
     E, D, F = block.E, block.D, block.F
     alpha, limit = act_args(block)
 
+    memo: dict = {}  # call_args' per-weights host work
+
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
-        a = call_args(block, x, ids, weights, w)
+        a = call_args(block, x, ids, weights, w, memo)
         T, P, gs, ds, gb, db, wts_f = a.T, a.P, a.gs, a.ds, a.gate_up_bias, a.down_bias, a.weights
         counts, sorted_pairs = routing.route(ids, E)
         meta = dict(a.meta, BM=p.block_m, RP=next_pow2(R - 1))

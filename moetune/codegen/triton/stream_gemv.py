@@ -181,8 +181,10 @@ def build(block: MoEBlock, schedule: Schedule):
     E, k, D, F = block.E, block.k, block.D, block.F
     alpha, limit = act_args(block)
 
+    memo: dict = {}  # call_args' per-weights host work
+
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
-        a = call_args(block, x, ids, weights, w)
+        a = call_args(block, x, ids, weights, w, memo)
         T, P, gs, ds, gb, db, wts_f = a.T, a.P, a.gs, a.ds, a.gate_up_bias, a.down_bias, a.weights
         ids_f = ids.reshape(-1)  # [P]
         fused = p.fused_route and P <= FUSED_ROUTE_MAX_PAIRS
