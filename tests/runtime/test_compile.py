@@ -129,12 +129,7 @@ def test_the_custom_op_is_what_runs():
 def test_untraced_inference_skips_the_op_dispatch(mode):
     """Eager inference runs the op's body without the op (no moetune::experts event in a profile),
     bit-identical to the op; with gradients on, the op runs (its autograd says why backward fails)."""
-    model = moetune.compile(build("qwen3_moe"))
-    ex = _experts(model)
-    block = ex._moetune_plan.block
-    x = torch.randn(5, block.D)
-    ids = torch.stack([torch.randperm(block.E)[: block.k] for _ in range(5)])
-    w = torch.rand(5, block.k)
+    model, ex, x, ids, w = _compiled_call(5)
     ctx = torch.enable_grad() if mode == "grad" else getattr(torch, mode)()
     with ctx:
         via_op = torch.ops.moetune.experts(x, ids, w, ex.gate_up_proj, ex.down_proj, None, None,
@@ -193,6 +188,15 @@ def _experts(model):
     return next(m for m in model.modules() if getattr(m, "_moetune_plan", None) is not None)
 
 
+def _compiled_call(T: int):
+    """A compiled qwen3_moe, its first hooked experts module and a call's x [T, D], ids [T, k], weights."""
+    model = moetune.compile(build("qwen3_moe"))
+    ex = _experts(model)
+    block = ex._moetune_plan.block
+    ids = torch.stack([torch.randperm(block.E)[: block.k] for _ in range(T)])
+    return model, ex, torch.randn(T, block.D), ids, torch.rand(T, block.k)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_zero_tokens_and_noncontiguous_hidden_states(family):
     model = moetune.compile(build(family))
@@ -215,12 +219,8 @@ def test_zero_tokens_and_noncontiguous_hidden_states(family):
 
 def test_sentinel_ids_contribute_nothing():
     """Expert-parallel style ids ≥ E (and negative ones) are dropped, as in transformers' grouped_mm."""
-    model = moetune.compile(build("qwen3_moe"))
-    ex = _experts(model)
+    model, ex, x, ids, w = _compiled_call(6)
     block = ex._moetune_plan.block
-    x = torch.randn(6, block.D)
-    ids = torch.stack([torch.randperm(block.E)[: block.k] for _ in range(6)])
-    w = torch.rand(6, block.k)
     bad = ids.clone()
     bad[:, 0] = block.E + 3
     bad[2, 1] = -1
