@@ -131,13 +131,15 @@ def experts_forward(
 
 
 def _untraced_inference(tensors: tuple[torch.Tensor | None, ...]) -> bool:
-    """True when no tracer sees this call (dynamo, export, jit, a dispatch or function mode, a tensor
-    subclass such as FakeTensor) and no gradient can flow through it. Only then does the experts hook
-    run the op's body itself: the custom op exists for tracers and for autograd's error, and its
-    dispatch costs 15–18 µs of host time per call under no_grad, 8–9 µs under inference_mode (2-core
-    CPU, `bench/host_overhead.py --tokens 0`, rows op − body)."""
+    """True when no tracer sees this call (dynamo, export, jit, a dispatch or function mode, a
+    functorch transform such as vmap, a tensor subclass such as FakeTensor) and no gradient can flow
+    through it. Only then does the experts hook run the op's body itself: the custom op exists for
+    tracers and for autograd's error, and its dispatch costs 15–18 µs of host time per call under
+    no_grad, 8–9 µs under inference_mode (2-core CPU, `bench/host_overhead.py --tokens 0`, rows
+    op − body)."""
     if (torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
-            or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()):
+            or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._are_functorch_transforms_active()):
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:

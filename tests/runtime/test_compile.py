@@ -142,6 +142,19 @@ def test_untraced_inference_skips_the_op_dispatch(mode):
     moetune.uncompile(model)
 
 
+def test_vmap_takes_the_op():
+    """Under vmap (a functorch transform: its batched tensors look like plain ones) the hook calls the
+    op, whose batching fallback runs the plan once per sample."""
+    model, ex, _, ids, w = _compiled_call(3)
+    xs = torch.randn(2, 3, ex._moetune_plan.block.D)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = torch.vmap(lambda x: ex(x, ids, w))(xs)
+        want = torch.stack([ex(x, ids, w) for x in xs])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    moetune.uncompile(model)
+
+
 def test_fake_tensors_take_the_op():
     """Under FakeTensorMode (what export and compile trace with) the hook runs the op's fake kernel:
     with the plans gone from the registry the real body would raise."""
