@@ -8,13 +8,15 @@
 #   bash bench/h200_run.sh [PRESET] [TUNE_BUDGET] [TUNE_LIMIT_S]
 export PYTHONUNBUFFERED=1
 preset=${1:-qwen3-30b-a3b}
-R=/tmp/r; mkdir -p $R/tune $R/bench
+R=/tmp/r; mkdir -p $R/tune $R/bench $R/host
 pack() { (cd $R && tar czf "$OUT/r.tgz" .); }
 MOETUNE_TEST_GPU=1 timeout 90 python3 -m pytest -q -x -p no:cacheprovider tests/codegen/test_triton_kernels.py \
   -k "bf16_on_gpu or one_expert_every_row or odd_sizes" > $R/gputests.log 2>&1
 echo "gpu tests rc=$?"; tail -n 2 $R/gputests.log; pack
-timeout 60 python3 bench/host_overhead.py --out $R/host > $R/host.log 2>&1   # eager host time per experts call
-echo "host overhead rc=$?"; tail -n 9 $R/host.log
+for t in 1 64; do   # eager host time per experts call (GEMV bucket, GEMM bucket)
+  timeout 60 python3 bench/host_overhead.py --tokens $t --out $R/host/T$t > $R/host/T$t.log 2>&1
+  echo "host overhead T=$t rc=$?"; tail -n 13 $R/host/T$t.log
+done
 limit=${3:-170}
 OUT=$R/tune timeout -k 5 -s INT $((limit + 40)) bash bench/tune_h200.sh "$preset" "${2:-120s}" "${limit}s" \
   > $R/tune/run.log 2>&1

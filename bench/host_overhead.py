@@ -12,6 +12,7 @@ kernels' own time is in every row alike, and the differences between rows are th
     hook        the experts module's forward through transformers' hook (what eager inference runs)
     dispatcher  the plan's Dispatcher alone: bisect on T, then the bucket's kernels
     step        a whole decode step of the model (T sequences, one token each, no KV cache)
+    route       (CUDA) the routing kernel alone: two torch.empty and one Triton launch, a launch's cost
 
     python bench/host_overhead.py [--family qwen3_moe] [--tokens 1] [--out DIR]
     python bench/host_overhead.py --tokens 0      # no kernel runs (T = 0 returns at the dispatcher):
@@ -91,6 +92,10 @@ def main() -> None:
         "dispatcher": lambda: plan.dispatcher(x, ids, wt, w),
         "step": lambda: model(input_ids=step_ids, use_cache=False),
     }
+    if cuda:  # one Triton launch of moetune's own: the routing kernel (two torch.empty, one launch)
+        from moetune.codegen.triton import routing
+
+        paths["route"] = lambda: routing.route(ids, b.E)
     if T == 0:
         del paths["step"]
     reps = {n: max(args.reps // 20, 20) if n == "step" else args.reps for n in paths}
