@@ -137,9 +137,7 @@ def _untraced_inference(tensors: tuple[torch.Tensor | None, ...]) -> bool:
     tracers and for autograd's error, and its dispatch costs 15–18 µs of host time per call under
     no_grad, 8–9 µs under inference_mode (2-core CPU, `bench/host_overhead.py --tokens 0`, rows
     op − body)."""
-    if (torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
-            or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._are_functorch_transforms_active()):
+    if any(probe() for probe in _TRACING):
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
@@ -151,6 +149,22 @@ def _untraced_inference(tensors: tuple[torch.Tensor | None, ...]) -> bool:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _torch_c(name: str):
+    """A private torch probe; where this torch has none, a probe that always says "maybe traced", so
+    the hook keeps to the op rather than guess."""
+    return getattr(torch._C, name, lambda: True)
+
+
+_TRACING = (
+    torch.compiler.is_compiling,
+    torch.compiler.is_exporting,
+    torch.jit.is_tracing,
+    _torch_c("_len_torch_dispatch_stack"),  # FakeTensorMode, make_fx's proxy mode, functionalisation
+    _torch_c("_is_torch_function_mode_enabled"),
+    _torch_c("_are_functorch_transforms_active"),  # vmap, grad: their tensors look plain
+)
 
 
 def register_with_transformers() -> bool:

@@ -155,6 +155,14 @@ def test_vmap_takes_the_op():
     moetune.uncompile(model)
 
 
+def test_a_probe_this_torch_lacks_keeps_the_op():
+    """The private torch probes are looked up once; one this torch does not have says "maybe traced"."""
+    from moetune.runtime import compiled
+
+    assert compiled._torch_c("_no_such_probe")() is True
+    assert compiled._torch_c("_len_torch_dispatch_stack") is torch._C._len_torch_dispatch_stack
+
+
 def test_fake_tensors_take_the_op():
     """Under FakeTensorMode (what export and compile trace with) the hook runs the op's fake kernel:
     with the plans gone from the registry the real body would raise."""
