@@ -521,9 +521,9 @@ def table(records: list[dict], ceil: dict, name: str) -> str:
              "ceilings measured in the same run: " + ", ".join(f"{k} {v:.3g}" for k, v in ceil.items()),
              "",
              "| shape | T | floor µs | best moetune µs | % floor | kind/variant | table µs | best open-source µs "
-             "| speedup | grouped_mm | batched_mm | eager (host) | GEMV best | GEMM best | hybrid best "
-             "| rel_err | extra MiB |",
-             "|" + "---|" * 17]
+             "| speedup | moetune host-launched µs | grouped_mm | batched_mm | eager (host) | GEMV best | GEMM best "
+             "| hybrid best | rel_err | extra MiB |",
+             "|" + "---|" * 18]
     summary = []  # (speedup, % floor, target %, table µs / best µs or None) per cell
     cells = sorted({(r["shape"], r["tokens"]) for r in records},
                    key=lambda c: (list(SHAPES).index(c[0]), c[1]))
@@ -548,6 +548,7 @@ def table(records: list[dict], ceil: dict, name: str) -> str:
         def named(name, best_of=best_of):
             return fmt(best_of(lambda rec: rec["impl"] == name))
         tab = best_of(lambda rec: rec["impl"].startswith("moetune") and rec["variant"] == "table")
+        host = f"{b['host_us']:.1f}" if "host_us" in b else "–"  # the best kernel, host-launched (eager)
         tab_ratio = tab["time_us"] / b["time_us"] if tab else None
         summary.append((bo / b["time_us"] if bo else None, 100 * fl / b["time_us"], target_pct(T), tab_ratio))
         lines.append(
@@ -555,6 +556,7 @@ def table(records: list[dict], ceil: dict, name: str) -> str:
             f"{b['impl'].split(':')[1]}/{b['variant']} | "
             f"{fmt(tab) + (f' ({1 / tab_ratio:.2f}×)' if tab_ratio and tab is not b else '')} | {bo} | "
             f"{(bo / b['time_us']) if bo else float('nan'):.2f}× | "
+            f"{host} | "
             f"{named('grouped_mm')} | {named('batched_mm')} | {named('eager')} | "
             f"{named('moetune:stream_gemv')} | {named('moetune:grouped_gemm')} | {named('moetune:hybrid')} | "
             f"{max(r['rel_err'] for r in mine):.1e} | {b['extra_mem_bytes'] / 2**20:.2f} |")
