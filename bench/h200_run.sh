@@ -15,7 +15,7 @@ MOETUNE_TEST_GPU=1 timeout 90 python3 -m pytest -q -x -p no:cacheprovider tests/
 echo "gpu tests rc=$?"; tail -n 2 $R/gputests.log; pack
 for t in 1 64; do   # eager host time per experts call (GEMV bucket, GEMM bucket)
   timeout 60 python3 bench/host_overhead.py --tokens $t --out $R/host/T$t > $R/host/T$t.log 2>&1
-  echo "host overhead T=$t rc=$?"; tail -n 13 $R/host/T$t.log
+  echo "host overhead T=$t rc=$?"; tail -n 17 $R/host/T$t.log
 done
 limit=${3:-170}
 OUT=$R/tune timeout -k 5 -s INT $((limit + 40)) bash bench/tune_h200.sh "$preset" "${2:-120s}" "${limit}s" \

@@ -12,6 +12,8 @@ kernels' own time is in every row alike, and the differences between rows are th
     hook        the experts module's forward through transformers' hook (what eager inference runs)
     dispatcher  the plan's Dispatcher alone: bisect on T, then the bucket's kernels
     step        a whole decode step of the model (T sequences, one token each, no KV cache)
+    args        a Triton launcher's shared host work (`call_args`) with the kernel's memo warm, as every
+                call after the first; args-cold: with an empty memo, as the first call
     route       (CUDA) the routing kernel alone: two torch.empty and one Triton launch, a launch's cost
 
     python bench/host_overhead.py [--family qwen3_moe] [--tokens 1] [--out DIR]
@@ -78,8 +80,8 @@ def main() -> None:
     T = args.tokens
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(T, b.D, generator=gen).to(dev, dtype)
-    ids = torch.stack([torch.randperm(b.E, generator=gen)[: b.k] for _ in range(T)] or
-                      [torch.zeros(0, b.k, dtype=torch.long)]).reshape(T, b.k).to(dev)
+    ids = (torch.stack([torch.randperm(b.E, generator=gen)[: b.k] for _ in range(T)]) if T
+           else torch.zeros(0, b.k, dtype=torch.long)).to(dev)
     wt = torch.rand(T, b.k, generator=gen).to(dev, dtype)
     bias = (ex.gate_up_proj_bias, ex.down_proj_bias) if b.layout.has_bias else (None, None)
     w = ExpertTensors(ex.gate_up_proj, ex.down_proj, *bias)
@@ -92,10 +94,16 @@ def main() -> None:
         "dispatcher": lambda: plan.dispatcher(x, ids, wt, w),
         "step": lambda: model(input_ids=step_ids, use_cache=False),
     }
-    if cuda:  # one Triton launch of moetune's own: the routing kernel (two torch.empty, one launch)
-        from moetune.codegen.triton import routing
-
-        paths["route"] = lambda: routing.route(ids, b.E)
+    try:  # the Triton launchers' shared host work (pure Python: timed on the CPU too)
+        from moetune.codegen.triton import _common, routing
+    except ImportError:  # no triton here
+        pass
+    else:
+        memo: dict = {}
+        paths["args"] = lambda: _common.call_args(b, x, ids, wt, w, memo)
+        paths["args-cold"] = lambda: _common.call_args(b, x, ids, wt, w, {})
+        if cuda:  # one Triton launch of moetune's own: the routing kernel (two torch.empty, one launch)
+            paths["route"] = lambda: routing.route(ids, b.E)
     if T == 0:
         del paths["step"]
     reps = {n: max(args.reps // 20, 20) if n == "step" else args.reps for n in paths}

@@ -102,15 +102,9 @@ def layout_strides(block: MoEBlock, w: ExpertTensors) -> tuple[GateUpStrides, Do
             DownStrides(dn.stride(0), d_n, d_k, dbe, dbn))
 
 
-def check_call(block: MoEBlock, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-               w: ExpertTensors) -> None:
-    """Shapes of one call against the block; UnsupportedSchedule names the tensor and both shapes."""
-    _check_rows(block, x, ids, weights)
-    w.check(block)
-
-
-def _check_rows(block: MoEBlock, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
-    """x [T, D] with a contiguous hidden dimension, ids and weights [T, k]."""
+def check_call(block: MoEBlock, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+    """x [T, D] with a contiguous hidden dimension, ids and weights [T, k]; UnsupportedSchedule names the
+    tensor and both shapes (the weights: `ExpertTensors.check`)."""
     if x.dim() != 2 or x.shape[1] != block.D:
         raise UnsupportedSchedule(f"x has shape {tuple(x.shape)}, block needs [T, {block.D}]")
     T = x.shape[0]
@@ -137,27 +131,24 @@ class CallArgs:
 
 
 def call_args(block: MoEBlock, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-              w: ExpertTensors, memo: dict | None = None) -> CallArgs:
-    """Check one call's shapes (`check_call`) and gather the launch arguments every kernel needs.
+              w: ExpertTensors, memo: dict) -> CallArgs:
+    """Check one call's shapes and gather the launch arguments every kernel needs.
 
     `memo` (one dict per built kernel) keeps what the weights' shapes, strides and dtypes and x's
     dtype decide (the weight shape check, strides, constexprs), keyed by exactly those: a call with
     the same weights skips that host work (bench/host_overhead.py). Tensors are never kept."""
+    check_call(block, x, ids, weights)
     gu, dn, gb, db = w.gate_up, w.down, w.gate_up_bias, w.down_bias
     key = (x.dtype, gu.dtype, gu.shape, gu.stride(), dn.dtype, dn.shape, dn.stride(),
            None if gb is None else (gb.shape, gb.stride()), None if db is None else (db.shape, db.stride()))
-    hit = None if memo is None else memo.get(key)
+    hit = memo.get(key)
     if hit is None:
-        check_call(block, x, ids, weights, w)
+        w.check(block)
         gs, ds = layout_strides(block, w)
-        meta = dict(K_TOP=block.k, BLOCK_E=max(16, next_pow2(block.E)), **consts(block, x, w))
-        hit = (gs, ds, meta)
-        if memo is not None:
-            if len(memo) >= 16:  # weights swapped many times over: start afresh
-                memo.clear()
-            memo[key] = hit
-    else:
-        _check_rows(block, x, ids, weights)
+        hit = gs, ds, dict(K_TOP=block.k, BLOCK_E=max(16, next_pow2(block.E)), **consts(block, x, w))
+        if len(memo) >= 16:  # weights swapped many times over: start afresh
+            memo.clear()
+        memo[key] = hit
     gs, ds, meta = hit
     T = x.shape[0]
     gb, db = bias_args(block, w)
