@@ -134,8 +134,8 @@ def _untraced_inference(tensors: tuple[torch.Tensor | None, ...]) -> bool:
     """True when no tracer sees this call (dynamo, export, jit, a dispatch or function mode, a
     functorch transform such as vmap, a tensor subclass such as FakeTensor) and no gradient can flow
     through it. Only then does the experts hook run the op's body itself: the custom op exists for
-    tracers and for autograd's error, and its dispatch costs 15–18 µs of host time per call under
-    no_grad, 8–9 µs under inference_mode (2-core CPU, `bench/host_overhead.py --tokens 0`, rows
+    tracers and for autograd's error, and its dispatch costs 14–18 µs of host time per call under
+    no_grad, 7–9 µs under inference_mode (2-core CPU, `bench/host_overhead.py --tokens 0`, rows
     op − body)."""
     if any(probe() for probe in _TRACING):
         return False
