@@ -15,17 +15,24 @@ kernels' own time is in every row alike, and the differences between rows are th
     args        a Triton launcher's shared host work (`call_args`) with the kernel's memo warm, as every
                 call after the first; args-cold: with an empty memo, as the first call
     route       (CUDA) the routing kernel alone: two torch.empty and one Triton launch, a launch's cost
+    …-triton    (CUDA) dispatcher / route / step with every launch through Triton's own dispatch (`fn[grid]`), as
+                before moetune.codegen.triton.launch: the direct launch's saving, in the same run
 
     python bench/host_overhead.py [--family qwen3_moe] [--tokens 1] [--out DIR]
     python bench/host_overhead.py --tokens 0      # no kernel runs (T = 0 returns at the dispatcher):
                                                   # the paths' own host time, also on a CPU
+    python bench/host_overhead.py --profile 2000  # then cProfile of 2000 dispatcher calls (top 25 by
+                                                  # own time; profile.txt in --out)
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import platform
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -65,6 +72,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=21)
     ap.add_argument("--out", type=Path, default=None, help="folder for host-overhead.json")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile N dispatcher calls after")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -95,7 +103,7 @@ def main() -> None:
         "step": lambda: model(input_ids=step_ids, use_cache=False),
     }
     try:  # the Triton launchers' shared host work (pure Python: timed on the CPU too)
-        from moetune.codegen.triton import _common, routing
+        from moetune.codegen.triton import _common, launch, routing
     except ImportError:  # no triton here
         pass
     else:
@@ -104,9 +112,22 @@ def main() -> None:
         paths["args-cold"] = lambda: _common.call_args(b, x, ids, wt, w, {})
         if cuda:  # one Triton launch of moetune's own: the routing kernel (two torch.empty, one launch)
             paths["route"] = lambda: routing.route(ids, b.E)
+
+            def through_triton(fn):  # every launch through Triton's dispatch, as before launch.py
+                def call():
+                    launch.DIRECT = False
+                    try:
+                        fn()
+                    finally:
+                        launch.DIRECT = True
+                return call
+
+            paths["dispatcher-triton"] = through_triton(paths["dispatcher"])
+            paths["route-triton"] = through_triton(paths["route"])
+            paths["step-triton"] = through_triton(paths["step"])
     if T == 0:
-        del paths["step"]
-    reps = {n: max(args.reps // 20, 20) if n == "step" else args.reps for n in paths}
+        paths = {n: f for n, f in paths.items() if not n.startswith("step")}
+    reps = {n: max(args.reps // 20, 20) if n.startswith("step") else args.reps for n in paths}
     rows = []
     for mode in ("no_grad", "inference_mode"):
         with getattr(torch, mode)():
@@ -120,9 +141,22 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "host-overhead.json").write_text(json.dumps(rec, indent=1))
     print(f"{device}, {args.family}, T={T}, backend {rec['backend']}: {rec['route']}")
-    print(f"{'mode':16s} {'path':12s} {'µs per call':>12s}")
+    print(f"{'mode':16s} {'path':18s} {'µs per call':>12s}")
     for r in rows:
-        print(f"{r['mode']:16s} {r['path']:12s} {r['us']:12.1f}")
+        print(f"{r['mode']:16s} {r['path']:18s} {r['us']:12.1f}")
+    if args.profile:  # where the dispatcher's host time goes, function by function
+        prof = cProfile.Profile()
+        with torch.inference_mode():
+            prof.enable()
+            for _ in range(args.profile):
+                paths["dispatcher"]()
+            sync()
+            prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+        print(buf.getvalue())
+        if args.out:
+            (args.out / "profile.txt").write_text(buf.getvalue())
 
 
 if __name__ == "__main__":

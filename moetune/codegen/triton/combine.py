@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
+
 
 @triton.jit(do_not_specialize=["P", "S"])
 def combine_kernel(y_ptr, ids_ptr, out_ptr, s_ot, P, E, N, S,
@@ -35,7 +37,7 @@ def combine(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int,
     S, P, D = y.shape
     T, k = ids.shape
     bd = min(block_d, triton.next_power_of_2(D))
-    combine_kernel[(T, triton.cdiv(D, bd))](y, ids, out, out.stride(0), P, E, D, S,
+    launch(combine_kernel, (T, triton.cdiv(D, bd)), y, ids, out, out.stride(0), P, E, D, S,
                                             K_TOP=k, BD=bd, num_warps=4)
     return out
 

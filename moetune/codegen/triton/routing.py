@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2
+from .launch import launch
 
 
 @triton.jit(do_not_specialize=["P", "per_prog", "G"])
@@ -96,13 +97,13 @@ def route(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
     counts = torch.empty(E, dtype=torch.int32, device=ids.device)
     sorted_pairs = torch.empty(max(P, 1), dtype=torch.int32, device=ids.device)
     if g == 1:
-        route_kernel[(1,)](flat, counts, counts, sorted_pairs, P, E, per, 1,
+        launch(route_kernel, (1,), flat, counts, counts, sorted_pairs, P, E, per, 1,
                            PHASE=2, BLOCK_E=block_e, C=c, num_warps=4)
     else:
         hist = torch.empty(g * block_e, dtype=torch.int32, device=ids.device)
-        route_kernel[(g,)](flat, counts, hist, sorted_pairs, P, E, per, g,
+        launch(route_kernel, (g,), flat, counts, hist, sorted_pairs, P, E, per, g,
                            PHASE=0, BLOCK_E=block_e, C=c, num_warps=4)
-        route_kernel[(g,)](flat, counts, hist, sorted_pairs, P, E, per, g,
+        launch(route_kernel, (g,), flat, counts, hist, sorted_pairs, P, E, per, g,
                            PHASE=1, BLOCK_E=block_e, C=c, num_warps=4)
     return counts, sorted_pairs
 
@@ -113,7 +114,7 @@ def gather(x: torch.Tensor, counts: torch.Tensor, sorted_pairs: torch.Tensor, k:
     P, (E,), D = sorted_pairs.numel(), counts.shape, x.shape[1]
     xs = torch.empty(P, D, dtype=dtype, device=x.device)  # [P, D]
     br, bd = 16, min(256, next_pow2(D))
-    gather_kernel[(triton.cdiv(P, br), triton.cdiv(D, bd))](
+    launch(gather_kernel, (triton.cdiv(P, br), triton.cdiv(D, bd)),
         x, x.stride(0), counts, sorted_pairs, xs, P, E, D, K_TOP=k, BLOCK_E=max(16, next_pow2(E)),
         BR=br, BD=bd, num_warps=4)
     return xs
