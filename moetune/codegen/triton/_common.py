@@ -34,6 +34,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ on the host (triton.cdiv is a constexpr function: slower to call from Python)."""
+    return -(-a // b)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import cdiv, next_pow2
 from .launch import launch
 
 
@@ -36,8 +37,8 @@ def combine(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int,
     """y [S, P, D] fp32, ids [T, k] → out [T, D] (written in place and returned)."""
     S, P, D = y.shape
     T, k = ids.shape
-    bd = min(block_d, triton.next_power_of_2(D))
-    launch(combine_kernel, (T, triton.cdiv(D, bd)), y, ids, out, out.stride(0), P, E, D, S,
+    bd = min(block_d, next_pow2(D))
+    launch(combine_kernel, (T, cdiv(D, bd)), y, ids, out, out.stride(0), P, E, D, S,
                                             K_TOP=k, BD=bd, num_warps=4)
     return out
 

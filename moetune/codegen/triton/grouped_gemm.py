@@ -45,6 +45,7 @@ from ._common import (
     _tile_gate_up,
     act_args,
     call_args,
+    cdiv,
     check_pow2,
     dot_smem_bytes,
     interpreting,
@@ -236,16 +237,16 @@ def build(block: MoEBlock, schedule: Schedule):
         meta = dict(a.meta, BM=p.block_m, GROUP_M=p.group_m)
         nt = max_tiles(P, E, p.block_m)
         h = torch.empty(P, F, dtype=x.dtype, device=x.device)  # [P, F]
-        launch(grouped_gemm_kernel, (nt * triton.cdiv(F, p.block_n),),
+        launch(grouped_gemm_kernel, (nt * cdiv(F, p.block_n),),
             x, x.stride(0), wts_f, counts, sorted_pairs,
             w.gate_up, gs.se, gs.sn, gs.sk, gs.up, gb, gs.sbe, gs.sbn, gs.bup,
             h, h.stride(0), h, P, E, F, D, nt, D, alpha, limit,
             PROJ=0, BN=p.block_n, BK=p.block_k, ONE_DOT=p.one_dot, num_warps=p.num_warps,
             num_stages=p.num_stages, **meta)
-        k_split = triton.cdiv(triton.cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
-        S = triton.cdiv(F, k_split)
+        k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
+        S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=torch.float32, device=x.device)  # [S, P, D]
-        launch(grouped_gemm_kernel, (nt * triton.cdiv(D, p.down_block_n), S),
+        launch(grouped_gemm_kernel, (nt * cdiv(D, p.down_block_n), S),
             x, x.stride(0), wts_f, counts, sorted_pairs,
             w.down, ds.se, ds.sn, ds.sk, 0, db, ds.sbe, ds.sbn, 0,
             h, h.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
@@ -283,15 +284,15 @@ def _build_tma(block: MoEBlock, p: GemmParams, alpha: float, limit: float):
         rows = max(P, 1)
         xs = routing.gather(x, counts, sorted_pairs, block.k, gu.dtype)  # [P, D] sorted token rows
         h = torch.empty(rows, F, dtype=gu.dtype, device=x.device)  # [P, F] sorted order
-        grouped_gemm_tma_kernel[(nt * triton.cdiv(F, p.block_n),)](  # descriptors: new objects each call
+        grouped_gemm_tma_kernel[(nt * cdiv(F, p.block_n),)](  # descriptors: new objects each call
             _desc(xs, rows, D, D, [p.block_m, p.block_k]), gu_desc,
             wts_f, counts, sorted_pairs, a.gate_up_bias, gs.sbe, gs.sbn, gs.bup,
             h, h, P, E, F, D, nt, D, alpha, limit,
             PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta)
-        k_split = triton.cdiv(triton.cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
-        S = triton.cdiv(F, k_split)
+        k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
+        S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=torch.float32, device=x.device)  # [S, P, D]
-        grouped_gemm_tma_kernel[(nt * triton.cdiv(D, p.down_block_n), S)](
+        grouped_gemm_tma_kernel[(nt * cdiv(D, p.down_block_n), S)](
             _desc(h, rows, F, F, [p.block_m, p.down_block_k]), dn_desc,
             wts_f, counts, sorted_pairs, a.down_bias, ds.sbe, ds.sbn, 0,
             h, y, P, E, D, F, nt, k_split, alpha, limit,

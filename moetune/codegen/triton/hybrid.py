@@ -34,6 +34,7 @@ from ._common import (
     _tile_gate_up,
     act_args,
     call_args,
+    cdiv,
     check_pow2,
     dot_smem_bytes,
     interpreting,
@@ -182,16 +183,16 @@ def build(block: MoEBlock, schedule: Schedule):
         meta = dict(a.meta, BM=p.block_m, RP=next_pow2(R - 1))
         g_tiles, v_slots = grid_parts(P, E, p.block_m, R)
         h = torch.empty(P, F, dtype=x.dtype, device=x.device)  # [P, F]
-        n_gemm = g_tiles * triton.cdiv(F, p.block_n)
-        launch(hybrid_kernel, (n_gemm + v_slots * triton.cdiv(F, p.gemv_block_n),),
+        n_gemm = g_tiles * cdiv(F, p.block_n)
+        launch(hybrid_kernel, (n_gemm + v_slots * cdiv(F, p.gemv_block_n),),
             x, x.stride(0), wts_f, counts, sorted_pairs,
             w.gate_up, gs.se, gs.sn, gs.sk, gs.up, gb, gs.sbe, gs.sbn, gs.bup,
             h, h.stride(0), h, P, E, F, D, R, g_tiles, n_gemm, alpha, limit,
             PROJ=0, BN=p.block_n, BK=p.block_k, BNV=p.gemv_block_n, BKV=p.gemv_block_k,
             num_warps=p.num_warps, num_stages=p.num_stages, STAGES=p.num_stages, **meta)
         y = torch.empty(1, P, D, dtype=torch.float32, device=x.device)  # [1, P, D]
-        n_gemm = g_tiles * triton.cdiv(D, p.down_block_n)
-        launch(hybrid_kernel, (n_gemm + v_slots * triton.cdiv(D, p.down_gemv_block_n),),
+        n_gemm = g_tiles * cdiv(D, p.down_block_n)
+        launch(hybrid_kernel, (n_gemm + v_slots * cdiv(D, p.down_gemv_block_n),),
             x, x.stride(0), wts_f, counts, sorted_pairs,
             w.down, ds.se, ds.sn, ds.sk, 0, db, ds.sbe, ds.sbn, 0,
             h, h.stride(0), y, P, E, D, F, R, g_tiles, n_gemm, alpha, limit,

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import cdiv, next_pow2
 from .launch import launch
 
 
@@ -84,9 +84,9 @@ def route_plan(P: int, E: int) -> tuple[int, int, int, int]:
     c = max(16, min(64, 8192 // block_e))
     if P <= 4 * c:
         return block_e, c, max(P, 1), 1
-    g = min(64, triton.cdiv(P, 4 * c))
-    per = triton.cdiv(triton.cdiv(P, g), c) * c
-    return block_e, c, per, triton.cdiv(P, per)
+    g = min(64, cdiv(P, 4 * c))
+    per = cdiv(cdiv(P, g), c) * c
+    return block_e, c, per, cdiv(P, per)
 
 
 def route(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +114,7 @@ def gather(x: torch.Tensor, counts: torch.Tensor, sorted_pairs: torch.Tensor, k:
     P, (E,), D = sorted_pairs.numel(), counts.shape, x.shape[1]
     xs = torch.empty(P, D, dtype=dtype, device=x.device)  # [P, D]
     br, bd = 16, min(256, next_pow2(D))
-    launch(gather_kernel, (triton.cdiv(P, br), triton.cdiv(D, bd)),
+    launch(gather_kernel, (cdiv(P, br), cdiv(D, bd)),
         x, x.stride(0), counts, sorted_pairs, xs, P, E, D, K_TOP=k, BLOCK_E=max(16, next_pow2(E)),
         BR=br, BD=bd, num_warps=4)
     return xs

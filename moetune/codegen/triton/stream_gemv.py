@@ -43,6 +43,7 @@ from ._common import (
     _token_down,
     act_args,
     call_args,
+    cdiv,
     check_pow2,
     dot_smem_bytes,
     next_pow2,
@@ -196,7 +197,7 @@ def build(block: MoEBlock, schedule: Schedule):
         meta = dict(a.meta, KP=next_pow2(k), BP=max(16, next_pow2(P)), FUSED=fused, ROWS=p.rows)
         slots = min(P, E)
         h = torch.empty(P, F, dtype=x.dtype, device=x.device)  # [P, F]
-        launch(stream_gemv_kernel, (slots, triton.cdiv(F, p.block_n), 1),
+        launch(stream_gemv_kernel, (slots, cdiv(F, p.block_n), 1),
             x, x.stride(0), ids_f, wts_f, counts, sorted_pairs,
             w.gate_up, gs.se, gs.sn, gs.sk, gs.up, gb, gs.sbe, gs.sbn, gs.bup,
             h, h.stride(0), h, 0, P, E, F, D, D, alpha, limit,
@@ -204,17 +205,17 @@ def build(block: MoEBlock, schedule: Schedule):
             STAGES=p.num_stages, **meta)
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         if p.down_mode == "token":
-            launch(stream_gemv_kernel, (T, triton.cdiv(D, p.down_block_n), 1),
+            launch(stream_gemv_kernel, (T, cdiv(D, p.down_block_n), 1),
                 x, x.stride(0), ids_f, wts_f, counts, sorted_pairs,
                 w.down, ds.se, ds.sn, ds.sk, 0, db, ds.sbe, ds.sbn, 0,
                 h, h.stride(0), out, out.stride(0), P, E, D, F, F, alpha, limit,
                 PROJ=2, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps,
                 num_stages=p.num_stages, STAGES=p.num_stages, **meta)
             return out
-        k_split = triton.cdiv(triton.cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
-        S = triton.cdiv(F, k_split)
+        k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
+        S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=torch.float32, device=x.device)  # [S, P, D]
-        launch(stream_gemv_kernel, (slots, triton.cdiv(D, p.down_block_n), S),
+        launch(stream_gemv_kernel, (slots, cdiv(D, p.down_block_n), S),
             x, x.stride(0), ids_f, wts_f, counts, sorted_pairs,
             w.down, ds.se, ds.sn, ds.sk, 0, db, ds.sbe, ds.sbn, 0,
             h, h.stride(0), y, 0, P, E, D, F, k_split, alpha, limit,
