@@ -90,6 +90,13 @@ class SearchSpace:
             values[name] = _decode(vals, trial.suggest_categorical(name, list(_encode(vals))))
         return self._schedule(ks, values)
 
+    def distributions(self) -> dict[str, tuple]:
+        """Optuna name → the categorical choices `suggest` offers for it (as Optuna stores them)."""
+        out: dict[str, tuple] = {"kind": tuple(ks.kind for ks in self.kinds)}
+        for ks in self.kinds:
+            out.update((name, tuple(_encode(vals))) for name, vals in ks.choices())
+        return out
+
     def schedule_of(self, params: dict) -> Schedule:
         """A trial's parameter dict (as Optuna stores it) → Schedule."""
         ks = self.kind(params["kind"])

@@ -170,7 +170,8 @@ def open_storage(storage):
 
 def default_schedules(block: MoEBlock, backend: Backend, space: SearchSpace, tokens: int,
                       first: Schedule | None = None) -> list[Schedule]:
-    """The backend's heuristic schedule of every kind in the space (those inside it), `first` first."""
+    """The backend's heuristic schedule of every kind in the space (those inside it), `first` first. A
+    hybrid default takes the bucket's row threshold nearest its own (the passes choose R per bucket)."""
     out = [first] if first is not None and space.contains(first) else []
     for ks in space.kinds:
         try:
@@ -179,6 +180,8 @@ def default_schedules(block: MoEBlock, backend: Backend, space: SearchSpace, tok
             continue
         if s.fusion != ks.fusion:
             s = dataclasses.replace(s, fusion=ks.fusion)
+        if ks.row_thresholds and s.row_threshold not in ks.row_thresholds:
+            s = dataclasses.replace(s, row_threshold=min(ks.row_thresholds, key=lambda r: abs(r - s.row_threshold)))
         if space.contains(s) and s not in out:
             out.append(s)
     return out
@@ -226,6 +229,19 @@ class _Study:
         self.study = optuna.create_study(study_name=name, storage=open_storage(options.storage),
                                          sampler=sampler, direction="minimize", load_if_exists=True)
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        self._check_resumed(name, options.storage)
+
+    def _check_resumed(self, name: str, storage) -> None:
+        """A study resumed from `storage` must have been sampled over this search space: Optuna cannot
+        widen a categorical, and its own error names neither the study nor the file."""
+        ours = self.space.distributions()
+        for t in self.study.get_trials(deepcopy=False):
+            for n, d in t.distributions.items():
+                if n in ours and tuple(getattr(d, "choices", ())) != ours[n]:
+                    raise UnsupportedSchedule(
+                        f"--storage {storage}: study {name!r} sampled {n} over {tuple(d.choices)}, this "
+                        f"moetune's search space has {ours[n]} (its kernels' spaces changed since); tune "
+                        "into a new storage file")
 
     def enqueue(self, schedules: Sequence[Schedule]) -> None:
         for s in schedules:

@@ -85,6 +85,20 @@ def test_the_default_heuristics_are_tried_first(tmp_path):
     assert first.value == pytest.approx(tb.cost(r.default))
 
 
+def test_a_study_resumed_over_another_space_is_refused_naming_its_file(tmp_path):
+    """A journal sampled over another search space (an older moetune's kernels) cannot be resumed: the
+    error names the file and the parameter; the same space resumes."""
+    from moetune.codegen.common import ParamSpace
+
+    j = str(tmp_path / "j.log")
+    run(tb.toy("toy-resume"), storage=j)
+    wider = tb.toy("toy-resume")
+    wider.space = lambda block, kind: ParamSpace(tb.ToyParams, (("tile", (16, 32, 64, 128)), ("stages", (1, 2, 3))))
+    with pytest.raises(UnsupportedSchedule, match=r"j\.log: study .* sampled \S*tile over"):
+        run(wider, storage=j)
+    assert run(tb.toy("toy-resume"), storage=j).winner is not None
+
+
 def test_unknown_error_is_reraised_with_a_repro_that_reproduces():
     be = tb.toy("toy-crash", faults={("grouped_gemm", 16, 1): "crash", ("stream_gemv", 16, 1): "crash",
                                      ("hybrid", 16, 1): "crash"})

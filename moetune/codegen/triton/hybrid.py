@@ -77,18 +77,18 @@ class HybridParams:
                     f"{H200_SMEM_LIMIT // 1024} KiB; lower block_k or the stages")
 
 
-SPACE = ParamSpace(HybridParams, (
+SPACE = ParamSpace(HybridParams, (  # holds every default of TritonBackend.default (test_triton_spaces.py)
     ("block_m", (16, 32, 64)),
     ("block_n", (32, 64, 128)),
     ("block_k", (64, 128)),
     ("num_warps", (4, 8)),
     ("num_stages", (2, 3, 4)),
-    ("gemv_block_n", (8, 16, 32)),
-    ("gemv_block_k", (256, 512)),
+    ("gemv_block_n", (4, 8, 16, 32)),
+    ("gemv_block_k", (128, 256, 512)),
     ("down_block_n", (64, 128)),
     ("down_block_k", (64, 128)),
-    ("down_gemv_block_n", (8, 16, 32)),
-    ("down_gemv_block_k", (256, 512)),
+    ("down_gemv_block_n", (2, 4, 8, 16, 32)),
+    ("down_gemv_block_k", (128, 256, 512)),
     ("down_warps", (4, 8)),
     ("down_stages", (2, 3, 4)),
 ))

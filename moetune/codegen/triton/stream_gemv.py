@@ -88,13 +88,15 @@ class GemvParams:
                 f"{regs} fp32 accumulator registers per thread, limit 128; lower block_k or raise num_warps")
 
 
+# holds every default of TritonBackend.default (tests/codegen/test_triton_spaces.py): 64-wide tiles for the
+# 16-row dot pass, down_block_n 2 for the token-mode down at k > 8
 SPACE = ParamSpace(GemvParams, (
-    ("block_n", (4, 8, 16, 32)),
+    ("block_n", (4, 8, 16, 32, 64)),
     ("block_k", (128, 256, 512, 1024)),
     ("rows", (1, 2, 4, 16)),
     ("num_warps", (4, 8)),
     ("num_stages", (2, 3, 4)),
-    ("down_block_n", (4, 8, 16, 32)),
+    ("down_block_n", (2, 4, 8, 16, 32, 64)),
     ("down_block_k", (128, 256, 512)),
     ("down_warps", (4, 8)),
     ("down_mode", ("token", "expert")),
