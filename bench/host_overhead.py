@@ -15,8 +15,9 @@ kernels' own time is in every row alike, and the differences between rows are th
     args        a Triton launcher's shared host work (`call_args`) with the kernel's memo warm, as every
                 call after the first; args-cold: with an empty memo, as the first call
     route       (CUDA) the routing kernel alone: two torch.empty and one Triton launch, a launch's cost
-    …-triton    (CUDA) dispatcher / route / step with every launch through Triton's own dispatch (`fn[grid]`), as
-                before moetune.codegen.triton.launch: the direct launch's saving, in the same run
+    …-triton    (CUDA) dispatcher / route / step with every launch through Triton's own dispatch
+                (`fn[grid]`), as before moetune.codegen.triton.launch: the direct launch's saving, in the
+                same run
 
     python bench/host_overhead.py [--family qwen3_moe] [--tokens 1] [--out DIR]
     python bench/host_overhead.py --tokens 0      # no kernel runs (T = 0 returns at the dispatcher):

@@ -181,7 +181,8 @@ def default_schedules(block: MoEBlock, backend: Backend, space: SearchSpace, tok
         if s.fusion != ks.fusion:
             s = dataclasses.replace(s, fusion=ks.fusion)
         if ks.row_thresholds and s.row_threshold not in ks.row_thresholds:
-            s = dataclasses.replace(s, row_threshold=min(ks.row_thresholds, key=lambda r: abs(r - s.row_threshold)))
+            nearest = min(ks.row_thresholds, key=lambda r, own=s.row_threshold: abs(r - own))
+            s = dataclasses.replace(s, row_threshold=nearest)
         if space.contains(s) and s not in out:
             out.append(s)
     return out

@@ -39,7 +39,7 @@ def combine(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int,
     T, k = ids.shape
     bd = min(block_d, next_pow2(D))
     launch(combine_kernel, (T, cdiv(D, bd)), y, ids, out, out.stride(0), P, E, D, S,
-                                            K_TOP=k, BD=bd, num_warps=4)
+           K_TOP=k, BD=bd, num_warps=4)
     return out
 
 

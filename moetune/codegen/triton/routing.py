@@ -98,13 +98,13 @@ def route(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
     sorted_pairs = torch.empty(max(P, 1), dtype=torch.int32, device=ids.device)
     if g == 1:
         launch(route_kernel, (1,), flat, counts, counts, sorted_pairs, P, E, per, 1,
-                           PHASE=2, BLOCK_E=block_e, C=c, num_warps=4)
+               PHASE=2, BLOCK_E=block_e, C=c, num_warps=4)
     else:
         hist = torch.empty(g * block_e, dtype=torch.int32, device=ids.device)
         launch(route_kernel, (g,), flat, counts, hist, sorted_pairs, P, E, per, g,
-                           PHASE=0, BLOCK_E=block_e, C=c, num_warps=4)
+               PHASE=0, BLOCK_E=block_e, C=c, num_warps=4)
         launch(route_kernel, (g,), flat, counts, hist, sorted_pairs, P, E, per, g,
-                           PHASE=1, BLOCK_E=block_e, C=c, num_warps=4)
+               PHASE=1, BLOCK_E=block_e, C=c, num_warps=4)
     return counts, sorted_pairs
 
 
