@@ -2,7 +2,8 @@
 # One H200 call after a change to how the Triton kernels are launched (moetune/codegen/triton/launch.py):
 # the GPU tests of the launch path and the bf16 kernel tests, then the eager host time per experts call
 # (bench/host_overhead.py, direct launches against Triton's own dispatch in the same run, cProfile of the
-# dispatcher) at T = 1 and 64, then the kernels bench's eager column on a few cells. Results in $OUT/h.tgz.
+# dispatcher) at T = 1 and 64, then the kernels bench's eager column on a few cells, then one decode step of
+# two presets' real model classes (bench/decode_step.py, 4 layers). Results in $OUT/h.tgz.
 export PYTHONUNBUFFERED=1
 R=/tmp/h; rm -rf $R; mkdir -p $R
 pack() { (cd $R && tar czf "$OUT/h.tgz" .); }
@@ -17,3 +18,8 @@ done
 timeout 120 python3 bench/kernels.py --out $R/bench --baselines "" --shapes qwen3-30b-a3b,mixtral-8x7b \
   --tokens 1,4,64 --tags 'table' > $R/bench.log 2>&1
 echo "bench rc=$?"; pack; grep -E "^\| [a-z]" $R/bench/*-kernels.md
+for p in qwen3-30b-a3b mixtral-8x7b; do
+  timeout 150 python3 bench/decode_step.py --preset $p --layers 4 --tokens 1,8,64 --out $R/decode-$p \
+    > $R/decode-$p.log 2>&1
+  echo "decode step $p rc=$?"; pack; tail -n 6 $R/decode-$p.log
+done
