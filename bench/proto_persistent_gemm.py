@@ -13,7 +13,10 @@ only when its SM frees, its epilogue (SwiGLU, stores) not overlapped with anythi
     body      as grouped_gemm_tma_kernel: two dots (gate, up) + SwiGLU store of h in sorted order; down
               with the routing weight, split-K fp32 partial planes, the package's combine
 
-Same schedule parameters as `GemmParams(tma=True)` (block sizes, group_m, warps, stages, split_k).
+Same schedule parameters as `GemmParams(tma=True)` (block sizes, group_m, warps, stages, split_k). The
+tile body repeats grouped_gemm_tma_kernel's: factored into one jit helper shared by both, the package's
+down kernels compile to other PTX (digests of the shipped winners change), which would stale the table.
+If the prototype wins, it moves into the package as one kernel with a re-tune.
 
     python3 bench/proto_persistent_gemm.py --out $OUT      # on the H200: each cell's table schedule and
                                                             # its persistent twins, checked, then timed
