@@ -62,3 +62,10 @@ def test_table_variant_survives_a_missing_or_corrupt_table(tmp_path, capsys):
         warnings.simplefilter("ignore")
         assert B.table_variant(str(bad), "mixtral-8x7b", 512) == []
     assert "bad.sqlite" in capsys.readouterr().out  # the file is named
+
+
+def test_routing_mean_is_the_mean_of_each_routings_median():
+    """Replay i ran routing i mod n: routing 0 took 10, 11, 100 µs (one outlier), routing 1 20, 21, 22."""
+    times = [10.0, 20.0, 11.0, 21.0, 100.0, 22.0]
+    assert B.routing_mean(times, 2) == pytest.approx((11.0 + 21.0) / 2)
+    assert B.routing_mean(times, 1) == pytest.approx(20.5)  # one routing: the plain median
