@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moetune.codegen.common import ExpertTensors  # noqa: E402
 from moetune.ir import MoEBlock, Schedule  # noqa: E402
 from moetune.search.objective import reference  # noqa: E402
-from moetune.search.timing import Case  # noqa: E402
+from moetune.search.timing import Case, routing_mean  # noqa: E402
 
 SHAPES = {  # name: (E, k, D, F)
     "qwen3-30b-a3b": (128, 8, 2048, 768),
@@ -164,20 +164,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def graph_checked_time(fn, sets, w, flush, ref) -> tuple[float | None, float, float]:
-    """(graph-mode median µs, or None when the replays' output fails the 1e-2 check; that error; the mean
-    over routings of each routing's median µs)."""
+    """(graph-mode median µs, or None when the replays' output fails the 1e-2 check; that error; the
+    tuner's summary of the same replays, `routing_mean`: the mean over routings of each one's median µs.
+    Where a cell's routings fall in two modes (mixtral-8x7b T = 2 touches 3 or 4 experts), the median of
+    all replays (gpu.md's method, `time_us`) and that mean can rank close variants differently.)"""
     t_us, times, gout = time_graph(fn, sets, w, flush)
     gerr = rel_err(gout, ref)
     return (t_us if gerr < 1e-2 else None), gerr, routing_mean(times, len(sets))
-
-
-def routing_mean(times: list[float], n: int) -> float:
-    """Mean over the n routings of each one's median replay (replay i ran routing i mod n): the tuner's
-    summary (moetune.search.timing), an estimate of the mean step time. gpu.md's method, and `time_us`,
-    is the median of all replays: where a cell's routings fall in two modes (mixtral-8x7b T = 2 touches
-    3 or 4 experts), the two can rank close variants differently."""
-    per = [statistics.median(times[i::n]) for i in range(min(n, len(times)))]
-    return statistics.mean(per)
 
 
 def routings(T: int, E: int, k: int, D: int, dev, seed: int):

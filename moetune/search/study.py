@@ -178,8 +178,7 @@ def default_schedules(block: MoEBlock, backend: Backend, space: SearchSpace, tok
             s = backend.default(block, ks.kind, tokens)
         except UnsupportedSchedule:
             continue
-        if s.fusion != ks.fusion:
-            s = dataclasses.replace(s, fusion=ks.fusion)
+        s = _fit(space, s)
         if ks.row_thresholds and s.row_threshold is not None and s.row_threshold not in ks.row_thresholds:
             nearest = min(ks.row_thresholds, key=lambda r, own=s.row_threshold: abs(r - own))
             s = dataclasses.replace(s, row_threshold=nearest)
