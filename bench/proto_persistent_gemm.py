@@ -20,6 +20,7 @@ If the prototype wins, it moves into the package as one kernel with a re-tune.
 
     python3 bench/proto_persistent_gemm.py --out $OUT      # on the H200: each cell's table schedule and
                                                             # its persistent twins, checked, then timed
+    TRITON_INTERPRET=0 PYTHONPATH=. python bench/proto_persistent_gemm.py --sm90   # resources, on a CPU
 """
 
 from __future__ import annotations
@@ -159,7 +160,27 @@ CELLS = "mixtral-8x7b:256,mixtral-8x7b:512,mixtral-8x7b:1024,qwen3-30b-a3b:512,q
         "deepseek-v3:1024,qwen3.5-397b-a17b:1024"
 
 
+def sm90_resources() -> None:
+    """Compile both projections for sm_90 on this machine (no GPU needed) with mixtral-8x7b's shipped TMA
+    tile (128 × 128 × 64, 8 warps, 4 stages; down 128 × 256), with and without flatten; print registers,
+    spills and shared memory (tests/codegen/triton_sm90.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "codegen"))
+    import triton_sm90 as S
+
+    base = dict(ACT=0, HAS_BIAS=False, W_IN=False, UPCAST=False, BLOCK_E=16, GROUP_M=8)
+    for flatten in (False, True):
+        for proj, bn in ((0, 128), (1, 256)):
+            k = S.compile_sm90(persistent_tma_kernel, dict(base, PROJ=proj, BM=128, BN=bn, BK=64, FLATTEN=flatten),
+                               num_warps=8, num_stages=4, descs=S.tma_descs(128, bn, 64))
+            regs, spills = S.ptxas_usage(k)
+            print(f"flatten={flatten!s:5} {'gate/up' if proj == 0 else 'down':7}: {regs} registers, "
+                  f"{spills} B spilled, {k.metadata.shared} B shared memory")
+
+
 def main() -> None:
+    if "--sm90" in sys.argv:  # TRITON_INTERPRET=0 PYTHONPATH=. python bench/proto_persistent_gemm.py --sm90
+        sm90_resources()
+        return
     import kernels as B  # bench/kernels.py: the same weights, routings, reference, flush and timer
 
     from moetune.codegen.triton import BACKEND
