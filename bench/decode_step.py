@@ -14,7 +14,10 @@ four ways per T:
 Each figure is the median over `--reps` steps of wall time per step (eager: host-launched, one sync per
 step; graph: replays timed with CUDA events), µs; per layer = step / layers. No L2 flush: consecutive
 steps, as in serving. Before timing, moetune's logits are checked against transformers' on the same
-input (bf16 both: ‖a − b‖ / ‖b‖). A forward that cannot be captured is reported with the reason.
+input (bf16 both: ‖a − b‖ / ‖b‖), and both against the same model run in float32: random routers make
+near-ties in top-k, so bf16 rounding alone can send a token to another expert in a later layer; the
+float32 columns show how far transformers' own bf16 run is. A forward that cannot be captured is
+reported with the reason.
 
     python bench/decode_step.py --preset qwen3-30b-a3b --layers 2 --tokens 1,8,64 --out DIR
     python bench/decode_step.py --family qwen3_moe --tokens 1,3     # a tiny model (moetune.tiny), CPU too
@@ -139,6 +142,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         moetune.uncompile(model)
         ref = step().float()
+        dtype = next(model.parameters()).dtype
+        model.float()  # the float32 reference of the same weights (bf16 -> fp32 -> bf16 is exact)
+        ref32 = step().float()
+        model.to(dtype)
+        row_err = {"transformers_rel_err_fp32": ((ref - ref32).norm() / ref32.norm()).item()}
         row = dict(model=what, layers=layers, tokens=T, device=torch.cuda.get_device_name() if cuda else "cpu")
         row["transformers_us"] = eager_us(step, args.reps, sync)
         if cuda:
@@ -146,6 +154,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         moetune.compile(model, cache=cache or None)
         out = step().float()
         row["logits_rel_err"] = ((out - ref).norm() / ref.norm()).item()
+        row.update(row_err, moetune_rel_err_fp32=((out - ref32).norm() / ref32.norm()).item())
         row["moetune_us"] = eager_us(step, args.reps, sync)
         if cuda:
             row["moetune_graph_us"], row["moetune_graph_why"] = graph_us(step, args.reps)
@@ -156,13 +165,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         (args.out / "decode-step.json").write_text(json.dumps(rows, indent=1))
     cols = ["transformers_us", "transformers_graph_us", "moetune_us", "moetune_graph_us"]
     print(f"{what}, {layers} layers, {rows[0]['device'] if rows else dev}: µs per step (per layer)")
-    print(f"{'T':>5} " + " ".join(f"{c.removesuffix('_us'):>24s}" for c in cols) + f" {'logits err':>10s}")
+    print(f"{'T':>5} " + " ".join(f"{c.removesuffix('_us'):>24s}" for c in cols)
+          + f" {'vs hf':>9s} {'hf vs fp32':>10s} {'mt vs fp32':>10s}")
     for r in rows:
         cells = []
         for c in cols:
             v = r.get(c)
             cells.append(f"{v:11.1f} ({v / layers:9.1f})" if v is not None else f"{'–':>24s}")
-        print(f"{r['tokens']:5d} " + " ".join(f"{c:>24s}" for c in cells) + f" {r['logits_rel_err']:10.2e}")
+        errs = (r["logits_rel_err"], r["transformers_rel_err_fp32"], r["moetune_rel_err_fp32"])
+        print(f"{r['tokens']:5d} " + " ".join(f"{c:>24s}" for c in cells) + " {:9.2e} {:10.2e} {:10.2e}".format(*errs))
     for r in rows:
         for k in ("transformers_graph_why", "moetune_graph_why"):
             if r.get(k):

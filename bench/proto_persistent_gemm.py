@@ -184,15 +184,16 @@ def main() -> None:
     import kernels as B  # bench/kernels.py: the same weights, routings, reference, flush and timer
 
     from moetune.codegen.triton import BACKEND
-    from moetune.search.objective import reference
+    from moetune.search.objective import Case, reference
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cells", default=CELLS)
     ap.add_argument("--table", default="cache/h200.sqlite")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this path (TRITON_INTERPRET=1)")
     args = ap.parse_args()
-    dev = torch.device("cuda")
-    flush = torch.randn(128 * 1024 * 1024, dtype=torch.bfloat16, device=dev)  # 256 MB, read per rep
+    dev = torch.device(args.device)
+    flush = torch.randn(128 * 1024 * 1024 if dev.type == "cuda" else 16, dtype=torch.bfloat16, device=dev)
     rows = []
     for cell in args.cells.split(","):
         shape, T = cell.split(":")
@@ -204,7 +205,7 @@ def main() -> None:
         distinct = statistics.mean(len(torch.unique(s[1])) for s in sets)
         fl = B.floor_us(E, k, D, F, T, distinct)
         x0, ids0, wt0 = sets[0]
-        ref = reference(x0, ids0, wt0, w)
+        ref = reference(block, Case(x0, ids0, wt0, w))
         cands = []
         for tag, s in B.table_variant(args.table, shape, T):
             p = s.params

@@ -28,4 +28,6 @@ def test_a_tiny_model_step_runs_both_ways(tmp_path):
     assert [r["tokens"] for r in rows] == [1, 2]
     for r in rows:
         assert r["transformers_us"] > 0 and r["moetune_us"] > 0 and r["logits_rel_err"] < 1e-5
+        # a float32 model: its float32 reference is itself, and moetune's step matches it
+        assert r["transformers_rel_err_fp32"] == 0 and r["moetune_rel_err_fp32"] < 1e-5
     assert (tmp_path / "decode-step.json").exists()
