@@ -337,7 +337,14 @@ def variants(E: int, k: int, D: int, F: int, T: int):
                 s, params=dataclasses.replace(p, tma=True, down_stages=3))))
             twins.append((tag + "-ts2", dataclasses.replace(
                 s, params=dataclasses.replace(p, tma=True, down_stages=3, split_k=2))))
-    return out + twins
+    # `-y`: the down GEMM's rows y in bf16 (GemmParams.y_half) for the variants that were best somewhere at
+    # many pairs (P ≥ 1024, where y is ≥ 8 MB at D = 2048 and its fp32 write and read cost µs)
+    ys = [(tag + "-y", dataclasses.replace(s, params=dataclasses.replace(s.params, y_half=True)))
+          for tag, s in out + twins if tag in Y_TWINS and T * k >= 1024]
+    return out + twins + ys
+
+
+Y_TWINS = ("m16-t", "m64n64", "m64n64-t", "m128g1-1", "m128g32-ts2", "m128s4-ts2")
 
 
 # ------------------------------------------------------------------------------------------ main

@@ -6,6 +6,7 @@ ints), so an output element or a workspace row that no kernel wrote fails the co
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -61,6 +62,10 @@ SCHEDULES = {
         block_m=16, block_n=32, block_k=32, group_m=2, down_block_n=32, down_block_k=32, tma=True)),
     "gemm_m32_tma_split2": Schedule("grouped_gemm", backend="triton", params=GemmParams(
         block_m=32, block_n=16, block_k=64, group_m=1, down_block_n=64, down_block_k=16, split_k=2, tma=True)),
+    "gemm_m16_y_half": Schedule("grouped_gemm", backend="triton", params=GemmParams(
+        block_m=16, block_n=32, block_k=64, group_m=2, down_block_n=32, down_block_k=16, split_k=2, y_half=True)),
+    "gemm_m32_tma_y_half": Schedule("grouped_gemm", backend="triton", params=GemmParams(
+        block_m=32, block_n=16, block_k=64, group_m=1, down_block_n=64, down_block_k=16, tma=True, y_half=True)),
     "hybrid_r2": Schedule("hybrid", row_threshold=2, backend="triton", params=HybridParams(
         block_m=16, block_n=32, block_k=64, gemv_block_n=16, gemv_block_k=64, down_block_n=64,
         down_block_k=64, down_gemv_block_n=32, down_gemv_block_k=64)),
@@ -150,6 +155,25 @@ def test_against_reference(case, sched, poisoned):
     P = T * k
     bound = 4 * (P * F + (3 if tma else 2) * P * D + T * D + 2 * P) + 4 * 64 * max(16, E) + 4 * E
     assert sum(poisoned) <= bound, f"{name}/{sched}: {sum(poisoned)} bytes allocated, bound {bound}"
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_y_half_writes_16_bit_rows(tma, poisoned):
+    """GemmParams.y_half: the down GEMM's rows y are x's 16-bit dtype (S·P·D·2 bytes fewer than fp32),
+    and the output still matches the float32 reference."""
+    E, k, D, F, T = 8, 2, 64, 48, 7
+    block, x, ids, weights, w = make_problem(E, k, D, F, T, "uniform", torch.float16, {})
+    ref = experts_reference(block, x, ids, weights, w)
+    p = GemmParams(block_m=16, block_n=16, block_k=64, group_m=1, down_block_n=32, down_block_k=16,
+                   split_k=2, tma=tma)
+    used = []
+    for half in (False, True):
+        poisoned.clear()
+        s = Schedule("grouped_gemm", backend="triton", params=dataclasses.replace(p, y_half=half))
+        out = BACKEND.build(block, s)(x, ids, weights, w)
+        assert rel_err(out, ref) < tolerances(torch.float16)
+        used.append(sum(poisoned))
+    assert used[0] - used[1] == 2 * T * k * D * 2  # S = 2 planes of [P, D]: 4 → 2 bytes per element
 
 
 @settings(max_examples=12, deadline=None)

@@ -1,8 +1,8 @@
 """The combine: out[t] = Σ_s Σ_j y[s, t·k + j] over valid pairs, cast to the output dtype.
 
-The down kernels write one fp32 row per (K split s, pair p), routing weight already applied, so this
-is the whole "sum over k back to token order": deterministic (no atomics), one small launch,
-reads S·T·k·D·4 bytes and writes T·D.
+The down kernels write one row per (K split s, pair p), routing weight already applied (fp32, or the
+activation's 16-bit dtype with GemmParams.y_half), so this is the whole "sum over k back to token
+order", in fp32: deterministic (no atomics), one small launch, reads S·T·k·D rows and writes T·D.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def combine_kernel(y_ptr, ids_ptr, out_ptr, s_ot, P, E, N, S,
 
 def combine(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int,
             block_d: int = 512) -> torch.Tensor:
-    """y [S, P, D] fp32, ids [T, k] → out [T, D] (written in place and returned)."""
+    """y [S, P, D] (fp32 or 16-bit), ids [T, k] → out [T, D] (written in place and returned)."""
     S, P, D = y.shape
     T, k = ids.shape
     bd = min(block_d, next_pow2(D))
@@ -43,5 +43,5 @@ def combine(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int,
     return out
 
 
-def cost(S: int, P: int, T: int, D: int, out_bytes: int) -> tuple[float, float]:
-    return float(S * P * D), float(S * P * D * 4 + T * D * out_bytes)
+def cost(S: int, P: int, T: int, D: int, out_bytes: int, y_bytes: int = 4) -> tuple[float, float]:
+    return float(S * P * D), float(S * P * D * y_bytes + T * D * out_bytes)

@@ -4,8 +4,8 @@ One kernel per operand path, two projections (PROJ) each:
   0 gate/up   tile × F-block: A = x rows of the tile's sorted pairs [BM, BK], B = gate and up tiles of
               the expert read in place; SwiGLU in the epilogue; h [P, F] in x.dtype (tma: the weights').
   1 down      tile × D-block (× split_k F ranges): A = h rows, B = down tile; routing weight in the
-              epilogue; fp32 rows y [S, P, D] (S = split_k partial planes), then combine.py sums the
-              S planes and the k rows of each token.
+              epilogue; rows y [S, P, D] (S = split_k partial planes; fp32, or with y_half the 16-bit
+              activation dtype), then combine.py sums the S planes and the k rows of each token in fp32.
 Tiles come from `counts` (routing.py) through `_find_tile`: tile t of expert e holds sorted rows
 [t·BM, t·BM + BM) of e.  The grid is static: ⌊P/BM⌋ + min(E, P) tiles bound Σ_e ⌈m_e/BM⌉; tiles past
 the real ones skip their K loop.  Program order is grouped (GROUP_M tiles per N-block sweep) so the
@@ -68,6 +68,9 @@ class GemmParams:
     one_dot: bool = False  # gate/up as one N = 2·block_n tl.dot (interleaved B tile) instead of two
     split_k: int = 1  # down: F split in this many fp32 partial planes (more tiles: a shorter last wave)
     tma: bool = False  # both operands of both GEMMs through TMA descriptors (standard layout; see above)
+    # down: y rows in x's dtype instead of fp32 (a 16-bit x: half the bytes the down GEMM writes and the
+    # combine reads, S·P·D·2 each; each (pair, column) value rounded once, the sum over k stays fp32)
+    y_half: bool = False
 
     def __post_init__(self) -> None:
         check_pow2("GemmParams", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
@@ -110,6 +113,7 @@ SPACE = ParamSpace(GemmParams, (
     ("one_dot", (False, True)),
     ("split_k", (1, 2, 4)),
     ("tma", (False, True)),
+    ("y_half", (False, True)),
 ))
 
 
@@ -245,7 +249,7 @@ def build(block: MoEBlock, schedule: Schedule):
             num_stages=p.num_stages, **meta)
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
-        y = torch.empty(S, P, D, dtype=torch.float32, device=x.device)  # [S, P, D]
+        y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
         launch(grouped_gemm_kernel, (nt * cdiv(D, p.down_block_n), S),
             x, x.stride(0), wts_f, counts, sorted_pairs,
             w.down, ds.se, ds.sn, ds.sk, 0, db, ds.sbe, ds.sbn, 0,
@@ -291,7 +295,7 @@ def _build_tma(block: MoEBlock, p: GemmParams, alpha: float, limit: float):
             PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta)
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
-        y = torch.empty(S, P, D, dtype=torch.float32, device=x.device)  # [S, P, D]
+        y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
         grouped_gemm_tma_kernel[(nt * cdiv(D, p.down_block_n), S)](
             _desc(h, rows, F, F, [p.block_m, p.down_block_k]), dn_desc,
             wts_f, counts, sorted_pairs, a.down_bias, ds.sbe, ds.sbn, 0,
@@ -307,11 +311,12 @@ def _build_tma(block: MoEBlock, p: GemmParams, alpha: float, limit: float):
 def cost(block: MoEBlock, params: GemmParams, tokens: int, distinct: float) -> tuple[float, float]:
     """(flops, bytes): weights of each distinct expert once (L2 serves the other tiles), x, h, y."""
     wb = 2 if block.weight_dtype != "float32" else 4
+    yb = wb if params.y_half else 4
     P = tokens * block.k
     tiles = P / params.block_m + distinct
     flops = 2.0 * 3 * tiles * params.block_m * block.D * block.F  # padded rows included
     by = (distinct * block.weight_bytes_per_expert + tokens * block.D * wb + 2 * P * block.F * wb
           + (2 * P * block.D * wb if params.tma else 0)  # the sorted copy xs: written, read
-          + _combine.cost(params.split_k, P, tokens, block.D, wb)[1] + params.split_k * P * block.D * 4
+          + _combine.cost(params.split_k, P, tokens, block.D, wb, yb)[1] + params.split_k * P * block.D * yb
           + routing.cost(P, block.E)[1])
     return flops, by
