@@ -24,7 +24,7 @@ for cell in "${cells[@]}"; do
     --cache cache/h200.sqlite --storage "$R/$p.journal" --keep-going > "$R/tune-$p.log" 2>&1
   echo "$p at ${cell#*:}: rc=$?"; grep -E "^\s+\[[0-9]+/|winner |final  " "$R/tune-$p.log"; pack
 done
-tags='table|g16|ga|gb|gd|m16|m16-t|m64n64|m64n64-t'
+tags=${TAGS:-'table|g16|ga|gb|gd|m16|m16-t|m64n64|m64n64-t'}  # TAGS=REGEX: other bench variants
 for cell in "${cells[@]}"; do
   left=$((570 - SECONDS)); [ $left -gt 30 ] || break
   timeout -k 10 -s INT $left python3 bench/kernels.py --out $R/bench-${cell%%:*} --baselines "" \
