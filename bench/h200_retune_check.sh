@@ -14,16 +14,18 @@ cells=("$@")
 [ ${#cells[@]} -gt 0 ] || cells=(deepseek-v3:8,16 qwen3.5-397b-a17b:8,16 mixtral-8x7b:2,16,32 qwen3-30b-a3b:8)
 R=/tmp/retune; mkdir -p $R
 pack() { cp cache/h200.sqlite $R/h200.sqlite; (cd $R && tar czf "$OUT/retune.tgz" .); }
-share=$((420 / ${#cells[@]}))  # the tuning's part of the call, split over the presets
+tune_s=${TUNE_S:-420}  # the tuning's part of the call, split over the cells; NO_BENCH=1: no bench after it
+share=$((tune_s / ${#cells[@]}))
 for cell in "${cells[@]}"; do
   p=${cell%%:*}
-  left=$((450 - SECONDS)); [ $left -gt 60 ] || break
+  left=$((tune_s + 30 - SECONDS)); [ $left -gt 60 ] || break
   lim=$(( share < left - 30 ? share : left - 30 ))
   timeout -k 5 -s INT $((lim + 30)) python3 -m moetune.cli tune --preset "$p" --backend triton --target h200 \
     --tokens 1-1024 --at-tokens "${cell#*:}" --budget "$budget" --time-limit "${lim}s" \
     --cache cache/h200.sqlite --storage "$R/$p.journal" --keep-going > "$R/tune-$p.log" 2>&1
   echo "$p at ${cell#*:}: rc=$?"; grep -E "^\s+\[[0-9]+/|winner |final  " "$R/tune-$p.log"; pack
 done
+[ -z "$NO_BENCH" ] || exit 0
 tags=${TAGS:-'table|g16|ga|gb|gd|m16|m16-t|m64n64|m64n64-t'}  # TAGS=REGEX: other bench variants
 for cell in "${cells[@]}"; do
   left=$((570 - SECONDS)); [ $left -gt 30 ] || break
