@@ -381,6 +381,34 @@ def probe(out_dir: Path) -> None:
     (out_dir / "probe_plan.json").write_text(json.dumps([(s, t, c) for s, t, c, *_ in plan]))
 
 
+def probe_table(out_dir: Path, cells: str, table: str) -> None:
+    """The shipped table's schedule of each cell ("shape:T,T;shape:T"), one eager call each inside
+    cudaProfilerStart/Stop for `ncu --profile-from-start off`: the time of each of its kernels alone
+    (routing, gate/up, down, combine), to set against the cell's graph-mode time."""
+    from moetune.codegen.triton import BACKEND
+
+    dev = torch.device("cuda")
+    plan = []
+    for group in cells.split(";"):
+        shape, ts = group.split(":")
+        E, k, D, F = SHAPES[shape]
+        block = MoEBlock(E=E, k=k, D=D, F=F, name=shape)
+        w = expert_weights(E, D, F, dev, seed=1)
+        for T in map(int, ts.split(",")):
+            for _, s in table_variant(table, shape, T):
+                x, ids, wt = routings(T, E, k, D, dev, seed=7)[0]
+                fn = BACKEND.build(block, s)
+                fn(x, ids, wt, w)  # compiled before the profiled range
+                torch.cuda.synchronize()
+                plan.append((shape, T, s.describe(), fn, x, ids, wt, w))
+    torch.cuda.profiler.start()
+    for *_, fn, x, ids, wt, w in plan:
+        fn(x, ids, wt, w)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    (out_dir / "probe_table_plan.json").write_text(json.dumps([(s, t, d) for s, t, d, *_ in plan]))
+
+
 def probe_gemm(out_dir: Path) -> None:
     """The large-T GEMM path of mixtral-8x7b (T = 512, 1024) inside cudaProfilerStart/Stop for ncu:
     kernels in order route (×2), gate/up, down, combine per call."""
@@ -420,6 +448,8 @@ def main() -> None:
                          "(what a compiled model runs); '' to leave it out")
     ap.add_argument("--probe", action="store_true", help="GEMV configurations for ncu, then exit")
     ap.add_argument("--probe-gemm", action="store_true", help="mixtral large-T GEMM for ncu, then exit")
+    ap.add_argument("--probe-table", metavar="CELLS", help="the table's schedule of each cell "
+                    "('shape:T,T;shape:T') for ncu, then exit")
     ap.add_argument("--render", metavar="JSON", help="rewrite the markdown table of a results JSON, then exit")
     args = ap.parse_args()
     if args.render:
@@ -432,6 +462,10 @@ def main() -> None:
     if args.probe:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         probe(Path(args.out))
+        return
+    if args.probe_table:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        probe_table(Path(args.out), args.probe_table, args.table)
         return
     t_start = time.time()
     dev = torch.device("cuda")
