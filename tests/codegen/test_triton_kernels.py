@@ -193,7 +193,7 @@ def test_hypothesis_routing(E, k, T, seed, sched):
     assert rel_err(out, ref) < tolerances(torch.float32)
 
 
-@pytest.mark.parametrize("E,P", [(8, 10), (16, 600), (12, 0 + 300)])
+@pytest.mark.parametrize("E,P", [(8, 10), (16, 600), (12, 0 + 300), (512, 2000), (128, 8192)])
 def test_routing_counts_and_order(E, P):
     """Device routing = torch's stable sort by expert, single- and multi-program paths."""
     gen = torch.Generator().manual_seed(P)

@@ -94,8 +94,8 @@ def representative() -> list[tuple[str, object, dict, dict]]:
     gv = dict(base, K_TOP=8, KP=8, BLOCK_E=128, BP=16, FUSED=True, ROWS=1, STAGES=4)
     o4, o8 = dict(num_warps=4, num_stages=4), dict(num_warps=8, num_stages=4)
     return [
-        ("route/one", route_kernel, dict(PHASE=2, BLOCK_E=128, C=64), dict(num_warps=4)),
-        ("route/scatter", route_kernel, dict(PHASE=1, BLOCK_E=512, C=16), dict(num_warps=4)),
+        ("route/one", route_kernel, dict(PHASE=2, BLOCK_E=128, C=64, GB=1), dict(num_warps=4)),
+        ("route/scatter", route_kernel, dict(PHASE=1, BLOCK_E=512, C=16, GB=8), dict(num_warps=4)),
         ("gemv/gate_up", stream_gemv_kernel, dict(gv, PROJ=0, BN=8, BK=256), o4),
         ("gemv/down_token", stream_gemv_kernel, dict(gv, PROJ=2, BN=4, BK=128), o4),
         ("gemv/down_expert", stream_gemv_kernel, dict(gv, PROJ=1, FUSED=False, BN=8, BK=128),

@@ -9,8 +9,9 @@ no torch op chain, capturable in a CUDA graph.  Ids outside [0, E) are dropped.
 
 Counting sort with one-hot tiles [C, E]:
   P ≤ 4·C       one program does both phases (PHASE 2): one launch.
-  larger P      G ≤ 64 programs: PHASE 0 writes per-program histograms hist [G, E]; PHASE 1 reads
-                them all, takes its exclusive prefix and scatters its pairs. Two launches.
+  larger P      G ≤ 64 programs of as few chunks as that allows: PHASE 0 writes per-program histograms
+                hist [G, E]; PHASE 1 reads them all ([GB, E] tiles), takes its exclusive prefix and
+                scatters its pairs. Two launches.
 Workspace: counts E + sorted P + hist G·E int32.
 
 `gather` copies the token rows into expert-sorted order, xs [P, D], for the TMA form of the grouped
@@ -29,7 +30,7 @@ from .launch import launch
 
 @triton.jit(do_not_specialize=["P", "per_prog", "G"])
 def route_kernel(ids_ptr, counts_ptr, hist_ptr, sorted_ptr, P, E, per_prog, G,
-                 PHASE: tl.constexpr, BLOCK_E: tl.constexpr, C: tl.constexpr):
+                 PHASE: tl.constexpr, BLOCK_E: tl.constexpr, C: tl.constexpr, GB: tl.constexpr):
     g = tl.program_id(0)
     ei = tl.arange(0, BLOCK_E)
     lo = g * per_prog
@@ -44,11 +45,13 @@ def route_kernel(ids_ptr, counts_ptr, hist_ptr, sorted_ptr, P, E, per_prog, G,
             tl.store(hist_ptr + g * BLOCK_E + ei, cnt)
     if PHASE != 0:
         before = tl.zeros([BLOCK_E], dtype=tl.int32)
-        if PHASE == 1:
-            for g2 in range(0, G):
-                hv = tl.load(hist_ptr + g2 * BLOCK_E + ei)
-                cnt += hv
-                before += tl.where(g2 < g, hv, 0)
+        if PHASE == 1:  # every program's histogram, GB rows per load: [GB, BLOCK_E] tiles
+            gi = tl.arange(0, GB)
+            for g0 in range(0, G, GB):
+                rows = g0 + gi
+                hv = tl.load(hist_ptr + rows[:, None] * BLOCK_E + ei[None, :], mask=(rows < G)[:, None], other=0)
+                cnt += tl.sum(hv, axis=0)
+                before += tl.sum(tl.where((rows < g)[:, None], hv, 0), axis=0)
         tl.store(counts_ptr + ei, cnt, mask=(ei < E) & (g == 0))
         run = tl.cumsum(cnt, axis=0) - cnt + before  # [BLOCK_E] next free slot of each expert
         for c0 in range(lo, hi, C):
@@ -79,14 +82,24 @@ def gather_kernel(x_ptr, s_xt, counts_ptr, sorted_ptr, xs_ptr, P, E, D,
 
 
 def route_plan(P: int, E: int) -> tuple[int, int, int, int]:
-    """(BLOCK_E, C, per_prog, G) for P pairs over E experts: G = 1 means one launch."""
+    """(BLOCK_E, C, per_prog, G) for P pairs over E experts: G = 1 means one launch.
+
+    Above 4·C pairs, as many programs as chunks of C pairs, up to 64: a program's chunks run one after
+    the other (each waits for its ids' load), so fewer chunks per program is less time. On the H200 the
+    two launches at qwen3-30b-a3b T = 1024 (P = 8192, E = 128) took 12.4 and 14.3 µs with 4 chunks per
+    program and PHASE 1 reading the histograms row by row (ncu, bench/results/h200-s8/call7)."""
     block_e = max(16, next_pow2(E))
     c = max(16, min(64, 8192 // block_e))
     if P <= 4 * c:
         return block_e, c, max(P, 1), 1
-    g = min(64, cdiv(P, 4 * c))
+    g = min(64, cdiv(P, c))
     per = cdiv(cdiv(P, g), c) * c
     return block_e, c, per, cdiv(P, per)
+
+
+def _hist_rows(G: int, block_e: int) -> int:
+    """GB: histogram rows PHASE 1 loads at once, ≤ 4096 elements a tile."""
+    return max(1, min(next_pow2(G), 4096 // block_e))
 
 
 def route(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,13 +111,14 @@ def route(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
     sorted_pairs = torch.empty(max(P, 1), dtype=torch.int32, device=ids.device)
     if g == 1:
         launch(route_kernel, (1,), flat, counts, counts, sorted_pairs, P, E, per, 1,
-               PHASE=2, BLOCK_E=block_e, C=c, num_warps=4)
+               PHASE=2, BLOCK_E=block_e, C=c, GB=1, num_warps=4)
     else:
         hist = torch.empty(g * block_e, dtype=torch.int32, device=ids.device)
+        gb = _hist_rows(g, block_e)
         launch(route_kernel, (g,), flat, counts, hist, sorted_pairs, P, E, per, g,
-               PHASE=0, BLOCK_E=block_e, C=c, num_warps=4)
+               PHASE=0, BLOCK_E=block_e, C=c, GB=gb, num_warps=4)
         launch(route_kernel, (g,), flat, counts, hist, sorted_pairs, P, E, per, g,
-               PHASE=1, BLOCK_E=block_e, C=c, num_warps=4)
+               PHASE=1, BLOCK_E=block_e, C=c, GB=gb, num_warps=4)
     return counts, sorted_pairs
 
 
