@@ -350,6 +350,16 @@ Y_TWINS = ("m16-t", "m64n64", "m64n64-t", "m128g1-1", "m128g32-ts2", "m128s4-ts2
 # ------------------------------------------------------------------------------------------ main
 
 
+def profiled(calls: list[tuple]) -> None:
+    """Each (fn, *args) called once between cudaProfilerStart and Stop (what `ncu --profile-from-start
+    off` records), then synchronised."""
+    torch.cuda.profiler.start()
+    for fn, *a in calls:
+        fn(*a)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def probe(out_dir: Path) -> None:
     """One eager call per GEMV configuration inside cudaProfilerStart/Stop, for
     `ncu --profile-from-start off`: per-kernel time, DRAM bytes, registers and occupancy."""
@@ -373,11 +383,7 @@ def probe(out_dir: Path) -> None:
             fn(x, ids, wt, w)
             torch.cuda.synchronize()
             plan.append((shape, T, c, fn, x, ids, wt, w))
-    torch.cuda.profiler.start()
-    for *_, fn, x, ids, wt, w in plan:
-        fn(x, ids, wt, w)
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+    profiled([(fn, x, ids, wt, w) for *_, fn, x, ids, wt, w in plan])
     (out_dir / "probe_plan.json").write_text(json.dumps([(s, t, c) for s, t, c, *_ in plan]))
 
 
@@ -401,11 +407,7 @@ def probe_table(out_dir: Path, cells: str, table: str) -> None:
                 fn(x, ids, wt, w)  # compiled before the profiled range
                 torch.cuda.synchronize()
                 plan.append((shape, T, s.describe(), fn, x, ids, wt, w))
-    torch.cuda.profiler.start()
-    for *_, fn, x, ids, wt, w in plan:
-        fn(x, ids, wt, w)
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+    profiled([(fn, x, ids, wt, w) for *_, fn, x, ids, wt, w in plan])
     (out_dir / "probe_table_plan.json").write_text(json.dumps([(s, t, d) for s, t, d, *_ in plan]))
 
 
@@ -426,11 +428,7 @@ def probe_gemm(out_dir: Path) -> None:
         fn(x, ids, wt, w)
         torch.cuda.synchronize()
         plan.append((T, s.describe(), fn, x, ids, wt))
-    torch.cuda.profiler.start()
-    for *_, fn, x, ids, wt in plan:
-        fn(x, ids, wt, w)
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+    profiled([(fn, x, ids, wt, w) for *_, fn, x, ids, wt in plan])
     (out_dir / "probe_gemm_plan.json").write_text(json.dumps([(t, d) for t, d, *_ in plan]))
 
 
