@@ -66,7 +66,7 @@ class GemmParams:
     down_warps: int = 4
     down_stages: int = 3
     one_dot: bool = False  # gate/up as one N = 2·block_n tl.dot (interleaved B tile) instead of two
-    split_k: int = 1  # down: F split in this many fp32 partial planes (more tiles: a shorter last wave)
+    split_k: int = 1  # down: F split in this many partial planes of y (more tiles: a shorter last wave)
     tma: bool = False  # both operands of both GEMMs through TMA descriptors (standard layout; see above)
     # down: y rows in x's dtype instead of fp32 (a 16-bit x: half the bytes the down GEMM writes and the
     # combine reads, S·P·D·2 each; each (pair, column) value rounded once, the sum over k stays fp32)
