@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "token counts, whatever the table holds for them (a targeted re-tune)")
     p.add_argument("--no-edge-timing", action="store_true",
                    help="choose each bucket's winner at its representative T only (default: the finalists "
-                        "are also timed at the bucket's first and last T, the least total loss wins)")
+                        "are also timed at the bucket's first and last T, and at two between them in a bucket "
+                        "spanning ≥ 1.5×; the least total loss wins)")
     p.add_argument("--no-local-search", action="store_true",
                    help="TPE only (default: each new fastest candidate's one-knob neighbours are tried "
                         "next, a local search from the incumbent)")

@@ -19,9 +19,10 @@ A bucket's study:
 4. The best few are re-timed back to back with the default (`retime_rounds` rounds, every other one in
    reverse order; a finalist's time is the median of its search time and those rounds: two timings of
    one kernel differ by up to 3 % on the H200, e.g. 1194.0 and 1230.0 µs for mixtral-8x7b's default at
-   T = 806), and timed at the bucket's first and last token counts too: the one that loses least against
-   the fastest at each of the three counts is the winner (a bucket can straddle a tile boundary:
-   mixtral-8x7b [305, 633] spans 76–158 rows per expert around the 128-row tile). It is written to the
+   T = 806), and timed at the bucket's first and last token counts too, and in a bucket spanning ≥ 1.5×
+   at `interior_counts` more between them: the one that loses least against the fastest at each count
+   is the winner (a bucket can straddle a tile boundary: mixtral-8x7b [305, 633] spans 76–158 rows per
+   expert around the 128-row tile). It is written to the
    dispatch table with its time at the representative count, floor, % of floor, default time and
    baseline time.
 
@@ -78,6 +79,7 @@ class TuneOptions:
     revalidate: bool = False  # as resume, and a stale entry's winner is re-checked beside the defaults, no search
     time_limit_s: float | None = None  # wall clock of a whole tune_block: no bucket starts that would pass it
     edge_timing: bool = True  # finalists also timed at the bucket's first and last T; least total loss wins
+    interior_counts: int = 2  # with edge_timing, in a bucket spanning ≥ 1.5×: this many counts between too
     local_search: bool = True  # each new incumbent's one-knob neighbours are tried before TPE's next points
 
     def __post_init__(self) -> None:
@@ -87,6 +89,8 @@ class TuneOptions:
             raise UnsupportedSchedule(f"TuneOptions.budget_s = {self.budget_s}: need a positive budget")
         if self.retime_rounds < 1:
             raise UnsupportedSchedule(f"TuneOptions.retime_rounds = {self.retime_rounds}: need ≥ 1")
+        if self.interior_counts < 0:
+            raise UnsupportedSchedule(f"TuneOptions.interior_counts = {self.interior_counts}: need ≥ 0")
         if self.space_cap is not None and self.space_cap < 1:
             raise UnsupportedSchedule(f"TuneOptions.space_cap = {self.space_cap}: need at least 1 point "
                                       "(None: the whole space)")
@@ -398,7 +402,7 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
     if options.edge_timing and bucket.lo < bucket.hi:
         gen = torch.Generator().manual_seed(options.seed * 1_000_003 + bucket.hi + 17)
         edges = {t: make_cases(block, objective.w, t, len(inputs.cases), gen, inputs.sampler)
-                 for t in sorted({bucket.lo, bucket.hi} - {inputs.tokens})}
+                 for t in probe_counts(bucket.lo, bucket.hi, inputs.tokens, options.interior_counts)}
     winner, win_s, default_s, finals = _final(st, space, objective, outcomes, default, options, edges)
     bname = options.baseline or default_baseline(objective.device)
     base_fn, blabel = baseline_fn(block, bname)
@@ -484,12 +488,26 @@ def _replace(r: BucketResult, **kw) -> BucketResult:
     return dataclasses.replace(r, **kw)
 
 
+def probe_counts(lo: int, hi: int, rep: int, interior: int) -> list[int]:
+    """The token counts a bucket's finalists are timed at besides the representative `rep`: the first
+    and the last, and in a bucket spanning ≥ 1.5× `interior` more at even ratios between them, each more
+    than 5 % away from `rep`. Tile and wave boundaries fall inside wide buckets: mixtral-8x7b [305, 633]
+    (representative 439) holds the 128-row tile boundary at T = 512, where on the H200 its winner timed
+    0.94× the best bench variant (bench/results/NOTES.md, session 8)."""
+    pts = {lo, hi}
+    if interior > 0 and hi >= 1.5 * lo:
+        inner = {round(lo * (hi / lo) ** (i / (interior + 1))) for i in range(1, interior + 1)}
+        pts |= {t for t in inner if abs(t - rep) > 0.05 * rep}
+    pts.discard(rep)
+    return sorted(t for t in pts if lo <= t <= hi)
+
+
 def _final(st: _Study, space: SearchSpace, objective: Objective, outcomes: dict[str, Outcome],
            default: Schedule | None, options: TuneOptions, edges: dict[int, list[Case]] | None = None):
     """Re-time the best few (every worker's) beside the default, back to back; the fastest wins. With
-    `edges` (cases at the bucket's first and last token counts), each finalist is timed there too and
-    the one that loses least over the three counts wins (`_robust`); its time is still the representative
-    count's."""
+    `edges` (cases at the bucket's first and last token counts and, in a wide bucket, some between:
+    `probe_counts`), each finalist is timed there too and the one that loses least over all the counts
+    wins (`_robust`); its time is still the representative count's."""
     ranked = sorted((t for t in st.study.trials if t.value is not None and math.isfinite(t.value)),
                     key=lambda t: t.value)
     finalists: dict[str, Schedule] = {}
@@ -543,9 +561,9 @@ def _final(st: _Study, space: SearchSpace, objective: Objective, outcomes: dict[
 
 def _robust(at_rep: dict[str, float], at_edges: dict[int, dict[str, float]]) -> str:
     """The finalist with the least geometric-mean slowdown against the fastest at each token count timed
-    (the representative one and the bucket's edges): a winner must hold over the whole bucket, not only
-    where it was searched (a tile boundary inside a bucket can flip the order). Ties: the faster at the
-    representative count."""
+    (the representative one, the bucket's edges and the counts between them): a winner must hold over
+    the whole bucket, not only where it was searched (a tile boundary inside a bucket can flip the order).
+    Ties: the faster at the representative count."""
     rows = [r for r in (at_rep, *at_edges.values()) if math.isfinite(min(r.values()))]
 
     def regret(k: str) -> float:

@@ -490,6 +490,53 @@ def test_revalidate_rechecks_a_stale_winner_without_a_search(tmp_path):
     assert rows[stale].versions.kernel_hash != "old"
 
 
+def test_probe_counts():
+    """The first and last T, and in a bucket spanning ≥ 1.5× two more at even ratios, none at or within
+    5 % of the representative T."""
+    from moetune.search.study import probe_counts
+
+    assert probe_counts(305, 633, 439, 2) == [305, 389, 496, 633]  # mixtral-8x7b's bucket around T = 512
+    assert probe_counts(305, 633, 439, 0) == [305, 633]
+    assert probe_counts(8, 11, 9, 2) == [8, 11]  # narrower than 1.5×: the edges only
+    assert probe_counts(8, 17, 8, 2) == [10, 13, 17]  # the representative T is not timed twice
+    assert probe_counts(100, 400, 160, 2) == [100, 252, 400]  # 159 is within 5 % of 160: left out
+    with pytest.raises(UnsupportedSchedule, match="interior_counts"):
+        TuneOptions(interior_counts=-1)
+
+
+@pytest.mark.parametrize("interior", [2, 0])
+def test_the_winner_holds_inside_a_wide_bucket(interior):
+    """A is 1 % faster at the representative T and at both edges, 40 % slower at the counts between them
+    (a wave or tile boundary inside the bucket); B is steady. With the interior counts timed, B wins;
+    with the edges only, A."""
+    from moetune.ir import Schedule
+    from moetune.search.study import probe_counts
+
+    name = f"toy-interior-{interior}"
+    be = tb.toy(name)
+    a = Schedule("stream_gemv", backend=name, params=tb.ToyParams(tile=64, stages=1))
+    b = Schedule("grouped_gemm", backend=name, params=tb.ToyParams(tile=64, stages=1))
+    bucket = tb.bucket(lo=1, hi=16, floor_s=1e-7)
+    inputs = bucket_inputs(tb.BLOCK, bucket, expert_tensors(tb.BLOCK), routings=2)
+    inner = set(probe_counts(bucket.lo, bucket.hi, inputs.tokens, 2)) - {bucket.lo, bucket.hi}
+    assert inner  # the bucket is wide enough for counts between its edges
+
+    def cost(s, T):
+        if s is None or s.params is None:
+            return 50e-6
+        if (s.kind, s.params.tile, s.params.stages) == ("stream_gemv", 64, 1):
+            return 1.40e-6 if T in inner else 0.99e-6
+        if (s.kind, s.params.tile, s.params.stages) == ("grouped_gemm", 64, 1):
+            return 1.0e-6
+        return tb.cost(s) + 1e-6
+
+    r = tune_bucket(tb.BLOCK, be, "toy-target", bucket, inputs, TokensTimer(cost),
+                    TuneOptions(budget_s=60, interior_counts=interior), versions=VERSIONS, seeds=[a, b])
+    assert r.winner == (b if interior else a)
+    counts = set(r.finalists[0][2])
+    assert counts == ({bucket.lo, bucket.hi} | (inner if interior else set())) - {inputs.tokens}
+
+
 def test_robust_choice_over_the_edges():
     from moetune.search.study import _robust
 
