@@ -261,26 +261,7 @@ def table_variant(path: str, shape: str, T: int) -> list[tuple[str, Schedule]]:
     except CacheError as e:  # an unreadable table costs the `table` variant, never the sweep
         print(f"variant `table` left out: {e}", flush=True)
         return []
-    out = [("table", s) for lo, hi, s in usable if lo <= T <= hi]
-    return out + [tw for tag, s in out for tw in one_launch_twins(tag, s, SHAPES[shape][1])]
-
-
-def one_launch_twins(tag: str, s: Schedule, k: int) -> list[tuple[str, Schedule]]:
-    """`-o`, `-o2`, `-o5` of a stream_gemv schedule with the token-mode down: gate/up and down in one launch
-    (GemvParams.one_launch), each down program loading 0 / 256 / 512 columns of its rows before it waits
-    (those the prefetch's register bound refuses left out)."""
-    from moetune.codegen.triton.stream_gemv import prefetch_regs
-
-    p = s.params
-    if s.kind != "stream_gemv" or p is None or p.down_mode != "token" or p.one_launch:
-        return []
-    out = []
-    for suffix, pre in (("-o", 0), ("-o2", 256), ("-o5", 512)):
-        q = dataclasses.replace(p, one_launch=True, down_prefetch=pre,
-                                down_block_k=min(p.down_block_k, pre or p.down_block_k))
-        if prefetch_regs(k, q) <= 64:
-            out.append((tag + suffix, dataclasses.replace(s, params=q)))
-    return out
+    return [("table", s) for lo, hi, s in usable if lo <= T <= hi]
 
 
 def variants(E: int, k: int, D: int, F: int, T: int):
@@ -356,9 +337,6 @@ def variants(E: int, k: int, D: int, F: int, T: int):
                 s, params=dataclasses.replace(p, tma=True, down_stages=3))))
             twins.append((tag + "-ts2", dataclasses.replace(
                 s, params=dataclasses.replace(p, tma=True, down_stages=3, split_k=2))))
-    for tag, s in out:
-        if tag in ("ga", "gd"):
-            twins += one_launch_twins(tag, s, k)
     # `-y`: the down GEMM's rows y in bf16 (GemmParams.y_half) for the variants that were best somewhere at
     # many pairs (P ≥ 1024, where y is ≥ 8 MB at D = 2048 and its fp32 write and read cost µs)
     ys = [(tag + "-y", dataclasses.replace(s, params=dataclasses.replace(s.params, y_half=True)))

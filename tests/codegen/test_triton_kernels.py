@@ -50,10 +50,6 @@ SCHEDULES = {
     "gemv_rows16_dot": Schedule("stream_gemv", backend="triton", params=GemvParams(
         rows=16, block_n=32, block_k=64, down_block_n=64, down_block_k=64, down_mode="expert",
         fused_route=False)),
-    "gemv_one_launch": Schedule("stream_gemv", backend="triton", params=GemvParams(
-        block_n=16, block_k=64, down_block_n=16, down_block_k=32, one_launch=True, down_prefetch=64)),
-    "gemv_one_launch_routed": Schedule("stream_gemv", backend="triton", params=GemvParams(
-        block_n=16, block_k=64, down_block_n=8, down_block_k=32, one_launch=True, fused_route=False)),
     "gemm_m16": Schedule("grouped_gemm", backend="triton", params=GemmParams(
         block_m=16, block_n=32, block_k=64, group_m=2, down_block_n=64, down_block_k=64)),
     "gemm_m32": Schedule("grouped_gemm", backend="triton", params=GemmParams(
@@ -180,50 +176,10 @@ def test_y_half_writes_16_bit_rows(tma, poisoned):
     assert used[0] - used[1] == 2 * T * k * D * 2  # S = 2 planes of [P, D]: 4 → 2 bytes per element
 
 
-def test_one_launch_counters_return_to_zero():
-    """GemvParams.one_launch: its two device counters are zero after every call (the last down program
-    resets them), so back-to-back calls, and graph replays, each wait for their own gate/up programs."""
-    E, k, D, F = 8, 2, 64, 48
-    s = SCHEDULES["gemv_one_launch"]
-    fn = None
-    for T, seed in ((5, 0), (1, 1), (9, 2)):
-        block, x, ids, weights, w = make_problem(E, k, D, F, T, "uniform", torch.float32, {}, seed=seed)
-        fn = fn or BACKEND.build(block, s)
-        out = fn(x, ids, weights, w)
-        assert rel_err(out, experts_reference(block, x, ids, weights, w)) < tolerances(torch.float32)
-        (buf,) = fn.syncs.values()
-        assert buf.tolist() == [0, 0]
-
-
-@pytest.mark.skipif(not ON_GPU, reason="the cross-program ordering needs a GPU's concurrent programs")
-@pytest.mark.parametrize("pre", [0, 256])
-def test_one_launch_on_gpu_at_full_size(pre):
-    """GemvParams.one_launch at a real decode size (E = 128, k = 8, D = 2048, F = 768): the down programs
-    run beside gate/up's and must read h only after all of it is written. Twenty calls over fresh
-    routings, eagerly and as CUDA-graph replays, each against float32."""
-    E, k, D, F = 128, 8, 2048, 768
-    s = Schedule("stream_gemv", backend="triton", params=GemvParams(
-        block_n=16, block_k=256, down_block_n=4, down_block_k=128, one_launch=True, down_prefetch=pre))
-    for T in (1, 3, 8):
-        block, x, ids, weights, w = make_problem(E, k, D, F, T, "uniform", torch.bfloat16, {}, seed=T)
-        fn = BACKEND.build(block, s)
-        gen = torch.Generator().manual_seed(T)
-        g = torch.cuda.CUDAGraph()
-        fn(x, ids, weights, w)
-        with torch.cuda.graph(g):
-            out = fn(x, ids, weights, w)
-        for i in range(20):
-            ids.copy_(make_ids("uniform", T, E, k, gen))
-            ref = experts_reference(block, x, ids, weights, w)
-            assert rel_err(fn(x, ids, weights, w), ref) < tolerances(torch.bfloat16), f"T={T} call {i}"
-            g.replay()
-            assert rel_err(out, ref) < tolerances(torch.bfloat16), f"T={T} replay {i}"
-
-
 @settings(max_examples=12, deadline=None)
 @given(E=st.integers(2, 12), k=st.integers(1, 4), T=st.integers(1, 9), seed=st.integers(0, 2**16),
-       sched=st.sampled_from(["gemv_fused_token", "gemv_routed_expert_split", "gemv_one_launch", "gemm_m16",
-                              "gemm_m16_tma", "hybrid_r2"]))
+       sched=st.sampled_from(["gemv_fused_token", "gemv_routed_expert_split", "gemm_m16", "gemm_m16_tma",
+                              "hybrid_r2"]))
 def test_hypothesis_routing(E, k, T, seed, sched):
     k = min(k, E)
     gen = torch.Generator().manual_seed(seed)

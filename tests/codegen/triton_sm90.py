@@ -19,12 +19,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 INT64_PTRS = {"ids_ptr"}
-INT32_PTRS = {"counts_ptr", "sorted_ptr", "hist_ptr", "sync_ptr"}
+INT32_PTRS = {"counts_ptr", "sorted_ptr", "hist_ptr"}
 FP32_PTRS = {"y_ptr", "dst"}
-UNIT_STRIDES = {"sk", "dsk"}  # contiguous reduction axis of the standard layout
+UNIT_STRIDES = {"sk"}  # contiguous reduction axis of the standard layout
 # sizes and strides that are multiples of 16 on every real shape (the JIT marks such ints itself)
-ALIGNED_INTS = {"s_xt", "se", "sn", "up", "sbe", "bup", "s_hp", "s_yt", "N", "K", "k_split", "s_ot", "dse", "dsn",
-                "dsbe", "D", "F"}
+ALIGNED_INTS = {"s_xt", "se", "sn", "up", "sbe", "bup", "s_hp", "s_yt", "N", "K", "k_split", "s_ot"}
 
 
 def tma_descs(bm: int, bn: int, bk: int) -> dict:
@@ -89,7 +88,7 @@ def representative() -> list[tuple[str, object, dict, dict]]:
     from moetune.codegen.triton.grouped_gemm import grouped_gemm_kernel, grouped_gemm_tma_kernel
     from moetune.codegen.triton.hybrid import hybrid_kernel
     from moetune.codegen.triton.routing import gather_kernel, route_kernel
-    from moetune.codegen.triton.stream_gemv import stream_gemv_kernel, stream_gemv_one_kernel
+    from moetune.codegen.triton.stream_gemv import stream_gemv_kernel
 
     base = dict(ACT=0, HAS_BIAS=False, W_IN=False, UPCAST=False)
     gv = dict(base, K_TOP=8, KP=8, BLOCK_E=128, BP=16, FUSED=True, ROWS=1, STAGES=4)
@@ -99,7 +98,6 @@ def representative() -> list[tuple[str, object, dict, dict]]:
         ("route/scatter", route_kernel, dict(PHASE=1, BLOCK_E=512, C=16, GB=8), dict(num_warps=4)),
         ("gemv/gate_up", stream_gemv_kernel, dict(gv, PROJ=0, BN=8, BK=256), o4),
         ("gemv/down_token", stream_gemv_kernel, dict(gv, PROJ=2, BN=4, BK=128), o4),
-        ("gemv/one_launch", stream_gemv_one_kernel, dict(gv, BN=8, BK=256, DBN=2, DBK=128, PRE=512), o4),
         ("gemv/down_expert", stream_gemv_kernel, dict(gv, PROJ=1, FUSED=False, BN=8, BK=128),
          o4),
         ("gemv/gate_up_rows16", stream_gemv_kernel, dict(gv, PROJ=0, FUSED=False, ROWS=16, BN=64, BK=128),
@@ -131,7 +129,7 @@ def schedule_kernels(block, tokens: int, schedule) -> list[tuple[str, object, di
     `tokens` (the launchers' constexprs; options may carry `descs`, the TMA boxes)."""
     from moetune.codegen.triton.grouped_gemm import grouped_gemm_kernel, grouped_gemm_tma_kernel
     from moetune.codegen.triton.hybrid import hybrid_kernel
-    from moetune.codegen.triton.stream_gemv import stream_gemv_kernel, stream_gemv_one_kernel
+    from moetune.codegen.triton.stream_gemv import stream_gemv_kernel
 
     E, k = block.E, block.k
     be = max(16, 1 << (E - 1).bit_length())
@@ -140,10 +138,6 @@ def schedule_kernels(block, tokens: int, schedule) -> list[tuple[str, object, di
     if schedule.kind == "stream_gemv":
         m = dict(base, K_TOP=k, KP=1 << (k - 1).bit_length(), BLOCK_E=be, BP=16,
                  FUSED=p.fused_route and tokens * k <= 64, ROWS=p.rows, STAGES=p.num_stages)
-        if p.one_launch:
-            return [("gate_up+down", stream_gemv_one_kernel,
-                     dict(m, BN=p.block_n, BK=p.block_k, DBN=p.down_block_n, DBK=p.down_block_k, PRE=p.down_prefetch),
-                     dict(num_warps=p.num_warps, num_stages=p.num_stages))]
         return [("gate_up", stream_gemv_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k),
                  dict(num_warps=p.num_warps, num_stages=p.num_stages)),
                 ("down", stream_gemv_kernel, dict(m, PROJ=2 if p.down_mode == "token" else 1, BN=p.down_block_n,

@@ -346,8 +346,11 @@ def _rows_down(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n0, N, k_lo, k_hi,
 
 
 @triton.jit
-def _token_experts(ids_ptr, wts_ptr, t, E, K_TOP: tl.constexpr, KP: tl.constexpr):
-    """Token t's k pairs p [KP], their validity ok, expert ids ec (int64, 0 where not ok), weights wt."""
+def _token_down(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr, sbe, sbn, n0, N, K,
+                K_TOP: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, STAGES: tl.constexpr):
+    """out[t, n0:n0+BN] = Σ_j w_tj · down[e_tj] · h[t·k + j]: all k experts of the token in one
+    [KP, BN, BK] tile per K chunk (k weight streams in flight at once), pipelined K loop."""
     jk = tl.arange(0, KP)
     jm = jk < K_TOP
     p = t * K_TOP + jk  # [KP]
@@ -355,22 +358,13 @@ def _token_experts(ids_ptr, wts_ptr, t, E, K_TOP: tl.constexpr, KP: tl.constexpr
     ok = jm & (e >= 0) & (e < E)
     ec = tl.where(ok, e, 0).to(tl.int64)
     wt = tl.load(wts_ptr + p, mask=ok, other=0.0).to(tl.float32)  # [KP]
-    return p, ok, ec, wt
-
-
-@triton.jit
-def _token_down(h_ptr, s_hp, p, ok, ec, wt, w_ptr, se, sn, sk, b_ptr, sbe, sbn, n0, N, K, k_lo, acc,
-                KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, STAGES: tl.constexpr):
-    """out[t, n0:n0+BN] = Σ_j w_tj · down[e_tj] · h[t·k + j] (pairs from `_token_experts`): all k experts
-    of the token in one [KP, BN, BK] tile per K chunk (k weight streams in flight at once), pipelined K
-    loop over [k_lo, K) added into acc [KP, BN, BK] (zeros, or the chunks before k_lo)."""
     offs_n = n0 + tl.arange(0, BN)
     nm = offs_n < N
     wbase = w_ptr + ec[:, None, None] * se + offs_n[None, :, None] * sn  # [KP, BN, 1]
     hbase = h_ptr + p.to(tl.int64)[:, None] * s_hp  # [KP, 1]
     m3 = ok[:, None, None] & nm[None, :, None]
-    for k0 in tl.range(k_lo, K, BK, num_stages=STAGES):
+    acc = tl.zeros([KP, BN, BK], dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BK)
         km = offs_k < K
         hv = tl.load(hbase + offs_k[None, :], mask=ok[:, None] & km[None, :], other=0.0)  # [KP, BK]

@@ -11,12 +11,6 @@ One kernel, three projections (PROJ):
 Work comes from `counts`/`sorted_pairs` (routing.py) or, with `fused_route` and P ≤ 64, from the ids
 themselves (`_fused_slot`): then the whole block is two launches (gate/up, down token).
 All (token, expert) pairs of a projection run in one launch; the grid is static (min(P, E) slots).
-
-`one_launch` (stream_gemv_one_kernel): gate/up (PROJ 0) and the token-mode down (PROJ 2) in ONE launch,
-the down programs after the gate/up ones in block order; they wait on a device counter (release/acquire)
-instead of a kernel boundary, so the down weight stream starts in gate/up's tail and pays no launch ramp;
-`down_prefetch` columns of each down program's rows are loaded before the wait. With fused_route the
-whole block is one launch.
 """
 
 from __future__ import annotations
@@ -47,13 +41,11 @@ from ._common import (
     _tile_down,
     _tile_gate_up,
     _token_down,
-    _token_experts,
     act_args,
     call_args,
     cdiv,
     check_pow2,
     dot_smem_bytes,
-    is_pow2,
     next_pow2,
 )
 from .launch import launch
@@ -72,8 +64,6 @@ class GemvParams:
     down_mode: Literal["token", "expert"] = "token"
     split_k: int = 1  # down, expert mode: F split in this many fp32 partials
     fused_route: bool = True  # P ≤ 64: each program groups the ids itself (no routing kernel)
-    one_launch: bool = False  # token-mode down in gate/up's launch, after its programs (num_warps for both)
-    down_prefetch: int = 0  # one_launch: columns of F each down program loads before it waits (0 or pow2)
 
     def __post_init__(self) -> None:
         check_pow2("GemvParams", block_n=self.block_n, block_k=self.block_k, rows=self.rows,
@@ -84,13 +74,6 @@ class GemvParams:
         if self.split_k < 1 or (self.split_k > 1 and self.down_mode != "expert"):
             raise UnsupportedSchedule(f"GemvParams.split_k = {self.split_k}: ≥ 1, and > 1 only with "
                                       "down_mode='expert' (the token mode has no partials to combine)")
-        if self.one_launch and self.down_mode != "token":
-            raise UnsupportedSchedule("GemvParams.one_launch needs down_mode='token' (the expert mode's "
-                                      "partials need the combine, a launch of its own)")
-        if self.down_prefetch and not (self.one_launch and is_pow2(self.down_prefetch)
-                                       and self.down_prefetch >= self.down_block_k):
-            raise UnsupportedSchedule(f"GemvParams.down_prefetch = {self.down_prefetch}: 0, or with one_launch a "
-                                      f"power of two ≥ down_block_k ({self.down_block_k})")
         if self.rows >= 16:
             smem = dot_smem_bytes(self.rows, self.block_n, self.block_k, self.num_stages, 2)
             if smem > H200_SMEM_LIMIT:
@@ -119,70 +102,7 @@ SPACE = ParamSpace(GemvParams, (
     ("down_mode", ("token", "expert")),
     ("split_k", (1, 2, 4)),
     ("fused_route", (True, False)),
-    ("one_launch", (False, True)),
-    ("down_prefetch", (0, 256, 512, 1024)),
 ))
-
-
-@triton.jit
-def _slot_rows(x_ptr, s_xt, ids_ptr, wts_ptr, counts_ptr, sorted_ptr,
-               w_ptr, se, sn, sk, up, b_ptr, sbe, sbn, bup, h_ptr, s_hp, y_ptr,
-               P, E, N, K, k_split, alpha, limit, slot, ks, n0,
-               PROJ: tl.constexpr, K_TOP: tl.constexpr, BLOCK_E: tl.constexpr, BP: tl.constexpr,
-               FUSED: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
-               STAGES: tl.constexpr):
-    """One program's work in expert mode: the rows of the slot-th selected expert, output block n0, K
-    split ks; PROJ 0 writes h (SwiGLU fused), PROJ 1 the fp32 partial rows y[ks]."""
-    if FUSED:
-        e, m, match, mrank = _fused_slot(ids_ptr, P, E, slot, BP)
-        st = 0
-    else:
-        e, st, m = _find_slot(counts_ptr, E, slot, 0, False, BLOCK_E)
-    ec = tl.where(m > 0, e, 0).to(tl.int64)
-    w_e = w_ptr + ec * se
-    b_e = b_ptr + ec * sbe
-    k_lo = ks * k_split
-    k_hi = tl.minimum(k_lo + k_split, K)
-    r = tl.arange(0, ROWS)
-    for c in range(0, m, ROWS):
-        rmask = c + r < m
-        if FUSED:
-            pairs = _fused_pairs(match, mrank, c, ROWS, BP)
-        else:
-            pairs = tl.load(sorted_ptr + st + c + r, mask=rmask, other=0)
-        wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)  # [ROWS]
-        if ROWS == 1:
-            pair = tl.sum(pairs, axis=0)
-            if PROJ == 0:
-                g1, u1 = _row_gate_up(x_ptr, s_xt, pair // K_TOP, w_e, sn, sk, up, n0, N, K,
-                                      BN, BK, STAGES)
-                g = g1[None, :]
-                u = u1[None, :]
-            else:
-                acc = _row_down(h_ptr + pair.to(tl.int64) * s_hp, w_e, sn, sk, n0, N, k_lo, k_hi,
-                                BN, BK, STAGES)[None, :]
-        elif ROWS < 16:
-            if PROJ == 0:
-                g, u = _rows_gate_up(x_ptr, s_xt, pairs // K_TOP, rmask, w_e, sn, sk, up, n0, N, K,
-                                     ROWS, BN, BK, STAGES)
-            else:
-                acc = _rows_down(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n0, N, k_lo, k_hi,
-                                 ROWS, BN, BK, STAGES)
-        else:
-            if PROJ == 0:
-                g, u = _tile_gate_up(x_ptr, s_xt, pairs // K_TOP, rmask, w_e, sn, sk, up, n0, N, K, K,
-                                     ROWS, BN, BK, UPCAST, False)
-            else:
-                acc = _tile_down(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n0, N, k_lo, k_hi,
-                                 ROWS, BN, BK, UPCAST)
-        if PROJ == 0:
-            _store_h(h_ptr, s_hp, pairs, rmask, g, u, wt, b_e, sbn, bup, n0, N,
-                     alpha, limit, BN, ACT, HAS_BIAS, W_IN)
-        else:
-            _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, b_e, sbn,
-                     (ks == 0).to(tl.float32), n0, N, BN, HAS_BIAS, W_IN)
-
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -201,78 +121,60 @@ def stream_gemv_kernel(
     nm = offs_n < N
     if PROJ == 2:
         t = tl.program_id(0)
-        pk, ok, ec, wt = _token_experts(ids_ptr, wts_ptr, t, E, K_TOP, KP)
-        out = _token_down(h_ptr, s_hp, pk, ok, ec, wt, w_ptr, se, sn, sk, b_ptr, sbe, sbn, n0, N, K, 0,
-                          tl.zeros([KP, BN, BK], dtype=tl.float32), KP, BN, BK, HAS_BIAS, W_IN, STAGES)
+        out = _token_down(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr, sbe, sbn, n0, N, K,
+                          K_TOP, KP, BN, BK, HAS_BIAS, W_IN, STAGES)
         tl.store(y_ptr + t.to(tl.int64) * s_yt + offs_n, out.to(y_ptr.dtype.element_ty), mask=nm)
     else:
-        _slot_rows(x_ptr, s_xt, ids_ptr, wts_ptr, counts_ptr, sorted_ptr, w_ptr, se, sn, sk, up, b_ptr, sbe, sbn,
-                   bup, h_ptr, s_hp, y_ptr, P, E, N, K, k_split, alpha, limit, tl.program_id(0),
-                   tl.program_id(2), n0, PROJ, K_TOP, BLOCK_E, BP, FUSED, ROWS, BN, BK, ACT, HAS_BIAS, W_IN,
-                   UPCAST, STAGES)
-
-
-
-@triton.jit(do_not_specialize=["P", "T"])
-def stream_gemv_one_kernel(
-    x_ptr, s_xt, ids_ptr, wts_ptr, counts_ptr, sorted_ptr,
-    w_ptr, se, sn, sk, up, b_ptr, sbe, sbn, bup,
-    dw_ptr, dse, dsn, dsk, db_ptr, dsbe, dsbn,
-    h_ptr, s_hp, out_ptr, s_ot, sync_ptr,
-    P, T, E, D, F, slots, n_gu, alpha, limit,
-    K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, BP: tl.constexpr,
-    FUSED: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DBN: tl.constexpr, DBK: tl.constexpr, PRE: tl.constexpr,
-    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    """Both projections in one launch (GemvParams.one_launch). Programs [0, n_gu) are gate/up's
-    (slot, F-block) programs; each adds 1 to sync[0] with release semantics after its h stores. The
-    programs after them are the token-mode down's (token, D-block): each loads its first PRE columns of
-    its k experts' down rows (no dependency on h), waits until sync[0] = n_gu (acquire), then reads h.
-    Blocks start in index order, so every gate/up program is resident or done before a down program can
-    wait: no deadlock. The last down program (ticket sync[1]) zeroes both counters for the next call."""
-    pid = tl.program_id(0)
-    if pid < n_gu:
-        _slot_rows(x_ptr, s_xt, ids_ptr, wts_ptr, counts_ptr, sorted_ptr, w_ptr, se, sn, sk, up, b_ptr, sbe, sbn,
-                   bup, h_ptr, s_hp, h_ptr, P, E, F, D, D, alpha, limit, pid % slots, 0, (pid // slots) * BN,
-                   0, K_TOP, BLOCK_E, BP, FUSED, ROWS, BN, BK, ACT, HAS_BIAS, W_IN, UPCAST, STAGES)
-        # a scalar atomic runs on one thread: the barrier puts every thread's h stores before its release
-        tl.debug_barrier()
-        tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
-    else:
-        q = pid - n_gu
-        t = q % T
-        n0 = (q // T) * DBN
-        offs_n = n0 + tl.arange(0, DBN)
-        nm = offs_n < D
-        pk, ok, ec, wt = _token_experts(ids_ptr, wts_ptr, t, E, K_TOP, KP)
-        acc = tl.zeros([KP, DBN, DBK], dtype=tl.float32)
-        if PRE > 0:  # the first PRE columns of the k experts' rows, in flight while gate/up finishes
-            offs_k = tl.arange(0, PRE)
-            km = offs_k < F
-            wpre = tl.load(dw_ptr + ec[:, None, None] * dse + offs_n[None, :, None] * dsn
-                           + offs_k[None, None, :] * dsk,
-                           mask=ok[:, None, None] & nm[None, :, None] & km[None, None, :], other=0.0)
-        while tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") < n_gu:
-            pass
-        if PRE > 0:
-            hv = tl.load(h_ptr + pk.to(tl.int64)[:, None] * s_hp + offs_k[None, :],
-                         mask=ok[:, None] & km[None, :], other=0.0)  # [KP, PRE]
-            prod = wpre.to(tl.float32) * hv.to(tl.float32)[:, None, :]  # [KP, DBN, PRE]
-            acc += tl.sum(tl.reshape(prod, [KP, DBN, PRE // DBK, DBK]), axis=2)
-        out = _token_down(h_ptr, s_hp, pk, ok, ec, wt, dw_ptr, dse, dsn, dsk, db_ptr, dsbe, dsbn, n0, D, F, PRE,
-                          acc, KP, DBN, DBK, HAS_BIAS, W_IN, STAGES)
-        tl.store(out_ptr + t.to(tl.int64) * s_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=nm)
-        n_down = tl.num_programs(0) - n_gu
-        if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == n_down - 1:
-            tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
-
-def prefetch_regs(k: int, p: GemvParams) -> int:
-    """Registers per thread that hold a one-launch down program's prefetched [KP, down_block_n,
-    down_prefetch] 16-bit weights while it waits."""
-    return next_pow2(k) * p.down_block_n * p.down_prefetch * 2 // (128 * p.num_warps)
+        slot = tl.program_id(0)
+        ks = tl.program_id(2)
+        if FUSED:
+            e, m, match, mrank = _fused_slot(ids_ptr, P, E, slot, BP)
+            st = 0
+        else:
+            e, st, m = _find_slot(counts_ptr, E, slot, 0, False, BLOCK_E)
+        ec = tl.where(m > 0, e, 0).to(tl.int64)
+        w_e = w_ptr + ec * se
+        b_e = b_ptr + ec * sbe
+        k_lo = ks * k_split
+        k_hi = tl.minimum(k_lo + k_split, K)
+        r = tl.arange(0, ROWS)
+        for c in range(0, m, ROWS):
+            rmask = c + r < m
+            if FUSED:
+                pairs = _fused_pairs(match, mrank, c, ROWS, BP)
+            else:
+                pairs = tl.load(sorted_ptr + st + c + r, mask=rmask, other=0)
+            wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)  # [ROWS]
+            if ROWS == 1:
+                pair = tl.sum(pairs, axis=0)
+                if PROJ == 0:
+                    g1, u1 = _row_gate_up(x_ptr, s_xt, pair // K_TOP, w_e, sn, sk, up, n0, N, K,
+                                          BN, BK, STAGES)
+                    g = g1[None, :]
+                    u = u1[None, :]
+                else:
+                    acc = _row_down(h_ptr + pair.to(tl.int64) * s_hp, w_e, sn, sk, n0, N, k_lo, k_hi,
+                                    BN, BK, STAGES)[None, :]
+            elif ROWS < 16:
+                if PROJ == 0:
+                    g, u = _rows_gate_up(x_ptr, s_xt, pairs // K_TOP, rmask, w_e, sn, sk, up, n0, N, K,
+                                         ROWS, BN, BK, STAGES)
+                else:
+                    acc = _rows_down(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n0, N, k_lo, k_hi,
+                                     ROWS, BN, BK, STAGES)
+            else:
+                if PROJ == 0:
+                    g, u = _tile_gate_up(x_ptr, s_xt, pairs // K_TOP, rmask, w_e, sn, sk, up, n0, N, K, K,
+                                         ROWS, BN, BK, UPCAST, False)
+                else:
+                    acc = _tile_down(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n0, N, k_lo, k_hi,
+                                     ROWS, BN, BK, UPCAST)
+            if PROJ == 0:
+                _store_h(h_ptr, s_hp, pairs, rmask, g, u, wt, b_e, sbn, bup, n0, N,
+                         alpha, limit, BN, ACT, HAS_BIAS, W_IN)
+            else:
+                _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, b_e, sbn,
+                         (ks == 0).to(tl.float32), n0, N, BN, HAS_BIAS, W_IN)
 
 
 def build(block: MoEBlock, schedule: Schedule):
@@ -282,14 +184,8 @@ def build(block: MoEBlock, schedule: Schedule):
         raise UnsupportedSchedule(f"stream_gemv takes GemvParams, got {type(p).__name__}")
     E, k, D, F = block.E, block.k, block.D, block.F
     alpha, limit = act_args(block)
-    if p.one_launch and prefetch_regs(k, p) > 64:
-        raise UnsupportedSchedule(
-            f"GemvParams down_prefetch={p.down_prefetch} down_block_n={p.down_block_n} at k={k}: "
-            f"{prefetch_regs(k, p)} registers per thread hold the prefetched rows, limit 64; lower either or "
-            "raise num_warps")
 
     memo: dict = {}  # call_args' per-weights host work
-    syncs: dict = {}  # one_launch: the two int32 counters per device, zero between calls (_sync)
 
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
         a = call_args(block, x, ids, weights, w, memo)
@@ -303,24 +199,13 @@ def build(block: MoEBlock, schedule: Schedule):
         meta = dict(a.meta, KP=next_pow2(k), BP=max(16, next_pow2(P)), FUSED=fused, ROWS=p.rows)
         slots = min(P, E)
         h = torch.empty(P, F, dtype=x.dtype, device=x.device)  # [P, F]
-        out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
-        if p.one_launch:
-            n_gu = slots * cdiv(F, p.block_n)
-            launch(stream_gemv_one_kernel, (n_gu + T * cdiv(D, p.down_block_n),),
-                x, x.stride(0), ids_f, wts_f, counts, sorted_pairs,
-                w.gate_up, gs.se, gs.sn, gs.sk, gs.up, gb, gs.sbe, gs.sbn, gs.bup,
-                w.down, ds.se, ds.sn, ds.sk, db, ds.sbe, ds.sbn,
-                h, h.stride(0), out, out.stride(0), _sync(syncs, x.device), P, T, E, D, F, slots, n_gu,
-                alpha, limit, BN=p.block_n, BK=p.block_k, DBN=p.down_block_n, DBK=p.down_block_k,
-                PRE=p.down_prefetch, num_warps=p.num_warps, num_stages=p.num_stages, STAGES=p.num_stages,
-                **meta)
-            return out
         launch(stream_gemv_kernel, (slots, cdiv(F, p.block_n), 1),
             x, x.stride(0), ids_f, wts_f, counts, sorted_pairs,
             w.gate_up, gs.se, gs.sn, gs.sk, gs.up, gb, gs.sbe, gs.sbn, gs.bup,
             h, h.stride(0), h, 0, P, E, F, D, D, alpha, limit,
             PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages,
             STAGES=p.num_stages, **meta)
+        out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         if p.down_mode == "token":
             launch(stream_gemv_kernel, (T, cdiv(D, p.down_block_n), 1),
                 x, x.stride(0), ids_f, wts_f, counts, sorted_pairs,
@@ -340,19 +225,7 @@ def build(block: MoEBlock, schedule: Schedule):
             num_stages=p.num_stages, STAGES=p.num_stages, **meta)
         return _combine.combine(y, ids, out, E)
 
-    run.syncs = syncs  # the one-launch counters, for inspection
     return run
-
-
-def _sync(syncs: dict, device: torch.device) -> torch.Tensor:
-    """The one-launch kernel's two counters on this device: zeroed once, at the built function's first call
-    there (an eager warm-up before any CUDA-graph capture, so no graph holds a memset), and by the kernel's
-    last program at the end of every call. Calls run one after another on a stream; one built function
-    must not run on two streams at once (they would share the counters)."""
-    buf = syncs.get(device)
-    if buf is None:
-        buf = syncs[device] = torch.zeros(2, dtype=torch.int32, device=device)
-    return buf
 
 
 def cost(block: MoEBlock, params: GemvParams, tokens: int, distinct: float) -> tuple[float, float]:
