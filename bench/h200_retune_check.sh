@@ -23,7 +23,7 @@ for cell in "${cells[@]}"; do
   timeout -k 5 -s INT $((lim + 30)) python3 -m moetune.cli tune --preset "$p" --backend triton --target h200 \
     --tokens 1-1024 --at-tokens "${cell#*:}" --budget "$budget" --time-limit "${lim}s" \
     --cache cache/h200.sqlite --storage "$R/$p.journal" --keep-going > "$R/tune-$p.log" 2>&1
-  echo "$p at ${cell#*:}: rc=$?"; grep -E "^\s+\[[0-9]+/|winner |final  " "$R/tune-$p.log"; pack
+  echo "$p at ${cell#*:}: rc=$?"; grep -E "^\s+\[[0-9]+/|winner |final  |split  " "$R/tune-$p.log"; pack
 done
 [ -z "$NO_BENCH" ] || exit 0
 tags=${TAGS:-'table|g16|ga|gb|gd|m16|m16-t|m64n64|m64n64-t'}  # TAGS=REGEX: other bench variants

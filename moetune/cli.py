@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="choose each bucket's winner at its representative T only (default: the finalists "
                         "are also timed at the bucket's first and last T, and at two between them in a bucket "
                         "spanning ≥ 1.5×; the least total loss wins)")
+    p.add_argument("--no-split", action="store_true",
+                   help="never split a bucket (default, on a GPU: where the winner is ≥ 5 %% slower than another "
+                        "finalist at a count timed, the bucket is cut in 2 or 3 parts, each with its fastest "
+                        "finalist)")
     p.add_argument("--no-local-search", action="store_true",
                    help="TPE only (default: each new fastest candidate's one-knob neighbours are tried "
                         "next, a local search from the incumbent)")

@@ -421,10 +421,13 @@ class DispatchTable:
         self.close()
 
     # writing
-    def put(self, entry: DispatchEntry, *, replace_stale: bool = True, replace: bool = False) -> bool:
+    def put(self, entry: DispatchEntry, *, replace_stale: bool = True, replace: bool = False,
+            supersede: bool = False) -> bool:
         """Insert, or replace the stored entry of the same key when `entry` is faster (or, with
         `replace_stale`, when the stored one was measured with other kernels, libraries or device; with
-        `replace`, always). Returns whether the row was written."""
+        `replace`, always). With `supersede`, a written entry also deletes the entries of other buckets of
+        its (target, backend, block) that overlap it (a bucket re-tuned whole, or split in parts: the
+        lookup would reject those older rows anyway). Returns whether the row was written."""
         row = entry.row()
         cols = list(COLUMNS)
         updates = ", ".join(f"{c} = excluded.{c}" for c in cols if c not in PK)
@@ -437,6 +440,15 @@ class DispatchTable:
             cur = self.db.execute(sql, [row[c] for c in cols])
         except sqlite3.Error as e:
             raise CacheError(f"dispatch table {self.path}: write failed ({e})") from e
+        if cur.rowcount > 0 and supersede:
+            try:
+                self.db.execute(
+                    f"DELETE FROM {TABLE} WHERE target = ? AND backend = ? AND signature = ? AND bucket_lo <= ? "
+                    "AND bucket_hi >= ? AND NOT (bucket_lo = ? AND bucket_hi = ?)",
+                    [entry.target, entry.backend, entry.signature, entry.bucket_hi, entry.bucket_lo,
+                     entry.bucket_lo, entry.bucket_hi])
+            except sqlite3.Error as e:
+                raise CacheError(f"dispatch table {self.path}: write failed ({e})") from e
         if cur.rowcount > 0:
             self._checkpoint()
         return cur.rowcount > 0

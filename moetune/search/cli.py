@@ -127,6 +127,9 @@ def table_lines(results: list[BucketResult], device: str) -> list[str]:
             f"{_us(r.floor.time_s if r.floor else None):>9} {('–' if pct is None else f'{pct:.1f}%'):>8} "
             f"{_ratio(r.default_time_s, r.time_s):>10} {_ratio(r.baseline_time_s, r.time_s):>11}  "
             f"{r.stopped}")
+        for lo_, hi_, s, t_s, T in r.parts:
+            lines.append(f"{f'[{lo_},{hi_}]':>14} {T:>5}  {s.describe().split(':', 1)[-1][:44]:<44} {_us(t_s):>9}  "
+                         f"part of the split bucket [{r.bucket[0]},{r.bucket[1]}]")
     base = next((r.baseline for r in results), "")
     lines.append(f"device: {device}; time: at the bucket's T (GPU: each routing's median replay, averaged "
                  f"over the routings; CPU: the median call); floor at the target's roofs; "
@@ -160,6 +163,7 @@ def run(args) -> int:
                           space_cap=getattr(args, "space_cap", None) or None,
                           resume=getattr(args, "resume", False),
                           edge_timing=not getattr(args, "no_edge_timing", False),
+                          split=False if getattr(args, "no_split", False) else None,
                           local_search=not getattr(args, "no_local_search", False),
                           revalidate=getattr(args, "revalidate", False),
                           time_limit_s=parse_budget(args.time_limit) if getattr(args, "time_limit", None) else None)
@@ -196,6 +200,8 @@ def run(args) -> int:
         for j, (s, t_s, edge) in enumerate(r.finalists if len(r.finalists) > 1 else ()):
             at = "".join(f", {_us(v)} at T={t}" for t, v in sorted(edge.items()))
             print(f"      {'winner ' if j == 0 else 'final  '} {_us(t_s)} µs{at}: {s.describe()}", flush=True)
+        for lo_, hi_, s, t_s, T in r.parts:
+            print(f"      split   [{lo_},{hi_}]: {_us(t_s)} µs at T={T}: {s.describe()}", flush=True)
 
     with DispatchTable(cache) as table:
         results = tune_block(block, backend, target, (lo, hi), trace=args.trace, table=table, options=options,

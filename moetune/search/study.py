@@ -24,7 +24,10 @@ A bucket's study:
    is the winner (a bucket can straddle a tile boundary: mixtral-8x7b [305, 633] spans 76–158 rows per
    expert around the 128-row tile). It is written to the
    dispatch table with its time at the representative count, floor, % of floor, default time and
-   baseline time.
+   baseline time. On a GPU, where the winner is still `split_loss` (5 %) slower than another finalist at
+   some count, the bucket is written as 2 or 3 parts instead, each with the finalist fastest over its
+   counts (`split_parts`; deepseek-v3 [590, 1024] on the H200: the winner 4 % faster at T = 590, 7 % slower
+   at T = 1024). A written entry replaces the older entries it overlaps (a bucket split, or re-tuned whole).
 
 With `storage` (an RDB URL or a journal file) several `moetune tune` workers share each study: each
 asks its own trials, skips points another worker already scored, and writes the study's winner.
@@ -46,7 +49,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..codegen.backend import Backend, get
-from ..ir import Bucket, MoEBlock, Roofline, Schedule, UnsupportedSchedule
+from ..ir import Bucket, IRError, MoEBlock, Roofline, Schedule, UnsupportedSchedule
+from ..passes.targets import floor as target_floor
 from ..runtime.table import DispatchEntry, DispatchTable, Versions
 from .baseline import baseline_fn, default_baseline
 from .objective import Objective, Outcome, RoutingSampler, expert_tensors, make_cases, trace_sampler
@@ -80,6 +84,9 @@ class TuneOptions:
     time_limit_s: float | None = None  # wall clock of a whole tune_block: no bucket starts that would pass it
     edge_timing: bool = True  # finalists also timed at the bucket's first and last T; least total loss wins
     interior_counts: int = 2  # with edge_timing, in a bucket spanning ≥ 1.5×: this many counts between too
+    split_loss: float = 0.05  # with edge_timing: where the winner is this much slower than another finalist
+    # at a count timed, the bucket is cut in 2 or 3 parts with a finalist each (split_parts)
+    split: bool | None = None  # whether to (None: on a GPU only; CPU timings vary by more than split_loss)
     local_search: bool = True  # each new incumbent's one-knob neighbours are tried before TPE's next points
 
     def __post_init__(self) -> None:
@@ -91,6 +98,8 @@ class TuneOptions:
             raise UnsupportedSchedule(f"TuneOptions.retime_rounds = {self.retime_rounds}: need ≥ 1")
         if self.interior_counts < 0:
             raise UnsupportedSchedule(f"TuneOptions.interior_counts = {self.interior_counts}: need ≥ 0")
+        if self.split_loss <= 0:
+            raise UnsupportedSchedule(f"TuneOptions.split_loss = {self.split_loss}: need > 0 (split=False: never)")
         if self.space_cap is not None and self.space_cap < 1:
             raise UnsupportedSchedule(f"TuneOptions.space_cap = {self.space_cap}: need at least 1 point "
                                       "(None: the whole space)")
@@ -115,6 +124,9 @@ class BucketResult:
     written: bool = False
     # the final round: (candidate, time at the representative T, {edge T: time}), winner first
     finalists: tuple[tuple[Schedule, float, dict[int, float]], ...] = ()
+    # a split bucket (TuneOptions.split_loss): every part as (lo, hi, its winner, its time, the T timed), in
+    # order; these are the table's entries then. Empty: the bucket was not split.
+    parts: tuple[tuple[int, int, Schedule, float, int], ...] = ()
 
     @property
     def pct_of_floor(self) -> float | None:
@@ -419,17 +431,88 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
         baseline_time_s=base_s, trials=len(st.study.trials), evaluated=len(outcomes), failures=failures,
         stopped=stopped, space=space.describe(), finalists=finals,
     )
+    split = options.split if options.split is not None else objective.device.startswith("cuda")
+    if split and winner is not None:
+        result = _replace(result, parts=split_parts(bucket.lo, bucket.hi, inputs.tokens, finals, options.split_loss))
     if table is not None and winner is not None:
-        entry = DispatchEntry.of(
-            target=target, block=block, bucket=result.bucket, schedule=winner, time_us=win_s * 1e6,
-            versions=versions or Versions.current(backend.name, objective.device),
-            floor_us=floor_s * 1e6 if floor is not None else None,
-            default_time_us=None if default_s is None else default_s * 1e6,
-            baseline_time_us=None if base_s is None else base_s * 1e6, baseline=result.baseline,
-            timer=getattr(timer, "name", type(timer).__name__), trials=result.trials,
-        )
-        result = _replace(result, written=table.put(entry, replace=_judged_here(table, entry, block, outcomes, space)))
+        versions = versions or Versions.current(backend.name, objective.device)
+        common = dict(target=target, block=block, versions=versions, baseline=result.baseline,
+                      timer=getattr(timer, "name", type(timer).__name__), trials=result.trials)
+        if not result.parts:
+            entry = DispatchEntry.of(
+                bucket=result.bucket, schedule=winner, time_us=win_s * 1e6,
+                floor_us=floor_s * 1e6 if floor is not None else None,
+                default_time_us=None if default_s is None else default_s * 1e6,
+                baseline_time_us=None if base_s is None else base_s * 1e6, **common)
+            replace = _judged_here(table, entry, block, outcomes, space)
+            result = _replace(result, written=table.put(entry, replace=replace, supersede=True))
+        else:  # each part's entry replaces what overlaps it: it was chosen against those finalists here
+            d_row = next(({inputs.tokens: t} | e for f, t, e in finals
+                          if default is not None and key(f) == key(default)), {})
+            written = False
+            for lo, hi, s, t_s, T in result.parts:
+                d_at = d_row.get(T)
+                entry = DispatchEntry.of(
+                    bucket=(lo, hi), schedule=s, time_us=t_s * 1e6,
+                    floor_us=_floor_us(block, target, T),
+                    default_time_us=None if d_at is None else d_at * 1e6,
+                    baseline_time_us=base_s * 1e6 if base_s is not None and T == inputs.tokens else None, **common)
+                written = table.put(entry, replace=True, supersede=True) or written
+            result = _replace(result, written=written)
     return result
+
+
+def _floor_us(block: MoEBlock, target: str, tokens: int) -> float | None:
+    """The roofline floor at `tokens` on a known target (uniform routing), µs; None for another target."""
+    try:
+        return target_floor(block, target, tokens).time_s * 1e6
+    except IRError:
+        return None
+
+
+def split_parts(lo: int, hi: int, rep: int, finals, loss: float) -> tuple[tuple[int, int, Schedule, float, int], ...]:
+    """Parts of bucket [lo, hi] from its final round (`_final`'s finals: (schedule, time at rep, {T: time}),
+    the winner first), when the winner is more than `loss` slower than another finalist at some count timed.
+    The counts are then cut into 2 or 3 runs, each served by the finalist with the least total log-loss at
+    its counts: the fewest runs that bring every count within `loss` of its fastest finalist, else the cut
+    with the smallest worst loss (only if it is smaller than the winner's). Each part is timed at its middle
+    count (the part holding `rep` at `rep`); boundaries fall at the geometric middle between neighbouring
+    counts. () when the bucket stays whole. On the H200, deepseek-v3 [590, 1024]'s winner was 4 % faster
+    than the default at T = 590 and 7 % slower at T = 1024 (bench/results/NOTES.md, session 9)."""
+    import itertools
+
+    if len(finals) < 2 or not finals[0][2]:
+        return ()
+    rows = [{rep: t} | edge for _, t, edge in finals]
+    counts = sorted(rows[0])
+    best = {T: min(r.get(T, math.inf) for r in rows) for T in counts}
+    if not all(math.isfinite(best[T]) and best[T] > 0 for T in counts):
+        return ()
+
+    def lost(f: int, T: int) -> float:
+        return math.log(rows[f].get(T, math.inf) / best[T])
+
+    tol = math.log1p(loss)
+    worst0 = max(lost(0, T) for T in counts)
+    if worst0 <= tol:
+        return ()
+    options = []
+    for cuts in itertools.chain.from_iterable(itertools.combinations(range(1, len(counts)), c) for c in (1, 2)):
+        groups = [counts[i:j] for i, j in zip((0, *cuts), (*cuts, len(counts)), strict=True)]
+        picks = [min(range(len(rows)), key=lambda f, g=g: (math.fsum(lost(f, T) for T in g), f)) for g in groups]
+        worst = max(lost(f, T) for g, f in zip(groups, picks, strict=True) for T in g)
+        total = math.fsum(lost(f, T) for g, f in zip(groups, picks, strict=True) for T in g)
+        options.append((worst > tol, worst if worst > tol else 0.0, len(cuts), total, groups, picks))
+    over, worst, _, _, groups, picks = min(options, key=lambda o: o[:4])
+    if over and worst >= worst0:
+        return ()
+    out = []
+    for n, (g, f) in enumerate(zip(groups, picks, strict=True)):
+        T = rep if rep in g else g[len(g) // 2]
+        p_lo = lo if n == 0 else out[-1][1] + 1
+        p_hi = hi if n == len(groups) - 1 else round(math.sqrt(g[-1] * groups[n + 1][0])) - 1
+        out.append((p_lo, max(p_hi, g[-1]), finals[f][0], rows[f][T], T))
+    return tuple(out)
 
 
 def _climb(st: _Study, space: SearchSpace, outcomes: dict[str, Outcome], scored: dict, climbed: set[str]) -> None:

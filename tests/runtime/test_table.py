@@ -410,3 +410,19 @@ def test_overlapping_entries_of_two_tuning_runs_keep_the_newer(tmp_path):
     with pytest.warns(CacheWarning, match=r"\[8,8\] overlaps \[8,17\]"):
         got = load_entries(path, BLOCK, "cpu", "torch")
     assert [(lo, hi) for lo, hi, _ in got] == [(1, 1), (2, 2), (3, 7), (8, 17)]
+
+
+def test_a_superseding_entry_deletes_the_older_ones_it_overlaps(tmp_path):
+    """put(supersede=True) (a tuner's write): the buckets it overlaps go, a bucket it does not touch stays,
+    and a slower entry that is not written deletes nothing; plain put keeps overlapping rows."""
+    with DispatchTable(tmp_path / "d.sqlite") as t:
+        for lo, hi in ((1, 1), (2, 7), (8, 17), (18, 40)):
+            t.put(entry(lo, hi, 5.0))
+        assert t.put(entry(2, 3, 4.0))  # plain: [2, 7] stays beside it
+        assert {e.bucket for e in t.entries()} == {(1, 1), (2, 3), (2, 7), (8, 17), (18, 40)}
+        assert t.put(entry(4, 17, 4.0), supersede=True)  # a split part over [2, 7] and [8, 17]
+        assert {e.bucket for e in t.entries()} == {(1, 1), (2, 3), (4, 17), (18, 40)}
+        assert t.put(entry(1, 3, 9.0), supersede=True)  # a new bucket: written, [1, 1] and [2, 3] go
+        assert {e.bucket for e in t.entries()} == {(1, 3), (4, 17), (18, 40)}
+        assert not t.put(entry(4, 17, 8.0), supersede=True)  # slower than the stored [4, 17]: nothing changes
+        assert {e.bucket for e in t.entries()} == {(1, 3), (4, 17), (18, 40)}

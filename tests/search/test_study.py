@@ -12,7 +12,7 @@ import torch
 import toy_backend as tb
 
 from moetune.ir import UnsupportedSchedule
-from moetune.runtime.table import DispatchTable, Versions
+from moetune.runtime.table import DispatchEntry, DispatchTable, Versions
 from moetune.search.objective import CandidateError, expert_tensors, trace_sampler
 from moetune.search.study import TuneOptions, bucket_inputs, tune_bucket
 from moetune.search.timing import FakeTimer
@@ -600,3 +600,77 @@ def test_a_default_or_seed_labelled_with_another_fusion_is_the_same_kernel_and_t
     assert {s.fusion for s in be.built} == {f}
     finals = [(s.kind, s.params) for s, _, _ in r.finalists]
     assert len(finals) == len(set(finals))
+
+
+def test_split_parts():
+    """A bucket is cut where its winner loses more than `loss` at some count: deepseek-v3 [590, 1024] as
+    timed on the H200 (session 9: the winner 7 % slower than the default at T = 1024) becomes [590, 933]
+    with the finalist fastest over 590-852 and [934, 1024] with the default; mixtral-8x7b [305, 633], whose
+    winner is within 3 % everywhere, stays whole; a winner beaten at both ends gives three parts."""
+    from moetune.ir import Schedule
+    from moetune.search.study import split_parts
+
+    w, x, d = Schedule("grouped_gemm"), Schedule("hybrid", row_threshold=2), Schedule("stream_gemv")
+    finals = ((w, 5443.8, {590: 5310.4, 709: 5381.6, 852: 5560.0, 1024: 6104.9}),
+              (x, 5413.2, {590: 5286.7, 709: 5345.3, 852: 5549.9, 1024: 6225.2}),
+              (d, 5592.6, {590: 5528.5, 709: 5563.6, 852: 5622.0, 1024: 5691.3}))
+    assert split_parts(590, 1024, 777, finals, 0.03) == ((590, 933, x, 5413.2, 777), (934, 1024, d, 5691.3, 1024))
+    assert split_parts(590, 1024, 777, finals, 0.08) == ()  # a 7.3 % loss is within 8 %
+    assert split_parts(590, 1024, 777, finals[:1], 0.03) == ()
+    a, b, c, e = (Schedule("grouped_gemm", backend=n) for n in "abce")
+    mixtral = ((a, 786.7, {305: 755.9, 389: 768.2, 496: 862.7, 633: 1212.0}),
+               (b, 788.7, {305: 751.0, 389: 757.5, 496: 965.4, 633: 1392.7}),
+               (c, 794.6, {305: 761.9, 389: 768.4, 496: 903.9, 633: 1220.6}),
+               (e, 811.1, {305: 760.3, 389: 776.8, 496: 1018.2, 633: 1300.8}))
+    assert split_parts(305, 633, 439, mixtral, 0.03) == ()
+    both = ((a, 1.0, {1: 1.5, 2: 1.2, 8: 1.0, 16: 1.3}), (b, 1.2, {1: 1.0, 2: 1.0, 8: 1.3, 16: 1.4}),
+            (c, 1.3, {1: 1.6, 2: 1.5, 8: 1.2, 16: 1.0}))
+    parts = split_parts(1, 16, 4, both, 0.03)
+    assert [(lo, hi, s) for lo, hi, s, _, _ in parts] == [(1, 2, b), (3, 10, a), (11, 16, c)]
+    assert [(t, T) for _, _, _, t, T in parts] == [(1.0, 2), (1.0, 4), (1.0, 16)]
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_a_bucket_split_is_written_as_its_parts(tmp_path, split):
+    """Finalist A is 4 % faster than B up to T = 6 and 30 % slower at the bucket's last T = 16; B is steady.
+    The winner over all counts (B) loses 4 % at the low counts, so with splitting the table gets two
+    entries, A's below and B's above, that a compiled model's dispatcher takes as they are, and the
+    bucket's earlier entry is gone; without, one entry, B's."""
+    from moetune.ir import Schedule
+    from moetune.runtime.dispatch import Dispatcher, DispatchWarning
+    from moetune.runtime.table import load_entries
+
+    name = f"toy-split-{split}"
+    be = tb.toy(name)
+    a = Schedule("stream_gemv", backend=name, params=tb.ToyParams(tile=64, stages=1))
+    b = Schedule("grouped_gemm", backend=name, params=tb.ToyParams(tile=64, stages=1))
+    bucket = tb.bucket(lo=1, hi=16, floor_s=1e-7)
+
+    def cost(s, T):
+        if s is None or s.params is None:
+            return 50e-6
+        if (s.kind, s.params.tile, s.params.stages) == ("stream_gemv", 64, 1):
+            return 1.30e-6 if T == 16 else 0.96e-6
+        if (s.kind, s.params.tile, s.params.stages) == ("grouped_gemm", 64, 1):
+            return 1.0e-6
+        return tb.cost(s) + 1e-6
+
+    inputs = bucket_inputs(tb.BLOCK, bucket, expert_tensors(tb.BLOCK), routings=2)
+    with DispatchTable(tmp_path / "d.sqlite") as t:
+        t.put(DispatchEntry.of(target="toy-target", block=tb.BLOCK, bucket=(1, 16), schedule=b, time_us=9.0,
+                               versions=VERSIONS, tuned_at="2026-01-01T00:00:00+00:00"))
+        r = tune_bucket(tb.BLOCK, be, "toy-target", bucket, inputs, TokensTimer(cost),
+                        TuneOptions(budget_s=60, split=split, split_loss=0.03), table=t, versions=VERSIONS,
+                        seeds=[a, b])
+        rows = [(e.bucket, e.schedule(tb.BLOCK), e.time_us) for e in t.entries()]
+    assert r.winner == b and r.written
+    if not split:
+        assert r.parts == () and rows == [((1, 16), b, pytest.approx(1.0))]
+        return
+    (lo1, hi1, s1, t1, _), (lo2, hi2, s2, t2, T2) = r.parts
+    assert (lo1, s1, hi2, s2, T2) == (1, a, 16, b, 16) and hi1 + 1 == lo2 and 6 <= hi1 < 16
+    assert rows == [((1, hi1), a, pytest.approx(0.96)), ((lo2, 16), b, pytest.approx(1.0))]
+    entries = load_entries(tmp_path / "d.sqlite", tb.BLOCK, "toy-target", name, versions=VERSIONS)
+    with pytest.warns(DispatchWarning, match=r"no usable entry for bucket\(s\) \[17,"):  # T > 16: untuned
+        d = Dispatcher.from_entries(tb.BLOCK, be, entries)
+    assert [(r_.lo, r_.hi) for r_ in d.routes][:2] == [(1, hi1), (lo2, 16)]
