@@ -476,6 +476,17 @@ class DispatchTable:
                 return e
         return None
 
+    def parts(self, target: str, backend: str, signature: str, lo: int, hi: int) -> list[DispatchEntry]:
+        """The entries that tile bucket [lo, hi] exactly, in order: [its own entry], or the parts the tuner
+        split it into (study.split_parts); [] when the stored rows do not cover it that way."""
+        inside = [e for e in self.entries(target, backend, signature) if lo <= e.bucket_lo and e.bucket_hi <= hi]
+        nxt, out = lo, []
+        for e in sorted(inside, key=lambda e: (e.bucket_lo, -e.bucket_hi)):
+            if e.bucket_lo == nxt:
+                out.append(e)
+                nxt = e.bucket_hi + 1
+        return out if nxt == hi + 1 else []
+
     def lookup(self, block: MoEBlock, target: str, backend: str, *, versions: Versions | None = None,
                device: str = "cpu") -> Lookup:
         """The entries of this block on (target, backend) that may be used here, and those that may

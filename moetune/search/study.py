@@ -698,9 +698,9 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
         from ..runtime.table import judge
 
         for b in buckets:
-            e = table.get(target, be.name, block.signature_hash(), b.lo, b.hi)
-            if e is not None and judge(e, versions) is None:
-                kept[(b.lo, b.hi)] = e
+            es = table.parts(target, be.name, block.signature_hash(), b.lo, b.hi)  # its entry, or a split's parts
+            if es and all(judge(e, versions) is None for e in es):
+                kept[(b.lo, b.hi)] = es
     last_s = 0.0  # wall time of the last bucket tuned: the estimate of the next one
     for i, b in enumerate(buckets):
         now = time.monotonic() - t0
@@ -713,12 +713,17 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
             if on_bucket:
                 on_bucket(i, len(buckets), r)
             continue
-        if (b.lo, b.hi) in kept:  # resumed: the table already holds this bucket's current winner
-            e = kept[(b.lo, b.hi)]
-            r = BucketResult((b.lo, b.hi), representative_tokens(b), e.schedule(block), e.time_us * 1e-6, b.floor, None,
+        if (b.lo, b.hi) in kept:  # resumed: the table already holds this bucket's current winner(s)
+            es, rep = kept[(b.lo, b.hi)], representative_tokens(b)
+            e = next(p for p in es if p.bucket_lo <= rep <= p.bucket_hi)
+            parts = () if len(es) == 1 else tuple(
+                (p.bucket_lo, p.bucket_hi, p.schedule(block), p.time_us * 1e-6,
+                 rep if p is e else round(math.sqrt(p.bucket_lo * p.bucket_hi))) for p in es)
+            r = BucketResult((b.lo, b.hi), rep, e.schedule(block), e.time_us * 1e-6, b.floor, None,
                              None if e.default_time_us is None else e.default_time_us * 1e-6,
                              e.baseline or "–", None if e.baseline_time_us is None else e.baseline_time_us * 1e-6,
-                             e.trials or 0, 0, {}, f"kept: current table entry tuned {e.tuned_at}", "")
+                             e.trials or 0, 0, {}, f"kept: current table entr{'ies' if parts else 'y'} tuned "
+                             f"{e.tuned_at}", "", parts=parts)
             results.append(r)
             if on_bucket:
                 on_bucket(i, len(buckets), r)
@@ -775,9 +780,9 @@ def _judged_here(table: DispatchTable, entry: DispatchEntry, block: MoEBlock, ou
 
 def _seeds(block: MoEBlock, table: DispatchTable | None, target: str, backend: str, every: Sequence[Bucket],
            b: Bucket, results: Sequence[BucketResult]) -> list[Schedule]:
-    """Schedules worth trying first in bucket b: its own earlier winner in the table (current or stale),
-    then the winners of the buckets just below and above it in `every` (this run's result, else the
-    table's entry). Entries whose schedule the backend can no longer rebuild are skipped."""
+    """Schedules worth trying first in bucket b: its own earlier winner(s) in the table (current or stale;
+    a split bucket's parts), then the winners of the buckets just below and above it in `every` (this
+    run's result, else the table's entries). Entries whose schedule the backend can no longer rebuild are skipped."""
     from ..runtime.table import CacheError
 
     done = {r.bucket: r.winner for r in results if r.winner is not None}
@@ -789,8 +794,8 @@ def _seeds(block: MoEBlock, table: DispatchTable | None, target: str, backend: s
         c = every[j]
         if j != i and (c.lo, c.hi) in done:
             out.append(done[(c.lo, c.hi)])
-        elif table is not None:
-            out.append(table.get(target, backend, block.signature_hash(), c.lo, c.hi))
+        elif table is not None:  # its entry, or the parts of a split bucket
+            out.extend(table.parts(target, backend, block.signature_hash(), c.lo, c.hi))
     seeds, seen = [], set()
     for s in out:
         if isinstance(s, DispatchEntry):

@@ -426,3 +426,18 @@ def test_a_superseding_entry_deletes_the_older_ones_it_overlaps(tmp_path):
         assert {e.bucket for e in t.entries()} == {(1, 3), (4, 17), (18, 40)}
         assert not t.put(entry(4, 17, 8.0), supersede=True)  # slower than the stored [4, 17]: nothing changes
         assert {e.bucket for e in t.entries()} == {(1, 3), (4, 17), (18, 40)}
+
+
+def test_parts_tile_a_bucket_exactly(tmp_path):
+    """parts(lo, hi): the bucket's own entry, or entries that tile it with no gap (a split bucket), in order;
+    [] when the rows inside leave a gap or stick out of it."""
+    with DispatchTable(tmp_path / "d.sqlite") as t:
+        for lo, hi in ((1, 1), (2, 4), (5, 9), (10, 17), (20, 30)):
+            t.put(entry(lo, hi, 5.0))
+        parts = lambda lo, hi: [e.bucket for e in t.parts("cpu", "torch", BLOCK.signature_hash(), lo, hi)]  # noqa: E731
+        assert parts(1, 1) == [(1, 1)]
+        assert parts(2, 9) == [(2, 4), (5, 9)]
+        assert parts(2, 17) == [(2, 4), (5, 9), (10, 17)]
+        assert parts(2, 8) == []  # (5, 9) sticks out
+        assert parts(10, 30) == []  # a gap at 18-19
+        assert parts(40, 50) == []

@@ -674,3 +674,34 @@ def test_a_bucket_split_is_written_as_its_parts(tmp_path, split):
     with pytest.warns(DispatchWarning, match=r"no usable entry for bucket\(s\) \[17,"):  # T > 16: untuned
         d = Dispatcher.from_entries(tb.BLOCK, be, entries)
     assert [(r_.lo, r_.hi) for r_ in d.routes][:2] == [(1, hi1), (lo2, 16)]
+
+
+def test_resume_keeps_a_split_bucket(tmp_path):
+    """A bucket the tuner split (its parts tile it in the table, current here) counts as tuned for
+    `resume`: kept with its parts, not searched again; the parts also seed a re-tune of it."""
+    from moetune.ir import Bucket, Schedule
+    from moetune.runtime.table import TABLE
+    from moetune.search.study import _seeds, tune_block
+
+    be = tb.toy("toy-block-resume-split")
+    with DispatchTable(tmp_path / "d.sqlite") as t:
+        first = tune_block(tb.BLOCK, "toy-block-resume-split", "cpu", (1, 16), table=t, timer=FakeTimer(tb.cost),
+                           options=TuneOptions(device="cpu"), budget_s=20)
+        lo, hi = next(r.bucket for r in first if r.bucket[1] > r.bucket[0])
+        whole = t.get("cpu", "toy-block-resume-split", tb.BLOCK.signature_hash(), lo, hi)
+        other = Schedule("grouped_gemm", backend="toy-block-resume-split", params=tb.ToyParams(tile=64, stages=1))
+        assert other != whole.schedule(tb.BLOCK)
+        t.db.execute(f"DELETE FROM {TABLE} WHERE bucket_lo = ?", [lo])
+        t.db.conn.commit()
+        t.put(dataclasses_replace(whole, bucket_hi=lo))
+        t.put(DispatchEntry.of(target="cpu", block=tb.BLOCK, bucket=(lo + 1, hi), schedule=other, time_us=3.0,
+                               versions=whole.versions))
+        one = [Bucket(lo, hi)]
+        assert _seeds(tb.BLOCK, t, "cpu", "toy-block-resume-split", one, one[0], []) == [whole.schedule(tb.BLOCK), other]
+        be.built.clear()
+        again = tune_block(tb.BLOCK, "toy-block-resume-split", "cpu", (1, 16), table=t, timer=FakeTimer(tb.cost),
+                           options=TuneOptions(device="cpu", resume=True), budget_s=20)
+    kept = next(r for r in again if r.bucket == (lo, hi))
+    assert kept.stopped.startswith("kept: current table entries")
+    assert [(p[0], p[1], p[2]) for p in kept.parts] == [(lo, lo, whole.schedule(tb.BLOCK)), (lo + 1, hi, other)]
+    assert not be.built  # nothing searched: every bucket was current
