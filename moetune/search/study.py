@@ -36,6 +36,7 @@ asks its own trials, skips points another worker already scored, and writes the 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import socket
@@ -477,10 +478,9 @@ def split_parts(lo: int, hi: int, rep: int, finals, loss: float) -> tuple[tuple[
     its counts: the fewest runs that bring every count within `loss` of its fastest finalist, else the cut
     with the smallest worst loss (only if it is smaller than the winner's). Each part is timed at its middle
     count (the part holding `rep` at `rep`); boundaries fall at the geometric middle between neighbouring
-    counts. () when the bucket stays whole. On the H200, deepseek-v3 [590, 1024]'s winner was 4 % faster
-    than the default at T = 590 and 7 % slower at T = 1024 (bench/results/NOTES.md, session 9)."""
-    import itertools
-
+    counts; neighbouring runs with one finalist are one part. () when the bucket stays whole (one part).
+    On the H200, deepseek-v3 [590, 1024]'s winner was 4 % faster than the default at T = 590 and 7 % slower
+    at T = 1024 (bench/results/NOTES.md, session 9)."""
     if len(finals) < 2 or not finals[0][2]:
         return ()
     rows = [{rep: t} | edge for _, t, edge in finals]
@@ -506,6 +506,15 @@ def split_parts(lo: int, hi: int, rep: int, finals, loss: float) -> tuple[tuple[
     over, worst, _, _, groups, picks = min(options, key=lambda o: o[:4])
     if over and worst >= worst0:
         return ()
+    runs: list[tuple[list[int], int]] = []
+    for g, f in zip(groups, picks, strict=True):
+        if runs and runs[-1][1] == f:
+            runs[-1] = (runs[-1][0] + g, f)
+        else:
+            runs.append((g, f))
+    if len(runs) == 1:
+        return ()
+    groups, picks = [g for g, _ in runs], [f for _, f in runs]
     out = []
     for n, (g, f) in enumerate(zip(groups, picks, strict=True)):
         T = rep if rep in g else g[len(g) // 2]

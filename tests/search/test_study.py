@@ -625,6 +625,8 @@ def test_split_parts():
     assert split_parts(305, 633, 439, mixtral, 0.03) == ()
     both = ((a, 1.0, {1: 1.5, 2: 1.2, 8: 1.0, 16: 1.3}), (b, 1.2, {1: 1.0, 2: 1.0, 8: 1.3, 16: 1.4}),
             (c, 1.3, {1: 1.6, 2: 1.5, 8: 1.2, 16: 1.0}))
+    one = ((a, 1.0, {1: 1.0, 8: 1.0, 16: 1.2}), (b, 1.01, {1: 1.01, 8: 1.01, 16: 1.02}))
+    assert [(lo, hi, s) for lo, hi, s, _, _ in split_parts(1, 16, 4, one, 0.03)] == [(1, 10, a), (11, 16, b)]
     parts = split_parts(1, 16, 4, both, 0.03)
     assert [(lo, hi, s) for lo, hi, s, _, _ in parts] == [(1, 2, b), (3, 10, a), (11, 16, c)]
     assert [(t, T) for _, _, _, t, T in parts] == [(1.0, 2), (1.0, 4), (1.0, 16)]
@@ -697,7 +699,8 @@ def test_resume_keeps_a_split_bucket(tmp_path):
         t.put(DispatchEntry.of(target="cpu", block=tb.BLOCK, bucket=(lo + 1, hi), schedule=other, time_us=3.0,
                                versions=whole.versions))
         one = [Bucket(lo, hi)]
-        assert _seeds(tb.BLOCK, t, "cpu", "toy-block-resume-split", one, one[0], []) == [whole.schedule(tb.BLOCK), other]
+        seeds = _seeds(tb.BLOCK, t, "cpu", "toy-block-resume-split", one, one[0], [])
+        assert seeds == [whole.schedule(tb.BLOCK), other]
         be.built.clear()
         again = tune_block(tb.BLOCK, "toy-block-resume-split", "cpu", (1, 16), table=t, timer=FakeTimer(tb.cost),
                            options=TuneOptions(device="cpu", resume=True), budget_s=20)
