@@ -453,6 +453,33 @@ class DispatchTable:
             self._checkpoint()
         return cur.rowcount > 0
 
+    def prune_overlapped(self) -> int:
+        """Delete the rows no lookup can use: those overlapping a newer row of their (target, backend,
+        block) measured with the same kernels, backend version and device (where the older one is usable,
+        the newer one is too, and the lookup keeps the newer). Returns how many rows went."""
+        groups: dict[tuple, list[DispatchEntry]] = {}
+        for e in self.entries():
+            groups.setdefault((e.target, e.backend, e.signature), []).append(e)
+        gone = []
+        for es in groups.values():
+            kept: list[DispatchEntry] = []
+            for e in sorted(es, key=lambda e: (e.tuned_at, e.bucket_lo), reverse=True):  # as `lookup` ranks them
+                same = [k for k in kept
+                        if all(getattr(k.versions, c) == getattr(e.versions, c) for c in _VERSION_COLUMNS)]
+                if any(k.bucket_lo <= e.bucket_hi and e.bucket_lo <= k.bucket_hi for k in same):
+                    gone.append(e)
+                else:
+                    kept.append(e)
+        try:
+            for e in gone:
+                self.db.execute(f"DELETE FROM {TABLE} WHERE {' AND '.join(f'{c} = ?' for c in PK)}",
+                                [e.target, e.backend, e.signature, e.bucket_lo, e.bucket_hi])
+        except sqlite3.Error as err:
+            raise CacheError(f"dispatch table {self.path}: write failed ({err})") from err
+        if gone:
+            self._checkpoint()
+        return len(gone)
+
     # reading
     def entries(self, target: str | None = None, backend: str | None = None,
                 signature: str | None = None) -> list[DispatchEntry]:
@@ -544,8 +571,10 @@ def load_entries(path: str | os.PathLike, block: MoEBlock, target: str, backend:
     return list(found.usable)
 
 
-def merge(inputs: Iterable[str | os.PathLike], output: str | os.PathLike) -> tuple[int, int]:
-    """Merge tables into `output`, keeping the faster entry of each key; (rows read, rows written)."""
+def merge(inputs: Iterable[str | os.PathLike], output: str | os.PathLike) -> tuple[int, int, int]:
+    """Merge tables into `output`, keeping the faster entry of each key, then dropping the rows a newer
+    overlapping one of the same versions makes unusable (a bucket split in one table, whole in the other:
+    `DispatchTable.prune_overlapped`); (rows read, rows written, rows dropped)."""
     read = written = 0
     with DispatchTable(output) as out:
         for src in inputs:
@@ -553,7 +582,8 @@ def merge(inputs: Iterable[str | os.PathLike], output: str | os.PathLike) -> tup
                 for e in t.entries():
                     read += 1
                     written += out.put(e, replace_stale=False)
-    return read, written
+        dropped = out.prune_overlapped()
+    return read, written, dropped
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -599,9 +629,10 @@ def run(args) -> int:
         print(show(args.path))
         return 0
     if args.action == "merge":
-        read, written = merge(args.inputs, args.output)
+        read, written, dropped = merge(args.inputs, args.output)
         print(f"merged {len(args.inputs)} table(s) into {args.output}: "
-              f"{read} entries read, {written} written")
+              f"{read} entries read, {written} written"
+              + (f", {dropped} dropped (overlapped by newer entries of the same versions)" if dropped else ""))
         print(show(args.output))
         return 0
     raise CacheError(f"unknown table action {args.action!r}")

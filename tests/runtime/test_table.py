@@ -373,7 +373,7 @@ def test_merge_keeps_the_faster_of_each_key(tmp_path, capsys):
     with DispatchTable(c, create=False) as t:
         got = {e.bucket: (e.time_us, e.kind) for e in t.entries()}
     assert got == {(1, 1): (3.0, "stream_gemv"), (2, 2): (1.0, "stream_gemv"), (3, 7): (2.0, "stream_gemv")}
-    assert merge([a], c) == (2, 0)  # nothing faster in a
+    assert merge([a], c) == (2, 0, 0)  # nothing faster in a
 
 
 def test_show_lists_every_entry_with_floor_default_baseline_and_device(tmp_path, capsys):
@@ -441,3 +441,25 @@ def test_parts_tile_a_bucket_exactly(tmp_path):
         assert parts(2, 8) == []  # (5, 9) sticks out
         assert parts(10, 30) == []  # a gap at 18-19
         assert parts(40, 50) == []
+
+
+def test_merge_drops_what_a_newer_overlapping_entry_of_the_same_versions_hides(tmp_path):
+    """One table split a bucket that the other holds whole: the merged file keeps the newer tuning, as the
+    lookup would, and drops the rows it hides; a row of other kernels is kept (it may be the usable one
+    where those kernels run), and so is a row nothing overlaps."""
+    import dataclasses
+
+    a, b, c = (tmp_path / f"{n}.sqlite" for n in "abc")
+    old, new = "2026-01-01T00:00:00+00:00", "2026-02-01T00:00:00+00:00"
+    with DispatchTable(a) as t:
+        t.put(dataclasses.replace(entry(8, 17, 5.0), tuned_at=old))
+        t.put(dataclasses.replace(entry(18, 40, 5.0), tuned_at=old))
+        t.put(dataclasses.replace(entry(1, 3, 5.0, versions=other(kernel_hash="older")), tuned_at=old))
+    with DispatchTable(b) as t:
+        t.put(dataclasses.replace(entry(8, 11, 6.0), tuned_at=new))
+        t.put(dataclasses.replace(entry(12, 17, 6.0), tuned_at=new))
+        t.put(dataclasses.replace(entry(1, 7, 6.0), tuned_at=new))
+    assert merge([a, b], c) == (6, 6, 1)
+    with DispatchTable(c, create=False) as t:
+        got = sorted((e.bucket, e.versions.kernel_hash == HERE.kernel_hash) for e in t.entries())
+    assert got == [((1, 3), False), ((1, 7), True), ((8, 11), True), ((12, 17), True), ((18, 40), True)]
