@@ -120,7 +120,7 @@ def representative() -> list[tuple[str, object, dict, dict]]:
         ("hybrid/gate_up", hybrid_kernel,
          dict(base, PROJ=0, K_TOP=8, BLOCK_E=128, BM=16, BN=64, BK=128, BNV=8, BKV=256, RP=1, STAGES=4),
          o4),
-        ("combine", combine_kernel, dict(K_TOP=8, KP=8, BD=512), dict(num_warps=4)),
+        ("combine", combine_kernel, dict(K_TOP=8, BD=512), dict(num_warps=4)),
     ]
 
 
