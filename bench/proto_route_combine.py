@@ -6,8 +6,6 @@ ncu on the H200 (bench/results/h200-s9/README.md, call 4), qwen3-30b-a3b T = 102
 
 Combine (y [S, P, D] → out [T, D], the sum over each token's k rows):
   package   moetune.codegen.triton.combine: one row at a time inside a runtime loop over the S splits.
-  s1        the same with S a constexpr: the k row loads of a token are straight-line code, free to be
-            issued together.
   t         the k rows as one [BD, KP] tile (D the contiguous axis), BD = one 16-byte vector per thread
             over all threads, so each thread holds its vector of all k rows: all loads in flight at once
             and the sum inside each thread (sm_90 PTX: no bar.sync, no shuffle; at BD = 512 and 4 warps,
@@ -38,38 +36,21 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernels import SHAPES  # noqa: E402  (bench/kernels.py: name → (E, k, D, F))
 
 from moetune.codegen.triton import combine as pkg_combine  # noqa: E402
 from moetune.codegen.triton import routing as pkg_routing  # noqa: E402
 from moetune.codegen.triton._common import cdiv, next_pow2  # noqa: E402
 
-CELLS = {  # name: (E, k, D, T)
-    "qwen3-30b-a3b:256": (128, 8, 2048, 256),
-    "qwen3-30b-a3b:1024": (128, 8, 2048, 1024),
-    "deepseek-v3:1024": (256, 8, 7168, 1024),
-    "qwen3.5-397b-a17b:1024": (512, 10, 4096, 1024),
-    "mixtral-8x7b:1024": (8, 2, 4096, 1024),
-}
+CELLS = {f"{name}:{T}": (*SHAPES[name][:3], T)  # name: (E, k, D, T)
+         for name, T in (("qwen3-30b-a3b", 256), ("qwen3-30b-a3b", 1024), ("deepseek-v3", 1024),
+                         ("qwen3.5-397b-a17b", 1024), ("mixtral-8x7b", 1024))}
 CPU_CELLS = {"small:k8": (16, 8, 200, 9), "small:k2": (8, 2, 96, 5)}
 
 
 # --------------------------------------------------------------------------------------------- combine
-
-
-@triton.jit(do_not_specialize=["P"])
-def combine_s1_kernel(y_ptr, ids_ptr, out_ptr, s_ot, P, E, N,
-                      S: tl.constexpr, K_TOP: tl.constexpr, BD: tl.constexpr):
-    t = tl.program_id(0)
-    offs = tl.program_id(1) * BD + tl.arange(0, BD)
-    nm = offs < N
-    acc = tl.zeros([BD], dtype=tl.float32)
-    for j in tl.static_range(K_TOP):
-        p = t * K_TOP + j
-        e = tl.load(ids_ptr + p).to(tl.int32)
-        ok = (e >= 0) & (e < E)
-        for s in tl.static_range(S):
-            acc += tl.load(y_ptr + (s * P + p).to(tl.int64) * N + offs, mask=nm & ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * s_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=nm)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -89,17 +70,13 @@ def combine_t_kernel(y_ptr, ids_ptr, out_ptr, s_ot, P, E, N,
     tl.store(out_ptr + t.to(tl.int64) * s_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=nm)
 
 
-def combine_variant(name: str, y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int, bd: int = 512):
+def combine_variant(name: str, y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int):
     """out [T, D] = Σ over each token's k rows (and the S splits) of y [S, P, D], by variant `name`."""
     S, P, D = y.shape
     T, k = ids.shape
     if name == "package":
         return pkg_combine.combine(y, ids, out, E)
-    bd = min(bd, next_pow2(D))
-    grid = (T, cdiv(D, bd))
-    if name == "s1":
-        combine_s1_kernel[grid](y, ids, out, out.stride(0), P, E, D, S=S, K_TOP=k, BD=bd, num_warps=4)
-    elif name == "t":  # BD = one 16-byte vector per thread across all threads: k stays in each thread
+    if name == "t":  # BD = one 16-byte vector per thread across all threads: k stays in each thread
         vec = 16 // y.element_size()
         warps = max(1, min(4, next_pow2(D) // (32 * vec)))
         bd = 32 * vec * warps
@@ -116,40 +93,20 @@ def combine_variant(name: str, y: torch.Tensor, ids: torch.Tensor, out: torch.Te
 @triton.jit(do_not_specialize=["P", "per_prog", "G"])
 def route_one_kernel(ids_ptr, counts_ptr, hist_ptr, sorted_ptr, sync_ptr, P, E, per_prog, G,
                      BLOCK_E: tl.constexpr, C: tl.constexpr, GB: tl.constexpr):
-    """Both phases of the package's two-launch routing (routing.route_kernel PHASE 0, then PHASE 1) with a
+    """The package's two routing phases (routing.route_kernel PHASE 0, then PHASE 1: its helpers) with a
     grid barrier between them (module doc)."""
     g = tl.program_id(0)
     ei = tl.arange(0, BLOCK_E)
     lo = g * per_prog
     hi = tl.minimum(lo + per_prog, P)
-    cnt = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for c0 in range(lo, hi, C):
-        p = c0 + tl.arange(0, C)
-        idv = tl.load(ids_ptr + p, mask=p < hi, other=-1).to(tl.int32)  # [C]
-        cnt += tl.sum((idv[:, None] == ei[None, :]).to(tl.int32), axis=0)
-    tl.store(hist_ptr + g * BLOCK_E + ei, cnt)
+    tl.store(hist_ptr + g * BLOCK_E + ei, pkg_routing._histogram(ids_ptr, lo, hi, ei, BLOCK_E, C))
     tl.debug_barrier()  # every thread's histogram stores before the one-thread release below
     tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
     while tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") < G:
         pass
-    cnt = tl.zeros([BLOCK_E], dtype=tl.int32)
-    before = tl.zeros([BLOCK_E], dtype=tl.int32)
-    gi = tl.arange(0, GB)
-    for g0 in range(0, G, GB):
-        rows = g0 + gi
-        hv = tl.load(hist_ptr + rows[:, None] * BLOCK_E + ei[None, :], mask=(rows < G)[:, None], other=0)
-        cnt += tl.sum(hv, axis=0)
-        before += tl.sum(tl.where((rows < g)[:, None], hv, 0), axis=0)
+    cnt, before = pkg_routing._hist_prefix(hist_ptr, g, G, ei, BLOCK_E, GB)
     tl.store(counts_ptr + ei, cnt, mask=(ei < E) & (g == 0))
-    run = tl.cumsum(cnt, axis=0) - cnt + before
-    for c0 in range(lo, hi, C):
-        p = c0 + tl.arange(0, C)
-        idv = tl.load(ids_ptr + p, mask=p < hi, other=-1).to(tl.int32)
-        oh = (idv[:, None] == ei[None, :]).to(tl.int32)  # [C, BLOCK_E]
-        within = tl.cumsum(oh, axis=0) - oh
-        pos = tl.sum(oh * (within + run[None, :]), axis=1)  # [C]
-        tl.store(sorted_ptr + pos, p, mask=(idv >= 0) & (idv < E) & (p < hi))
-        run += tl.sum(oh, axis=0)
+    pkg_routing._scatter(ids_ptr, sorted_ptr, lo, hi, E, ei, tl.cumsum(cnt, axis=0) - cnt + before, C)
     if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:  # the last one out: reset
         tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
@@ -244,7 +201,7 @@ def main() -> None:
     rows = []
     for cname, cell in cells.items():
         E, k, D, T = cell
-        for v in ("package", "s1", "t"):
+        for v in ("package", "t"):
             err = check_combine(v, cell, dev, gen)
             r = dict(cell=cname, op="combine", variant=v, rel_err=err, ok=err < 1e-2)
             if dev == "cuda" and r["ok"]:

@@ -28,6 +28,46 @@ from ._common import cdiv, next_pow2
 from .launch import launch
 
 
+@triton.jit
+def _histogram(ids_ptr, lo, hi, ei, BLOCK_E: tl.constexpr, C: tl.constexpr):
+    """Pairs per expert [BLOCK_E] among pairs [lo, hi), one-hot [C, BLOCK_E] tiles."""
+    cnt = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(lo, hi, C):
+        p = c0 + tl.arange(0, C)
+        idv = tl.load(ids_ptr + p, mask=p < hi, other=-1).to(tl.int32)  # [C]
+        cnt += tl.sum((idv[:, None] == ei[None, :]).to(tl.int32), axis=0)
+    return cnt
+
+
+@triton.jit
+def _scatter(ids_ptr, sorted_ptr, lo, hi, E, ei, run, C: tl.constexpr):
+    """Write pairs [lo, hi) to their stable sorted positions; run [BLOCK_E] is each expert's next free slot."""
+    for c0 in range(lo, hi, C):
+        p = c0 + tl.arange(0, C)
+        idv = tl.load(ids_ptr + p, mask=p < hi, other=-1).to(tl.int32)
+        oh = (idv[:, None] == ei[None, :]).to(tl.int32)  # [C, BLOCK_E]
+        within = tl.cumsum(oh, axis=0) - oh
+        pos = tl.sum(oh * (within + run[None, :]), axis=1)  # [C]
+        ok = (idv >= 0) & (idv < E) & (p < hi)
+        tl.store(sorted_ptr + pos, p, mask=ok)
+        run += tl.sum(oh, axis=0)
+
+
+@triton.jit
+def _hist_prefix(hist_ptr, g, G, ei, BLOCK_E: tl.constexpr, GB: tl.constexpr):
+    """(total per expert, sum over programs before g) of the per-program histograms hist [G, BLOCK_E],
+    GB rows per load: [GB, BLOCK_E] tiles."""
+    cnt = tl.zeros([BLOCK_E], dtype=tl.int32)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)
+    gi = tl.arange(0, GB)
+    for g0 in range(0, G, GB):
+        rows = g0 + gi
+        hv = tl.load(hist_ptr + rows[:, None] * BLOCK_E + ei[None, :], mask=(rows < G)[:, None], other=0)
+        cnt += tl.sum(hv, axis=0)
+        before += tl.sum(tl.where((rows < g)[:, None], hv, 0), axis=0)
+    return cnt, before
+
+
 @triton.jit(do_not_specialize=["P", "per_prog", "G"])
 def route_kernel(ids_ptr, counts_ptr, hist_ptr, sorted_ptr, P, E, per_prog, G,
                  PHASE: tl.constexpr, BLOCK_E: tl.constexpr, C: tl.constexpr, GB: tl.constexpr):
@@ -35,34 +75,16 @@ def route_kernel(ids_ptr, counts_ptr, hist_ptr, sorted_ptr, P, E, per_prog, G,
     ei = tl.arange(0, BLOCK_E)
     lo = g * per_prog
     hi = tl.minimum(lo + per_prog, P)
-    cnt = tl.zeros([BLOCK_E], dtype=tl.int32)
-    if PHASE != 1:
-        for c0 in range(lo, hi, C):
-            p = c0 + tl.arange(0, C)
-            idv = tl.load(ids_ptr + p, mask=p < hi, other=-1).to(tl.int32)  # [C]
-            cnt += tl.sum((idv[:, None] == ei[None, :]).to(tl.int32), axis=0)
-        if PHASE == 0:
-            tl.store(hist_ptr + g * BLOCK_E + ei, cnt)
-    if PHASE != 0:
+    if PHASE == 1:  # every program's histogram
+        cnt, before = _hist_prefix(hist_ptr, g, G, ei, BLOCK_E, GB)
+    else:
+        cnt = _histogram(ids_ptr, lo, hi, ei, BLOCK_E, C)
         before = tl.zeros([BLOCK_E], dtype=tl.int32)
-        if PHASE == 1:  # every program's histogram, GB rows per load: [GB, BLOCK_E] tiles
-            gi = tl.arange(0, GB)
-            for g0 in range(0, G, GB):
-                rows = g0 + gi
-                hv = tl.load(hist_ptr + rows[:, None] * BLOCK_E + ei[None, :], mask=(rows < G)[:, None], other=0)
-                cnt += tl.sum(hv, axis=0)
-                before += tl.sum(tl.where((rows < g)[:, None], hv, 0), axis=0)
+    if PHASE == 0:
+        tl.store(hist_ptr + g * BLOCK_E + ei, cnt)
+    else:
         tl.store(counts_ptr + ei, cnt, mask=(ei < E) & (g == 0))
-        run = tl.cumsum(cnt, axis=0) - cnt + before  # [BLOCK_E] next free slot of each expert
-        for c0 in range(lo, hi, C):
-            p = c0 + tl.arange(0, C)
-            idv = tl.load(ids_ptr + p, mask=p < hi, other=-1).to(tl.int32)
-            oh = (idv[:, None] == ei[None, :]).to(tl.int32)  # [C, BLOCK_E]
-            within = tl.cumsum(oh, axis=0) - oh
-            pos = tl.sum(oh * (within + run[None, :]), axis=1)  # [C]
-            ok = (idv >= 0) & (idv < E) & (p < hi)
-            tl.store(sorted_ptr + pos, p, mask=ok)
-            run += tl.sum(oh, axis=0)
+        _scatter(ids_ptr, sorted_ptr, lo, hi, E, ei, tl.cumsum(cnt, axis=0) - cnt + before, C)
 
 
 @triton.jit(do_not_specialize=["P"])
