@@ -7,7 +7,7 @@ export PYTHONUNBUFFERED=1
 R=/tmp/f; rm -rf $R /tmp/retune; mkdir -p $R
 pack() { cp cache/h200.sqlite $R/h200.sqlite; (cd $R && tar czf "$OUT/f.tgz" .); }
 MOETUNE_TEST_GPU=1 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/codegen/test_triton_kernels.py \
-  -k "y_half or (bf16_on_gpu and y_half)" > $R/gputests.log 2>&1
+  -k y_half > $R/gputests.log 2>&1
 echo "gpu tests rc=$?"; tail -n 2 $R/gputests.log; pack
 OUT=$R TUNE_S=${TUNE_S:-240} NO_BENCH=1 bash bench/h200_retune_check.sh "$@"  # logs, journals: $R/retune.tgz
 pack

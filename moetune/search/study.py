@@ -455,7 +455,7 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
                 d_at = d_row.get(T)
                 entry = DispatchEntry.of(
                     bucket=(lo, hi), schedule=s, time_us=t_s * 1e6,
-                    floor_us=_floor_us(block, target, T),
+                    floor_us=floor_s * 1e6 if floor is not None and T == inputs.tokens else _floor_us(block, target, T),
                     default_time_us=None if d_at is None else d_at * 1e6,
                     baseline_time_us=base_s * 1e6 if base_s is not None and T == inputs.tokens else None, **common)
                 written = table.put(entry, replace=True, supersede=True) or written
@@ -464,7 +464,8 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
 
 
 def _floor_us(block: MoEBlock, target: str, tokens: int) -> float | None:
-    """The roofline floor at `tokens` on a known target (uniform routing), µs; None for another target."""
+    """The roofline floor at `tokens` on a known target (uniform routing), µs; None for another target.
+    For a split bucket's parts away from the representative T (that part keeps the bucket's own floor)."""
     try:
         return target_floor(block, target, tokens).time_s * 1e6
     except IRError:

@@ -665,6 +665,7 @@ def test_a_bucket_split_is_written_as_its_parts(tmp_path, split):
                         TuneOptions(budget_s=60, split=split, split_loss=0.03), table=t, versions=VERSIONS,
                         seeds=[a, b])
         rows = [(e.bucket, e.schedule(tb.BLOCK), e.time_us) for e in t.entries()]
+        floors = [e.floor_us for e in t.entries()]
     assert r.winner == b and r.written
     if not split:
         assert r.parts == () and rows == [((1, 16), b, pytest.approx(1.0))]
@@ -672,6 +673,8 @@ def test_a_bucket_split_is_written_as_its_parts(tmp_path, split):
     (lo1, hi1, s1, t1, _), (lo2, hi2, s2, t2, T2) = r.parts
     assert (lo1, s1, hi2, s2, T2) == (1, a, 16, b, 16) and hi1 + 1 == lo2 and 6 <= hi1 < 16
     assert rows == [((1, hi1), a, pytest.approx(0.96)), ((lo2, 16), b, pytest.approx(1.0))]
+    # the part holding the representative T keeps the bucket's floor; the toy target has no other
+    assert floors == [pytest.approx(bucket.floor.time_s * 1e6), None]
     entries = load_entries(tmp_path / "d.sqlite", tb.BLOCK, "toy-target", name, versions=VERSIONS)
     with pytest.warns(DispatchWarning, match=r"no usable entry for bucket\(s\) \[17,"):  # T > 16: untuned
         d = Dispatcher.from_entries(tb.BLOCK, be, entries)
