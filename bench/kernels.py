@@ -321,7 +321,8 @@ def variants(E: int, k: int, D: int, F: int, T: int):
         gemm("m128g32", block_m=128, block_n=128, block_k=64, group_m=32, num_warps=8, num_stages=4,
              down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
     # twins: `-1` the gate/up as one N = 2·block_n tl.dot, `-1s2` also the down GEMM split in two along F,
-    # `-t` / `-ts2` the TMA operand path (and split in two)
+    # `-t` / `-ts2` the TMA operand path (and split in two), `-t1` / `-t1s2` the TMA path with the gate/up
+    # as one dot from one [2, block_n, block_k] box
     twins = []
     for tag, s in out:
         p = s.params
@@ -329,6 +330,9 @@ def variants(E: int, k: int, D: int, F: int, T: int):
             twins.append((tag + "-1", dataclasses.replace(s, params=dataclasses.replace(p, one_dot=True))))
         if tag in ("m16", "m64n64"):  # the TMA operand path at 16 / 64 rows (the tuner picks it for mixtral)
             twins.append((tag + "-t", dataclasses.replace(s, params=dataclasses.replace(p, tma=True))))
+        if tag in ("m64n64", "m128g1"):
+            twins.append((tag + "-t1", dataclasses.replace(s, params=dataclasses.replace(
+                p, tma=True, one_dot=True, down_stages=min(p.down_stages, 3)))))
         if tag in ("m128s4", "m128g32"):
             twins.append((tag + "-1s2", dataclasses.replace(
                 s, params=dataclasses.replace(p, one_dot=True, split_k=2))))
@@ -337,6 +341,8 @@ def variants(E: int, k: int, D: int, F: int, T: int):
                 s, params=dataclasses.replace(p, tma=True, down_stages=3))))
             twins.append((tag + "-ts2", dataclasses.replace(
                 s, params=dataclasses.replace(p, tma=True, down_stages=3, split_k=2))))
+            twins.append((tag + "-t1s2", dataclasses.replace(
+                s, params=dataclasses.replace(p, tma=True, one_dot=True, down_stages=3, split_k=2))))
     # `-y`: the down GEMM's rows y in bf16 (GemmParams.y_half) for the variants that were best somewhere at
     # many pairs (P ≥ 1024, where y is ≥ 8 MB at D = 2048 and its fp32 write and read cost µs)
     ys = [(tag + "-y", dataclasses.replace(s, params=dataclasses.replace(s.params, y_half=True)))
@@ -344,7 +350,8 @@ def variants(E: int, k: int, D: int, F: int, T: int):
     return out + twins + ys
 
 
-Y_TWINS = ("m16-t", "m64n64", "m64n64-t", "m128g1-1", "m128g32-ts2", "m128s4-ts2")
+Y_TWINS = ("m16-t", "m64n64", "m64n64-t", "m128g1-1", "m128g32-ts2", "m128s4-ts2", "m64n64-t1", "m128g1-t1",
+           "m128g32-t1s2", "m128s4-t1s2")
 
 
 # ------------------------------------------------------------------------------------------ main

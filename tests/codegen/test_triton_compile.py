@@ -44,6 +44,10 @@ def test_representative_configs_fit_h200():
             assert r["cp_async"] > 0, f"{r['label']}: weight loads not pipelined (no cp.async)"
         if "m16" in r["label"] or "m128" in r["label"] or "rows16" in r["label"] or "hybrid" in r["label"]:
             assert r["mma"] > 0, f"{r['label']}: no tensor-core instruction"
+        if r["label"] == "gemm/gate_up_m128_tma_one_dot":  # one wgmma of N = 2·BN from the [2, BN, BK] box
+            assert r["wgmma_n"] == 256 and r["tma"] > 0, f"{r['label']}: {r}"
+        if r["label"].startswith("combine"):  # each thread sums its own vector of the k rows
+            assert r["bar_sync"] == 0, f"{r['label']}: the sum over k crosses threads (bar.sync)"
 
 
 SWEEP = r'''

@@ -62,6 +62,8 @@ SCHEDULES = {
         block_m=16, block_n=32, block_k=32, group_m=2, down_block_n=32, down_block_k=32, tma=True)),
     "gemm_m32_tma_split2": Schedule("grouped_gemm", backend="triton", params=GemmParams(
         block_m=32, block_n=16, block_k=64, group_m=1, down_block_n=64, down_block_k=16, split_k=2, tma=True)),
+    "gemm_m32_tma_one_dot": Schedule("grouped_gemm", backend="triton", params=GemmParams(
+        block_m=32, block_n=16, block_k=32, group_m=2, down_block_n=32, down_block_k=32, tma=True, one_dot=True)),
     "gemm_m16_y_half": Schedule("grouped_gemm", backend="triton", params=GemmParams(
         block_m=16, block_n=32, block_k=64, group_m=2, down_block_n=32, down_block_k=16, split_k=2, y_half=True)),
     "gemm_m32_tma_y_half": Schedule("grouped_gemm", backend="triton", params=GemmParams(

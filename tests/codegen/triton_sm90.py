@@ -26,9 +26,10 @@ UNIT_STRIDES = {"sk"}  # contiguous reduction axis of the standard layout
 ALIGNED_INTS = {"s_xt", "se", "sn", "up", "sbe", "bup", "s_hp", "s_yt", "N", "K", "k_split", "s_ot"}
 
 
-def tma_descs(bm: int, bn: int, bk: int) -> dict:
-    """Box shapes of grouped_gemm_tma_kernel's two descriptors for a (BM, BN, BK) tile."""
-    return dict(a_desc=[bm, bk], b_desc=[bn, bk])
+def tma_descs(bm: int, bn: int, bk: int, one_dot: bool = False) -> dict:
+    """Box shapes of grouped_gemm_tma_kernel's two descriptors for a (BM, BN, BK) tile (one_dot: the
+    gate/up weights' box [2, BN, BK])."""
+    return dict(a_desc=[bm, bk], b_desc=[2, bn, bk] if one_dot else [bn, bk])
 
 
 def compile_sm90(kernel, constexprs: dict, *, fp32_out: bool = False, descs: dict | None = None, **options):
@@ -113,6 +114,9 @@ def representative() -> list[tuple[str, object, dict, dict]]:
         ("gemm/gate_up_m128_tma", grouped_gemm_tma_kernel,
          dict(base, PROJ=0, BLOCK_E=16, BM=128, BN=128, BK=64, GROUP_M=8),
          dict(o8, descs=tma_descs(128, 128, 64))),
+        ("gemm/gate_up_m128_tma_one_dot", grouped_gemm_tma_kernel,
+         dict(base, PROJ=0, BLOCK_E=16, BM=128, BN=128, BK=64, GROUP_M=8, ONE_DOT=True),
+         dict(o8, descs=tma_descs(128, 128, 64, one_dot=True))),
         ("gemm/down_m128_tma", grouped_gemm_tma_kernel,
          dict(base, PROJ=1, BLOCK_E=16, BM=128, BN=256, BK=64, GROUP_M=8),
          dict(o8, num_stages=3, descs=tma_descs(128, 256, 64))),
@@ -120,7 +124,8 @@ def representative() -> list[tuple[str, object, dict, dict]]:
         ("hybrid/gate_up", hybrid_kernel,
          dict(base, PROJ=0, K_TOP=8, BLOCK_E=128, BM=16, BN=64, BK=128, BNV=8, BKV=256, RP=1, STAGES=4),
          o4),
-        ("combine", combine_kernel, dict(K_TOP=8, BD=512), dict(num_warps=4)),
+        ("combine", combine_kernel, dict(S=1, K_TOP=8, KP=8, BD=512), dict(num_warps=4)),
+        ("combine/y_half", combine_kernel, dict(S=2, K_TOP=2, KP=2, BD=1024), dict(num_warps=4)),
     ]
 
 
@@ -145,9 +150,12 @@ def schedule_kernels(block, tokens: int, schedule) -> list[tuple[str, object, di
                  dict(num_warps=p.down_warps, num_stages=p.num_stages))]
     if schedule.kind == "grouped_gemm" and p.tma:
         m = dict(base, BLOCK_E=be, BM=p.block_m, GROUP_M=p.group_m)
-        return [("gate_up", grouped_gemm_tma_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k),
+        gate_up = dict(m, PROJ=0, BN=p.block_n, BK=p.block_k)
+        if p.one_dot:  # (the winners stored before it keep their digests: ONE_DOT left at its default)
+            gate_up["ONE_DOT"] = True
+        return [("gate_up", grouped_gemm_tma_kernel, gate_up,
                  dict(num_warps=p.num_warps, num_stages=p.num_stages,
-                      descs=tma_descs(p.block_m, p.block_n, p.block_k))),
+                      descs=tma_descs(p.block_m, p.block_n, p.block_k, p.one_dot))),
                 ("down", grouped_gemm_tma_kernel, dict(m, PROJ=1, BN=p.down_block_n, BK=p.down_block_k),
                  dict(num_warps=p.down_warps, num_stages=p.down_stages,
                       descs=tma_descs(p.block_m, p.down_block_n, p.down_block_k)))]
@@ -212,7 +220,9 @@ def main() -> None:
                               tma=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
                               cp_async=len(re.findall(r"cp\.async\.c[ag]", ptx)),
                               local=len(re.findall(r"(ld|st)\.local", ptx)),
-                              mma=len(re.findall(r"\bmma\.|wgmma", ptx)))), flush=True)
+                              mma=len(re.findall(r"\bmma\.|wgmma", ptx)),
+                              wgmma_n=max(map(int, re.findall(r"wgmma\.mma_async\.\S*?m64n(\d+)k", ptx)), default=0),
+                              bar_sync=len(re.findall(r"\bbar\.sync|barrier\.sync", ptx)))), flush=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,10 @@ Operand paths:
            (standard layout, read in place): every operand through the tensor memory accelerator, no
            address registers, no padding rows (rows of the tile past its expert belong to the next one:
            computed and dropped). Workspace + xs [P, D].
+           With GemmParams.one_dot the gate/up weights are seen as [2E, F, D] (gate of e at 2e, up at
+           2e + 1) and one box [2, BN, BK] holds both tiles: reshaped in shared memory to [2·BN, BK], it
+           feeds ONE tl.dot of N = 2·BN (sm_90: wgmma m64n256k16 at BN = 128 instead of two m64n128k16
+           that each read the A tile again), and one TMA load per K step instead of two.
 """
 
 from __future__ import annotations
@@ -65,7 +69,8 @@ class GemmParams:
     down_block_k: int = 64
     down_warps: int = 4
     down_stages: int = 3
-    one_dot: bool = False  # gate/up as one N = 2·block_n tl.dot (interleaved B tile) instead of two
+    one_dot: bool = False  # gate/up as one N = 2·block_n tl.dot instead of two (pointer: interleaved B tile;
+    # tma: one [2, block_n, block_k] box of the gate and up rows)
     split_k: int = 1  # down: F split in this many partial planes of y (more tiles: a shorter last wave)
     tma: bool = False  # both operands of both GEMMs through TMA descriptors (standard layout; see above)
     # down: y rows in x's dtype instead of fp32 (a 16-bit x: half the bytes the down GEMM writes and the
@@ -81,9 +86,6 @@ class GemmParams:
             raise UnsupportedSchedule(f"GemmParams {self}: tl.dot needs every block ≥ 16")
         if self.split_k not in (1, 2, 4, 8):
             raise UnsupportedSchedule(f"GemmParams.split_k = {self.split_k}: 1, 2, 4 or 8")
-        if self.tma and self.one_dot:
-            raise UnsupportedSchedule("GemmParams: one_dot interleaves pointer-loaded gate/up columns; "
-                                      "with tma the gate and up boxes feed two dots")
         if self.group_m < 1:
             raise UnsupportedSchedule(f"GemmParams.group_m = {self.group_m}: must be ≥ 1")
         for name, smem in (
@@ -156,10 +158,12 @@ def grouped_gemm_tma_kernel(
     h_ptr, y_ptr, P, E, N, K, n_tiles, k_split, alpha, limit,
     BLOCK_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     PROJ: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
+    ONE_DOT: tl.constexpr = False,
 ):
     """The TMA operand path. a_desc: xs [P, D] (PROJ 0) or h [P, F] (PROJ 1), sorted order, box [BM, BK];
     b_desc: gate_up as [E·2F, D] (gate rows e·2F + n, up rows e·2F + F + n) or down as [E·D, F], box
-    [BN, BK]. Boxes past a tensor's edge read zeros."""
+    [BN, BK]; with ONE_DOT gate_up as [2E, F, D], box [2, BN, BK]. Boxes past a tensor's edge read
+    zeros."""
     tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
     e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
     if left > 0:
@@ -168,7 +172,18 @@ def grouped_gemm_tma_kernel(
         pairs = tl.load(sorted_ptr + row0 + r, mask=rmask, other=0)  # [BM]
         wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)  # [BM]
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-        if PROJ == 0:
+        if PROJ == 0 and ONE_DOT:
+            acc2 = tl.zeros([BM, 2 * BN], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                a = a_desc.load([row0, k0])  # [BM, BK]
+                b = tl.reshape(b_desc.load([2 * e, n0, k0]), [2 * BN, BK])  # gate rows, then up rows
+                if UPCAST:
+                    a, b = a.to(tl.float32), b.to(tl.float32)
+                acc2 = tl.dot(a, b.T, acc2)  # [BM, 2BN]: gate columns, then up columns
+            acc, accu = tl.split(tl.permute(tl.reshape(acc2, [BM, 2, BN]), [0, 2, 1]))
+            _store_h(h_ptr, N, row0 + r, rmask, acc, accu, wt, b_ptr + e * sbe, sbn, bup, n0, N, alpha, limit,
+                     BN, ACT, HAS_BIAS, W_IN)
+        elif PROJ == 0:
             accu = tl.zeros([BM, BN], dtype=tl.float32)
             for k0 in range(0, K, BK):
                 a = a_desc.load([row0, k0])  # [BM, BK]
@@ -278,7 +293,12 @@ def _build_tma(block: MoEBlock, p: GemmParams, alpha: float, limit: float):
                 raise UnsupportedSchedule(f"grouped_gemm tma: expert weights gate_up {tuple(gu.stride())} / down "
                                           f"{tuple(dn.stride())} are not one [E·rows, cols] matrix each")
             weight_descs.clear()
-            weight_descs[key] = (_desc(gu, E * 2 * F, D, gs.sn, [p.block_n, p.block_k]),
+            if p.one_dot:  # [2E, F, D]: gate of expert e at 2e, its up at 2e + 1
+                _desc(gu, E * 2 * F, D, gs.sn, [p.block_n, p.block_k])  # the same checks
+                gu_desc = TensorDescriptor(gu, [2 * E, F, D], [gs.up, gs.sn, 1], [2, p.block_n, p.block_k])
+            else:
+                gu_desc = _desc(gu, E * 2 * F, D, gs.sn, [p.block_n, p.block_k])
+            weight_descs[key] = (gu_desc,
                                  _desc(dn, E * D, F, ds.sn, [p.down_block_n, p.down_block_k]))
         gu_desc, dn_desc = weight_descs[key]
         counts, sorted_pairs = routing.route(ids, E)
@@ -292,7 +312,8 @@ def _build_tma(block: MoEBlock, p: GemmParams, alpha: float, limit: float):
             _desc(xs, rows, D, D, [p.block_m, p.block_k]), gu_desc,
             wts_f, counts, sorted_pairs, a.gate_up_bias, gs.sbe, gs.sbn, gs.bup,
             h, h, P, E, F, D, nt, D, alpha, limit,
-            PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta)
+            PROJ=0, BN=p.block_n, BK=p.block_k, ONE_DOT=p.one_dot, num_warps=p.num_warps,
+            num_stages=p.num_stages, **meta)
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
