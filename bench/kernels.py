@@ -320,9 +320,10 @@ def variants(E: int, k: int, D: int, F: int, T: int):
              down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
         gemm("m128g32", block_m=128, block_n=128, block_k=64, group_m=32, num_warps=8, num_stages=4,
              down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
-    # twins: `-1` the gate/up as one N = 2·block_n tl.dot, `-1s2` also the down GEMM split in two along F,
-    # `-t` / `-ts2` the TMA operand path (and split in two), `-t1` / `-t1s2` the TMA path with the gate/up
-    # as one dot from one [2, block_n, block_k] box
+    # twins: `-1` the gate/up as one N = 2·block_n tl.dot (pointer path), `-t` the TMA operand path (sorted
+    # copy of x), `-t1` the TMA path with the gate/up as one dot from one [2, block_n, block_k] box, `-t1s2`
+    # that with the down GEMM split in two along F (session 10 H200: -t1s2 beat -ts2 by 1-3 % at
+    # mixtral-8x7b T = 512 / 1024; -ts2, -t and -1s2 of the 128-row tiles retired)
     twins = []
     for tag, s in out:
         p = s.params
@@ -330,17 +331,10 @@ def variants(E: int, k: int, D: int, F: int, T: int):
             twins.append((tag + "-1", dataclasses.replace(s, params=dataclasses.replace(p, one_dot=True))))
         if tag in ("m16", "m64n64"):  # the TMA operand path at 16 / 64 rows (the tuner picks it for mixtral)
             twins.append((tag + "-t", dataclasses.replace(s, params=dataclasses.replace(p, tma=True))))
-        if tag in ("m64n64", "m128g1"):
+        if tag == "m64n64":
             twins.append((tag + "-t1", dataclasses.replace(s, params=dataclasses.replace(
-                p, tma=True, one_dot=True, down_stages=min(p.down_stages, 3)))))
+                p, tma=True, one_dot=True, down_stages=3))))
         if tag in ("m128s4", "m128g32"):
-            twins.append((tag + "-1s2", dataclasses.replace(
-                s, params=dataclasses.replace(p, one_dot=True, split_k=2))))
-            # `-t`: both operands of both GEMMs through TMA (sorted copy of x), `-ts2` with the split down
-            twins.append((tag + "-t", dataclasses.replace(
-                s, params=dataclasses.replace(p, tma=True, down_stages=3))))
-            twins.append((tag + "-ts2", dataclasses.replace(
-                s, params=dataclasses.replace(p, tma=True, down_stages=3, split_k=2))))
             twins.append((tag + "-t1s2", dataclasses.replace(
                 s, params=dataclasses.replace(p, tma=True, one_dot=True, down_stages=3, split_k=2))))
     # `-y`: the down GEMM's rows y in bf16 (GemmParams.y_half) for the variants that were best somewhere at
@@ -350,8 +344,7 @@ def variants(E: int, k: int, D: int, F: int, T: int):
     return out + twins + ys
 
 
-Y_TWINS = ("m16-t", "m64n64", "m64n64-t", "m128g1-1", "m128g32-ts2", "m128s4-ts2", "m64n64-t1", "m128g1-t1",
-           "m128g32-t1s2", "m128s4-t1s2")
+Y_TWINS = ("m16-t", "m64n64", "m64n64-t", "m128g1-1", "m128g32-t1s2", "m128s4-t1s2")
 
 
 # ------------------------------------------------------------------------------------------ main

@@ -103,7 +103,8 @@ def test_neighbours_differ_in_exactly_one_knob_nearest_values_first():
 
 def test_neighbours_on_the_triton_space_reach_split_k_from_the_tma_default():
     """The case the local search exists for (session 5, mixtral-8x7b T = 634…1024): the TMA default's
-    split-K twin, the bench's best variant there, is one knob away."""
+    split-K and two-dot twins (the bench's best variants there before session 10's default) are one knob
+    away."""
     import dataclasses
 
     from moetune.codegen.triton import BACKEND
@@ -115,6 +116,8 @@ def test_neighbours_on_the_triton_space_reach_split_k_from_the_tma_default():
     space = build_space(block, BACKEND, bucket)
     d = BACKEND.default(block, "grouped_gemm", 806)
     nb = space.neighbours(d)
-    assert dataclasses.replace(d, params=dataclasses.replace(d.params, split_k=2), fusion=nb[0].fusion) in nb
+    assert d.params.tma and d.params.one_dot and d.params.split_k == 2
+    for knob in (dict(split_k=1), dict(split_k=4), dict(one_dot=False)):
+        assert dataclasses.replace(d, params=dataclasses.replace(d.params, **knob), fusion=nb[0].fusion) in nb
     assert all(sum(getattr(n.params, f.name) != getattr(d.params, f.name)
                    for f in dataclasses.fields(d.params)) == 1 for n in nb)
