@@ -22,6 +22,7 @@ import argparse
 import json
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 import triton
@@ -126,7 +127,7 @@ def tile_list(counts, BM: int):
     return torch.tensor(rows, dtype=torch.int32, device=counts.device)
 
 
-def run_ws(xs, gu, tiles, h, BM=128, BN=128, BK=64, STAGES=4, num_warps=8):
+def run_ws(xs, gu, tiles, h=None, BM=128, BN=128, BK=64, STAGES=4, num_warps=8):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     E, F2, D = gu.shape
@@ -140,7 +141,7 @@ def run_ws(xs, gu, tiles, h, BM=128, BN=128, BK=64, STAGES=4, num_warps=8):
                                                  num_warps=num_warps, maxnreg=168)
 
 
-def run_pkg(xs, gu, counts, sorted_pairs, wts, h, P, BM=128, BN=128, BK=64, stages=4, num_warps=8, one_dot=True):
+def run_pkg(xs, gu, counts, sorted_pairs, wts, h=None, P=0, BM=128, BN=128, BK=64, stages=4, num_warps=8, one_dot=True):
     """The package's TMA gate/up kernel (PROJ 0) on the same sorted rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -200,17 +201,15 @@ def main() -> None:
             if sel.any():
                 gg = xs[sel].float() @ gu[e].float().T  # [m, 2F]
                 ref[sel] = torch.nn.functional.silu(gg[:, :F]) * gg[:, F:]
-        variants = {}
-        for st in (3, 4):
-            tiles = tile_list(counts, 128)
-            variants[f"ws-s{st}"] = (lambda h, st=st, tiles=tiles: run_ws(xs, gu, tiles, h, STAGES=st))
-        variants["pkg-t1"] = lambda h: run_pkg(xs, gu, counts, sorted_pairs, wts, h, P)
-        variants["pkg-t"] = lambda h: run_pkg(xs, gu, counts, sorted_pairs, wts, h, P, one_dot=False)
+        tiles = tile_list(counts, 128)
+        variants = {f"ws-s{st}": partial(run_ws, xs, gu, tiles, STAGES=st) for st in (3, 4)}
+        variants["pkg-t1"] = partial(run_pkg, xs, gu, counts, sorted_pairs, wts, P=P)
+        variants["pkg-t"] = partial(run_pkg, xs, gu, counts, sorted_pairs, wts, P=P, one_dot=False)
         flops = 2.0 * P * D * 2 * F
         for name, fn in variants.items():
             h = torch.full((P, F), float("nan"), device=dev, dtype=torch.bfloat16)
             try:
-                fn(h)
+                fn(h=h)
                 torch.cuda.synchronize()
                 err = ((h.float() - ref).norm() / ref.norm()).item()
             except Exception as ex:  # noqa: BLE001  (a prototype: report and go on)
@@ -222,7 +221,7 @@ def main() -> None:
             if ok:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    fn(h)
+                    fn(h=h)
                 for _ in range(args.reps):
                     flush.zero_()
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
