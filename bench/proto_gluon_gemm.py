@@ -93,8 +93,88 @@ def gate_up_ws_kernel(x_desc, w_desc, tiles_ptr, h_ptr, F, K, n_tiles,
     gl.store(ptr, h, mask=(r < rows)[:, None] & (c < F)[None, :])
 
 
-def compile_sm90(BM=128, BN=128, BK=64, STAGES=4, num_warps=8):
-    """Compile the kernel for sm_90 (no GPU needed): (shared bytes, ptx)."""
+@gluon.jit
+def _half(a_bufs, b_bufs, ready, empty, h_ptr, F, K, row0, rows, n0, HALF: gl.constexpr, BM: gl.constexpr,
+          BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """One consumer warpgroup of gate_up_ws2_kernel: rows [HALF·BM/2, (HALF + 1)·BM/2) of the tile, one wgmma
+    of [BM/2, 2·BN] per K step, then its own SwiGLU epilogue. A half whose rows all lie past the tile's
+    expert issues no wgmma: it only hands each slot back, so a short last tile of an expert costs the
+    tensor cores half a tile."""
+    HM: gl.constexpr = BM // 2
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 2 * BN, 16])
+    acc = gl.full([HM, 2 * BN], 0.0, gl.float32, mma)
+    n_k = gl.cdiv(K, BK)
+    if HALF * HM < rows:
+        for i in range(n_k):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            b = b_bufs.index(s).reshape([2 * BN, BK]).permute((1, 0))
+            acc = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        g, u = gl.split(gl.permute(gl.reshape(acc, [HM, 2, BN]), (0, 2, 1)))
+        h = g / (1.0 + gl.exp(-g)) * u
+        out: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        h = gl.convert_layout(h.to(gl.bfloat16), out)
+        r = HALF * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, out))
+        c = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out))
+        gl.store(h_ptr + (row0 + r)[:, None] * F + c[None, :], h, mask=(r < rows)[:, None] & (c < F)[None, :])
+    else:
+        for i in range(n_k):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+
+
+@gluon.jit
+def _half0(a_bufs, b_bufs, ready, empty, h_ptr, F, K, row0, rows, n0, BM: gl.constexpr, BN: gl.constexpr,
+           BK: gl.constexpr, STAGES: gl.constexpr):
+    _half(a_bufs, b_bufs, ready, empty, h_ptr, F, K, row0, rows, n0, 0, BM, BN, BK, STAGES)
+
+
+@gluon.jit
+def _worker(x_desc, w_desc, a_bufs, b_bufs, ready, empty, h_ptr, F, K, row0, rows, e2, n0,
+            ROLE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """The two worker partitions share one signature: ROLE 0 the TMA producer, 1 the second half."""
+    if ROLE == 0:
+        _producer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, e2, n0, K, BK, STAGES)
+    else:
+        _half(a_bufs, b_bufs, ready, empty, h_ptr, F, K, row0, rows, n0, 1, BM, BN, BK, STAGES)
+
+
+@gluon.jit
+def gate_up_ws2_kernel(x_desc, w_desc, tiles_ptr, h_ptr, F, K, n_tiles,
+                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                       num_warps: gl.constexpr):
+    """gate_up_ws_kernel with the two consumer warpgroups as two partitions, each on its half of the rows
+    (num_warps = 4: the default partition is the first half)."""
+    pid = gl.program_id(0)
+    tile = pid % n_tiles
+    n0 = (pid // n_tiles) * BN
+    e = gl.load(tiles_ptr + 3 * tile)
+    row0 = gl.load(tiles_ptr + 3 * tile + 1)
+    rows = gl.load(tiles_ptr + 3 * tile + 2)
+    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 2, BN, BK], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both halves hand a slot back
+    gl.warp_specialize([
+        (_half0, (a_bufs, b_bufs, ready, empty, h_ptr, F, K, row0, rows, n0, BM, BN, BK, STAGES)),
+        (_worker, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, h_ptr, F, K, row0, rows, 2 * e, n0, 0, BM, BN,
+                   BK, STAGES)),
+        (_worker, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, h_ptr, F, K, row0, rows, 2 * e, n0, 1, BM, BN,
+                   BK, STAGES)),
+    ], [1, 4], [24, 240])
+
+
+def compile_sm90(BM=128, BN=128, BK=64, STAGES=4, num_warps=8, two=False):
+    """Compile the kernel (two: gate_up_ws2_kernel, num_warps 4) for sm_90 (no GPU needed): (shared bytes,
+    ptx)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -106,7 +186,7 @@ def compile_sm90(BM=128, BN=128, BK=64, STAGES=4, num_warps=8):
            "num_warps": "constexpr"}
     names = list(sig)
     cx = {(names.index(n),): v for n, v in dict(BM=BM, BN=BN, BK=BK, STAGES=STAGES, num_warps=num_warps).items()}
-    src = GluonASTSource(gate_up_ws_kernel, sig, constexprs=cx)
+    src = GluonASTSource(gate_up_ws2_kernel if two else gate_up_ws_kernel, sig, constexprs=cx)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=168))
     return k.metadata.shared, k.asm["ptx"]
 
@@ -127,7 +207,7 @@ def tile_list(counts, BM: int):
     return torch.tensor(rows, dtype=torch.int32, device=counts.device)
 
 
-def run_ws(xs, gu, tiles, h=None, BM=128, BN=128, BK=64, STAGES=4, num_warps=8):
+def run_ws(xs, gu, tiles, h=None, BM=128, BN=128, BK=64, STAGES=4, num_warps=8, two=False):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     E, F2, D = gu.shape
@@ -137,8 +217,9 @@ def run_ws(xs, gu, tiles, h=None, BM=128, BN=128, BK=64, STAGES=4, num_warps=8):
     x_desc = TensorDescriptor(xs, list(xs.shape), list(xs.stride()), [BM, BK], a_l)
     w_desc = TensorDescriptor(gu, [2 * E, F, D], [F * D, D, 1], [2, BN, BK], b_l)
     n = tiles.shape[0]
-    gate_up_ws_kernel[(n * triton.cdiv(F, BN),)](x_desc, w_desc, tiles, h, F, D, n, BM, BN, BK, STAGES,
-                                                 num_warps=num_warps, maxnreg=168)
+    kernel = gate_up_ws2_kernel if two else gate_up_ws_kernel
+    kernel[(n * triton.cdiv(F, BN),)](x_desc, w_desc, tiles, h, F, D, n, BM, BN, BK, STAGES,
+                                      num_warps=4 if two else num_warps, maxnreg=168)
 
 
 def run_pkg(xs, gu, counts, sorted_pairs, wts, h=None, P=0, BM=128, BN=128, BK=64, stages=4, num_warps=8, one_dot=True):
@@ -171,9 +252,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
     if args.compile:
-        for st in (3, 4):
-            shared, ptx = compile_sm90(STAGES=st)
-            print(json.dumps(dict(stages=st, shared=shared, wgmma=ptx.count("wgmma.mma_async"),
+        for st, two in ((3, False), (4, False), (3, True), (4, True)):
+            shared, ptx = compile_sm90(STAGES=st, num_warps=4 if two else 8, two=two)
+            print(json.dumps(dict(stages=st, two=two, shared=shared, wgmma=ptx.count("wgmma.mma_async"),
                                   tma=ptx.count("cp.async.bulk.tensor"), setmaxnreg=ptx.count("setmaxnreg"))))
         return
     import torch
@@ -203,6 +284,7 @@ def main() -> None:
                 ref[sel] = torch.nn.functional.silu(gg[:, :F]) * gg[:, F:]
         tiles = tile_list(counts, 128)
         variants = {f"ws-s{st}": partial(run_ws, xs, gu, tiles, STAGES=st) for st in (3, 4)}
+        variants.update({f"ws2-s{st}": partial(run_ws, xs, gu, tiles, STAGES=st, two=True) for st in (3, 4)})
         variants["pkg-t1"] = partial(run_pkg, xs, gu, counts, sorted_pairs, wts, P=P)
         variants["pkg-t"] = partial(run_pkg, xs, gu, counts, sorted_pairs, wts, P=P, one_dot=False)
         flops = 2.0 * P * D * 2 * F
