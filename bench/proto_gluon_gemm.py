@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from functools import partial
@@ -250,6 +251,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--compile", action="store_true", help="compile for sm_90 only (CPU), then exit")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--cells", default=",".join(CELLS), help="comma-separated cells of CELLS")
+    ap.add_argument("--variants", default="", help="regex: only the variants it matches (all by default)")
     args = ap.parse_args()
     if args.compile:
         for st, two in ((3, False), (4, False), (3, True), (4, True)):
@@ -263,7 +266,8 @@ def main() -> None:
 
     dev = "cuda"
     rows = []
-    for cell, (E, k, D, F, T) in CELLS.items():
+    for cell in args.cells.split(","):
+        E, k, D, F, T = CELLS[cell]
         g = torch.Generator(device=dev).manual_seed(0)
         gu = (torch.randn(E, 2 * F, D, device=dev, generator=g) * D ** -0.5).to(torch.bfloat16)
         flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
@@ -287,6 +291,7 @@ def main() -> None:
         variants.update({f"ws2-s{st}": partial(run_ws, xs, gu, tiles, STAGES=st, two=True) for st in (3, 4)})
         variants["pkg-t1"] = partial(run_pkg, xs, gu, counts, sorted_pairs, wts, P=P)
         variants["pkg-t"] = partial(run_pkg, xs, gu, counts, sorted_pairs, wts, P=P, one_dot=False)
+        variants = {n: f for n, f in variants.items() if re.fullmatch(args.variants or ".*", n)}
         flops = 2.0 * P * D * 2 * F
         for name, fn in variants.items():
             h = torch.full((P, F), float("nan"), device=dev, dtype=torch.bfloat16)
