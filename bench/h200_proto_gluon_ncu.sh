@@ -6,9 +6,9 @@
 export PYTHONUNBUFFERED=1
 R=/tmp/n; rm -rf $R; mkdir -p $R
 M=gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,lts__t_bytes.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed
-timeout -k 5 ${NCU_S:-200} ncu --clock-control none --csv -k regex:"gate_up|grouped_gemm" --metrics $M \
+timeout -k 5 ${NCU_S:-200} ncu --clock-control none --csv -k regex:"gate_up|grouped_gemm|gemm|nvjet|xmma|cutlass" --metrics $M \
   python3 bench/proto_gluon_gemm.py --reps 2 --cells mixtral-8x7b:1024,mixtral-8x7b:512 \
-  --variants "pkg-t1|ws-s4|ws2-s4" > $R/ncu.csv 2> $R/ncu.err
+  --variants "pkg-t1|ws-s4|ws2-s4|cublas" > $R/ncu.csv 2> $R/ncu.err
 echo "ncu rc=$?"; (cd $R && tar czf "$OUT/n.tgz" .)
 python3 - "$R/ncu.csv" <<'PY'
 import csv, sys, collections, statistics as st
