@@ -337,11 +337,6 @@ def variants(E: int, k: int, D: int, F: int, T: int):
         if tag in ("m128s4", "m128g32"):
             twins.append((tag + "-t1s2", dataclasses.replace(
                 s, params=dataclasses.replace(p, tma=True, one_dot=True, down_stages=3, split_k=2))))
-            # `-t1s2n64`: 64-column gate/up tiles (N = 128 dot) and 128-column down tiles, 3 stages each:
-            # 96 KB shared and ≤ 120 registers (sm_90 ptxas), so two programs share an SM and one's epilogue
-            # overlaps the other's main loop (the 128 / 256-column tiles above leave one program per SM)
-            twins.append((tag + "-t1s2n64", dataclasses.replace(s, params=dataclasses.replace(
-                p, tma=True, one_dot=True, block_n=64, num_stages=3, down_block_n=128, down_stages=3, split_k=2))))
     # `-y`: the down GEMM's rows y in bf16 (GemmParams.y_half) for the variants that were best somewhere at
     # many pairs (P ≥ 1024, where y is ≥ 8 MB at D = 2048 and its fp32 write and read cost µs)
     ys = [(tag + "-y", dataclasses.replace(s, params=dataclasses.replace(s.params, y_half=True)))
@@ -349,8 +344,7 @@ def variants(E: int, k: int, D: int, F: int, T: int):
     return out + twins + ys
 
 
-Y_TWINS = ("m16-t", "m64n64", "m64n64-t", "m128g1-1", "m128g32-t1s2", "m128s4-t1s2", "m128g32-t1s2n64",
-           "m128s4-t1s2n64")
+Y_TWINS = ("m16-t", "m64n64", "m64n64-t", "m128g1-1", "m128g32-t1s2", "m128s4-t1s2")
 
 
 # ------------------------------------------------------------------------------------------ main
