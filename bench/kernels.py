@@ -334,6 +334,9 @@ def variants(E: int, k: int, D: int, F: int, T: int):
         if tag == "m64n64":
             twins.append((tag + "-t1", dataclasses.replace(s, params=dataclasses.replace(
                 p, tma=True, one_dot=True, down_stages=3))))
+        if tag == "m128s4":  # the split-1 twin (the tuner's choice for mixtral-8x7b [634, 1024], session 10)
+            twins.append((tag + "-t1", dataclasses.replace(s, params=dataclasses.replace(
+                p, tma=True, one_dot=True, down_stages=3))))
         if tag in ("m128s4", "m128g32"):
             twins.append((tag + "-t1s2", dataclasses.replace(
                 s, params=dataclasses.replace(p, tma=True, one_dot=True, down_stages=3, split_k=2))))
@@ -344,7 +347,7 @@ def variants(E: int, k: int, D: int, F: int, T: int):
     return out + twins + ys
 
 
-Y_TWINS = ("m16-t", "m64n64", "m64n64-t", "m128g1-1", "m128g32-t1s2", "m128s4-t1s2")
+Y_TWINS = ("m16-t", "m64n64", "m64n64-t", "m128g1-1", "m128g32-t1s2", "m128s4-t1s2", "m128s4-t1")
 
 
 # ------------------------------------------------------------------------------------------ main
