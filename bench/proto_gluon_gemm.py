@@ -63,9 +63,10 @@ def _consumer(a_bufs, b_bufs, ready, empty, K, BM: gl.constexpr, BN: gl.constexp
 
 
 @gluon.jit
-def gate_up_ws_kernel(x_desc, w_desc, tiles_ptr, h_ptr, F, K, n_tiles,
-                      BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                      num_warps: gl.constexpr):
+def _setup(x_desc, w_desc, tiles_ptr, n_tiles, CONSUMERS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+           BK: gl.constexpr, STAGES: gl.constexpr):
+    """This program's tile (expert, first sorted row, rows) and F block, its ring of STAGES shared-memory
+    slots and their barriers (`empty` completes when all CONSUMERS partitions have handed a slot back)."""
     pid = gl.program_id(0)
     tile = pid % n_tiles  # the tiles of one F block run together: an expert's tiles share its weights in L2
     n0 = (pid // n_tiles) * BN
@@ -78,7 +79,16 @@ def gate_up_ws_kernel(x_desc, w_desc, tiles_ptr, h_ptr, F, K, n_tiles,
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    return e, row0, rows, n0, a_bufs, b_bufs, ready, empty
+
+
+@gluon.jit
+def gate_up_ws_kernel(x_desc, w_desc, tiles_ptr, h_ptr, F, K, n_tiles,
+                      BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                      num_warps: gl.constexpr):
+    e, row0, rows, n0, a_bufs, b_bufs, ready, empty = _setup(x_desc, w_desc, tiles_ptr, n_tiles, 1, BM, BN, BK,
+                                                             STAGES)
     res = gl.warp_specialize([
         (_consumer, (a_bufs, b_bufs, ready, empty, K, BM, BN, BK, STAGES, num_warps)),
         (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, row0, 2 * e, n0, K, BK, STAGES)),
@@ -151,19 +161,8 @@ def gate_up_ws2_kernel(x_desc, w_desc, tiles_ptr, h_ptr, F, K, n_tiles,
                        num_warps: gl.constexpr):
     """gate_up_ws_kernel with the two consumer warpgroups as two partitions, each on its half of the rows
     (num_warps = 4: the default partition is the first half)."""
-    pid = gl.program_id(0)
-    tile = pid % n_tiles
-    n0 = (pid // n_tiles) * BN
-    e = gl.load(tiles_ptr + 3 * tile)
-    row0 = gl.load(tiles_ptr + 3 * tile + 1)
-    rows = gl.load(tiles_ptr + 3 * tile + 2)
-    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
-    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 2, BN, BK], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both halves hand a slot back
+    e, row0, rows, n0, a_bufs, b_bufs, ready, empty = _setup(x_desc, w_desc, tiles_ptr, n_tiles, 2, BM, BN, BK,
+                                                             STAGES)  # both halves hand a slot back
     gl.warp_specialize([
         (_half0, (a_bufs, b_bufs, ready, empty, h_ptr, F, K, row0, rows, n0, BM, BN, BK, STAGES)),
         (_worker, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, h_ptr, F, K, row0, rows, 2 * e, n0, 0, BM, BN,
