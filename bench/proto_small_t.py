@@ -1,0 +1,279 @@
+"""Prototype (not in the package): the whole MoE block at a few tokens in ONE persistent Gluon launch whose
+down-projection weights stream into shared memory while the gate/up projection runs (one H200 call checks it
+against the float32 reference and times it beside the shipped table's schedule, with the bench's method).
+
+Why (bench/results/NOTES.md, "Targets missed"): at qwen3-30b-a3b T = 1 the table's two-launch stream GEMV
+takes 26.6 µs against the 19.6 µs target; ncu puts 4-7 µs of ramp and drain on each of its two launches, and
+a second launch cannot start streaming the down weights before the first has finished. Session 9's one-launch
+attempt kept its down programs spinning in registers; here the down weights go to shared memory instead.
+
+G = D / DR programs (one per SM: ~216 KB of shared memory each, so all are resident and the grid barrier
+below cannot deadlock), each with one producer warp and one consumer warpgroup:
+  producer  first issues TMA loads of this program's down rows [d0, d0 + DR) of every selected expert (boxes
+            [DR, BKD], as many as NB buffers hold: at qwen3-30b-a3b T = 1 22 of the 24 boxes), then streams
+            its share of the gate/up rows (balanced: P·F/BF items of [BF, BK] gate and up boxes, a ring of
+            SLOTS slots), then refills the down buffers the consumers release with the remaining boxes.
+  consumer  gate/up GEMV from the slots (x from L2), SwiGLU, h [P, F] fp32 to global memory; then a grid
+            barrier (release add / acquire spin on a counter that the last program resets, so a CUDA graph
+            needs no memset); then the down GEMV of its DR columns over the buffered boxes, the routing weight
+            and the sum over each token's k pairs in registers: out [T, D] written once, no combine, no atomics
+            on data.
+
+    python3 bench/proto_small_t.py --out DIR    # H200: check, then time; the table last
+    python bench/proto_small_t.py --compile     # CPU: compile for sm_90 only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6 / 3.7 names
+CFG = dict(BF=8, BK=256, BKD=256, DR=16, SLOTS=5, NB=22)  # qwen3-30b-a3b: 216 KB of shared memory
+
+
+@gluon.jit
+def _producer(gu_desc, dn_desc, ids_ptr, gbuf, ubuf, ready, empty, dbuf, dready, dempty,
+              D, F, item_lo, item_hi, d0, nbox, n_pre,
+              NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr, BF: gl.constexpr, BK: gl.constexpr,
+              BKD: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr):
+    for b in range(n_pre):  # down rows first: they stream while gate/up runs
+        e = gl.load(ids_ptr + b // NC).to(gl.int32)
+        mbarrier.expect(dready.index(b), dn_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(dn_desc, [e * D + d0, (b % NC) * BKD], dready.index(b), dbuf.index(b))
+    it = 0
+    for item in range(item_lo, item_hi):
+        e = gl.load(ids_ptr + item // NFB).to(gl.int32)
+        row = e * 2 * F + (item % NFB) * BF
+        for kc in range(NKC):
+            s = it % SLOTS
+            mbarrier.wait(empty.index(s), ((it // SLOTS) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+            mbarrier.expect(ready.index(s), 2 * gu_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(gu_desc, [row, kc * BK], ready.index(s), gbuf.index(s))
+            tma.async_copy_global_to_shared(gu_desc, [row + F, kc * BK], ready.index(s), ubuf.index(s))
+            it += 1
+    for b in range(NB, nbox):  # the down boxes that did not fit: into the buffers the consumers release
+        s = b % NB
+        e = gl.load(ids_ptr + b // NC).to(gl.int32)
+        mbarrier.wait(dempty.index(s), ((b // NB) - 1) & 1)
+        mbarrier.expect(dready.index(s), dn_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(dn_desc, [e * D + d0, (b % NC) * BKD], dready.index(s), dbuf.index(s))
+
+
+@gluon.jit
+def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, gbuf, ubuf, ready, empty, dbuf, dready, dempty,
+              D, F, item_lo, item_hi, d0, nbox, G,
+              K_TOP: gl.constexpr, NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr, BF: gl.constexpr,
+              BK: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr,
+              num_warps: gl.constexpr):
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])  # a warp reads 512 B of a row
+    cols = gl.arange(0, BK, layout=gl.SliceLayout(0, L))
+    rows = gl.arange(0, BF, layout=gl.SliceLayout(1, L))
+    it = 0
+    for item in range(item_lo, item_hi):  # gate/up: h[p, f0:f0+BF]
+        p = item // NFB
+        f0 = (item % NFB) * BF
+        xrow = x_ptr + (p // K_TOP) * D
+        accg = gl.full([BF], 0.0, gl.float32, gl.SliceLayout(1, L))
+        accu = gl.full([BF], 0.0, gl.float32, gl.SliceLayout(1, L))
+        for kc in range(NKC):
+            s = it % SLOTS
+            mbarrier.wait(ready.index(s), (it // SLOTS) & 1)
+            g = gbuf.index(s).load(L).to(gl.float32)
+            u = ubuf.index(s).load(L).to(gl.float32)
+            fence_async_shared()  # the shared loads before the slot's next TMA write
+            mbarrier.arrive(empty.index(s), count=1)
+            xk = gl.load(xrow + kc * BK + cols).to(gl.float32)
+            accg += gl.sum(g * xk[None, :], axis=1)
+            accu += gl.sum(u * xk[None, :], axis=1)
+            it += 1
+        gl.store(h_ptr + p * F + f0 + rows, accg / (1.0 + gl.exp(-accg)) * accu)
+    # grid barrier: every program's h stores before any program's h loads
+    _cta_barrier()  # this warpgroup's stores before the one-thread release below
+    gl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
+    while gl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") < G:
+        pass
+    if gl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:  # the last one through resets
+        gl.atomic_add(sync_ptr, -G, sem="relaxed", scope="gpu")
+        gl.atomic_add(sync_ptr + 1, -G, sem="relaxed", scope="gpu")
+    dcols = gl.arange(0, BKD, layout=gl.SliceLayout(0, L))
+    drows = gl.arange(0, DR, layout=gl.SliceLayout(1, L))
+    y = gl.full([DR], 0.0, gl.float32, gl.SliceLayout(1, L))
+    acc = gl.full([DR], 0.0, gl.float32, gl.SliceLayout(1, L))
+    for b in range(nbox):  # down: out[t, d0:d0+DR] = Σ_j w_j · h[p_j] · W[e_j, d0:d0+DR, :]ᵀ
+        s = b % NB
+        p = b // NC
+        c = b % NC
+        mbarrier.wait(dready.index(s), (b // NB) & 1)
+        wd = dbuf.index(s).load(L).to(gl.float32)  # [DR, BKD]
+        fence_async_shared()
+        mbarrier.arrive(dempty.index(s), count=1)
+        hk = gl.load(h_ptr + p * F + c * BKD + dcols, cache_modifier=".cg")  # other programs' h: from L2
+        y += gl.sum(wd * hk[None, :], axis=1)
+        if c == NC - 1:
+            acc += gl.load(wts_ptr + p).to(gl.float32) * y
+            y = y * 0.0
+            if p % K_TOP == K_TOP - 1:
+                gl.store(out_ptr + (p // K_TOP) * D + d0 + drows, acc.to(gl.bfloat16))
+                acc = acc * 0.0
+
+
+@gluon.jit
+def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr,
+                   D, F, n_items, nbox, n_pre, G,
+                   K_TOP: gl.constexpr, NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr, BF: gl.constexpr,
+                   BK: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr,
+                   num_warps: gl.constexpr):
+    cta = gl.program_id(0)
+    item_lo = cta * n_items // G
+    item_hi = (cta + 1) * n_items // G
+    d0 = cta * DR
+    gbuf = gl.allocate_shared_memory(gu_desc.dtype, [SLOTS, BF, BK], gu_desc.layout)
+    ubuf = gl.allocate_shared_memory(gu_desc.dtype, [SLOTS, BF, BK], gu_desc.layout)
+    dbuf = gl.allocate_shared_memory(dn_desc.dtype, [NB, DR, BKD], dn_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    dready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    dempty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(SLOTS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(NB):
+        mbarrier.init(dready.index(i), count=1)
+        mbarrier.init(dempty.index(i), count=1)
+    gl.warp_specialize([
+        (_consumer, (x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, gbuf, ubuf, ready, empty, dbuf, dready, dempty,
+                     D, F, item_lo, item_hi, d0, nbox, G, K_TOP, NFB, NKC, NC, BF, BK, BKD, DR, SLOTS, NB,
+                     num_warps)),
+        (_producer, (gu_desc, dn_desc, ids_ptr, gbuf, ubuf, ready, empty, dbuf, dready, dempty,
+                     D, F, item_lo, item_hi, d0, nbox, n_pre, NFB, NKC, NC, BF, BK, BKD, SLOTS, NB)),
+    ], [1], [24])
+
+
+def _layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)  # rows read whole, no swizzle
+
+
+def compile_sm90(K_TOP=8, D=2048, F=768, **cfg):
+    """Compile for sm_90 (no GPU needed): (shared bytes, ptx)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    c = dict(CFG, **cfg)
+    lay = _layout()
+    sig = {"gu_desc": f"tensordesc<bf16[{c['BF']}, {c['BK']}],{lay!r}>",
+           "dn_desc": f"tensordesc<bf16[{c['DR']}, {c['BKD']}],{lay!r}>",
+           "x_ptr": "*bf16", "ids_ptr": "*i64", "wts_ptr": "*bf16", "h_ptr": "*fp32", "out_ptr": "*bf16",
+           "sync_ptr": "*i32", "D": "i32", "F": "i32", "n_items": "i32", "nbox": "i32", "n_pre": "i32", "G": "i32"}
+    cx = dict(K_TOP=K_TOP, NFB=F // c["BF"], NKC=D // c["BK"], NC=F // c["BKD"], BF=c["BF"], BK=c["BK"],
+              BKD=c["BKD"], DR=c["DR"], SLOTS=c["SLOTS"], NB=c["NB"], num_warps=4)
+    names = list(sig) + list(cx)
+    sig.update({n: "constexpr" for n in cx})
+    src = GluonASTSource(small_t_kernel, sig, constexprs={(names.index(n),): v for n, v in cx.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    return k.metadata.shared, k.asm["ptx"]
+
+
+_SYNC: dict = {}
+
+
+def small_t(x, ids, wt, w, **cfg):
+    """out [T, D] of the block (bf16 x, ids [T, k], routing weights wt [T, k], weights w) in one launch."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    c = dict(CFG, **cfg)
+    T, k = ids.shape
+    E, F2, D = w.gate_up.shape
+    F = F2 // 2
+    P = T * k
+    G = D // c["DR"]
+    n_items, nbox = P * (F // c["BF"]), P * (F // c["BKD"])
+    lay = _layout()
+    gu = TensorDescriptor(w.gate_up, [E * F2, D], [D, 1], [c["BF"], c["BK"]], lay)
+    dn = TensorDescriptor(w.down, [E * D, F], [F, 1], [c["DR"], c["BKD"]], lay)
+    sync = _SYNC.get(x.device)
+    if sync is None:
+        sync = _SYNC[x.device] = torch.zeros(2, dtype=torch.int32, device=x.device)
+    h = torch.empty(P, F, dtype=torch.float32, device=x.device)
+    out = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
+    small_t_kernel[(G,)](gu, dn, x, ids, wt, h, out, sync, D, F, n_items, nbox, min(nbox, c["NB"]), G,
+                         K_TOP=k, NFB=F // c["BF"], NKC=D // c["BK"], NC=F // c["BKD"], BF=c["BF"], BK=c["BK"],
+                         BKD=c["BKD"], DR=c["DR"], SLOTS=c["SLOTS"], NB=c["NB"], num_warps=4)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--compile", action="store_true", help="compile for sm_90 only (CPU), then exit")
+    ap.add_argument("--tokens", default="1,2,3,4")
+    args = ap.parse_args()
+    if args.compile:
+        shared, ptx = compile_sm90()
+        print(json.dumps(dict(shared=shared, tma=ptx.count("cp.async.bulk.tensor"), bar=ptx.count("bar.sync"),
+                              atom=ptx.count("atom."))))
+        return
+    import statistics
+
+    import kernels as B
+    import torch
+
+    from moetune.codegen.triton import BACKEND
+    from moetune.ir import MoEBlock
+    from moetune.search.objective import reference
+    from moetune.search.timing import Case
+
+    dev = "cuda"
+    shape = "qwen3-30b-a3b"
+    E, k, D, F = B.SHAPES[shape]
+    block = MoEBlock(E=E, k=k, D=D, F=F, name=shape)
+    w = B.expert_weights(E, D, F, dev)
+    flush = torch.randn(128 * 1024 * 1024, dtype=torch.bfloat16, device=dev)
+    rows = []
+    for T in (int(t) for t in args.tokens.split(",")):
+        sets = B.routings(T, E, k, D, dev, seed=1000 + T)  # the bench's routings of this cell
+        distinct = statistics.mean(len(torch.unique(s[1])) for s in sets)
+        fl = B.floor_us(E, k, D, F, T, distinct)
+        x0, ids0, wt0 = sets[0]
+        ref = reference(block, Case(x0, ids0, wt0, w))
+        errs = []
+        for x, ids, wt in sets[:8]:  # fresh routings, eager, before any timing
+            r = reference(block, Case(x, ids, wt, w))
+            errs.append(B.rel_err(small_t(x, ids, wt, w), r))
+        table = str(Path(__file__).resolve().parents[1] / "cache" / "h200.sqlite")
+        cands = [("one-launch", small_t)] + [(tag, BACKEND.build(block, s))
+                                             for tag, s in B.table_variant(table, shape, T)]
+        for tag, fn in cands:
+            rec = dict(shape=shape, tokens=T, variant=tag, floor_us=round(fl, 2))
+            try:
+                if tag == "one-launch":
+                    rec["eager_rel_err_max"] = max(errs)
+                t_us, gerr, mean_us = B.graph_checked_time(fn, sets, w, flush, ref)
+                rec.update(graph_rel_err=gerr, time_us=t_us, routing_mean_us=mean_us)
+            except Exception as ex:  # noqa: BLE001  (a prototype: report and go on)
+                rec["error"] = repr(ex)[:300]
+            rows.append(rec)
+            print(json.dumps(rec), flush=True)
+    if args.out:
+        Path(args.out, "proto_small_t.json").write_text(json.dumps(rows, indent=1))
+    print(f"\n{'T':>4} {'variant':12} {'µs':>8} {'floor':>7} {'%':>5} {'graph err':>9} {'eager err':>9}")
+    for r in rows:
+        t = r.get("time_us")
+        print(f"{r['tokens']:4} {r['variant']:12} {t if t is None else round(t, 1)!s:>8} {r['floor_us']:7.1f} "
+              f"{'' if not t else round(100 * r['floor_us'] / t)!s:>5} {r.get('graph_rel_err', float('nan')):9.1e} "
+              f"{r.get('eager_rel_err_max', float('nan')):9.1e} {r.get('error', '')[:60]}")
+
+
+if __name__ == "__main__":
+    main()
