@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6 / 3.7 names
-CFG = dict(BF=8, BK=256, BKD=256, DR=16, SLOTS=5, NB=22)  # qwen3-30b-a3b: 216 KB of shared memory
+CFG = dict(BF=8, BK=256, BKD=256, DR=16, SLOTS=8, NB=15, TM=2)  # qwen3-30b-a3b, T ≤ TM: ~225 KB shared
 
 
 @gluon.jit
@@ -71,21 +71,27 @@ def _producer(gu_desc, dn_desc, ids_ptr, gbuf, ubuf, ready, empty, dbuf, dready,
 
 
 @gluon.jit
-def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, gbuf, ubuf, ready, empty, dbuf, dready, dempty,
-              D, F, item_lo, item_hi, d0, nbox, G,
+def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, gbuf, ubuf, ready, empty, dbuf, dready, dempty, xs, hs,
+              D, F, P, item_lo, item_hi, d0, nbox, G,
               K_TOP: gl.constexpr, NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr, BF: gl.constexpr,
               BK: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr,
               num_warps: gl.constexpr):
     L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])  # a warp reads 512 B of a row
-    cols = gl.arange(0, BK, layout=gl.SliceLayout(0, L))
+    V: gl.constexpr = gl.SliceLayout(0, L)
+    # x of every token into shared memory with one wide load (row r: x[r // NKC, (r % NKC)·BK:][:BK])
+    xr = gl.arange(0, xs.type.shape[0], layout=gl.SliceLayout(1, L))
+    cols = gl.arange(0, BK, layout=V)
+    xs.store(gl.load(x_ptr + xr[:, None] * BK + cols[None, :], mask=(xr < (P // K_TOP) * NKC)[:, None], other=0.0))
+    xs3 = xs._reinterpret(xs.dtype, [xs.type.shape[0], 1, BK], xs.layout)  # rows one at a time, [1, BK]
+    _cta_barrier()
     rows = gl.arange(0, BF, layout=gl.SliceLayout(1, L))
     it = 0
     for item in range(item_lo, item_hi):  # gate/up: h[p, f0:f0+BF]
         p = item // NFB
         f0 = (item % NFB) * BF
-        xrow = x_ptr + (p // K_TOP) * D
-        accg = gl.full([BF], 0.0, gl.float32, gl.SliceLayout(1, L))
-        accu = gl.full([BF], 0.0, gl.float32, gl.SliceLayout(1, L))
+        xrow = (p // K_TOP) * NKC
+        accg = gl.full([BF, BK], 0.0, gl.float32, L)  # products summed over K once, at the item's end
+        accu = gl.full([BF, BK], 0.0, gl.float32, L)
         for kc in range(NKC):
             s = it % SLOTS
             mbarrier.wait(ready.index(s), (it // SLOTS) & 1)
@@ -93,11 +99,12 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, gbuf, ubuf, ready, empty
             u = ubuf.index(s).load(L).to(gl.float32)
             fence_async_shared()  # the shared loads before the slot's next TMA write
             mbarrier.arrive(empty.index(s), count=1)
-            xk = gl.load(xrow + kc * BK + cols).to(gl.float32)
-            accg += gl.sum(g * xk[None, :], axis=1)
-            accu += gl.sum(u * xk[None, :], axis=1)
+            xk = xs3.index(xrow + kc).load(L).to(gl.float32)  # [1, BK]
+            accg += g * xk
+            accu += u * xk
             it += 1
-        gl.store(h_ptr + p * F + f0 + rows, accg / (1.0 + gl.exp(-accg)) * accu)
+        gs = gl.sum(accg, axis=1)
+        gl.store(h_ptr + p * F + f0 + rows, (gs / (1.0 + gl.exp(-gs)) * gl.sum(accu, axis=1)).to(gl.bfloat16))
     # grid barrier: every program's h stores before any program's h loads
     _cta_barrier()  # this warpgroup's stores before the one-thread release below
     gl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
@@ -106,22 +113,26 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, gbuf, ubuf, ready, empty
     if gl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:  # the last one through resets
         gl.atomic_add(sync_ptr, -G, sem="relaxed", scope="gpu")
         gl.atomic_add(sync_ptr + 1, -G, sem="relaxed", scope="gpu")
-    dcols = gl.arange(0, BKD, layout=gl.SliceLayout(0, L))
+    # all of h into shared memory with one wide load from L2 (row r: h[r // NC, (r % NC)·BKD:][:BKD])
+    hr = gl.arange(0, hs.type.shape[0], layout=gl.SliceLayout(1, L))
+    dcols = gl.arange(0, BKD, layout=V)
+    hs.store(gl.load(h_ptr + hr[:, None] * BKD + dcols[None, :], mask=(hr < P * NC)[:, None], other=0.0,
+                     cache_modifier=".cg"))
+    hs3 = hs._reinterpret(hs.dtype, [hs.type.shape[0], 1, BKD], hs.layout)
+    _cta_barrier()
     drows = gl.arange(0, DR, layout=gl.SliceLayout(1, L))
-    y = gl.full([DR], 0.0, gl.float32, gl.SliceLayout(1, L))
+    y = gl.full([DR, BKD], 0.0, gl.float32, L)
     acc = gl.full([DR], 0.0, gl.float32, gl.SliceLayout(1, L))
     for b in range(nbox):  # down: out[t, d0:d0+DR] = Σ_j w_j · h[p_j] · W[e_j, d0:d0+DR, :]ᵀ
         s = b % NB
         p = b // NC
-        c = b % NC
         mbarrier.wait(dready.index(s), (b // NB) & 1)
         wd = dbuf.index(s).load(L).to(gl.float32)  # [DR, BKD]
         fence_async_shared()
         mbarrier.arrive(dempty.index(s), count=1)
-        hk = gl.load(h_ptr + p * F + c * BKD + dcols, cache_modifier=".cg")  # other programs' h: from L2
-        y += gl.sum(wd * hk[None, :], axis=1)
-        if c == NC - 1:
-            acc += gl.load(wts_ptr + p).to(gl.float32) * y
+        y += wd * hs3.index(b).load(L).to(gl.float32)  # [DR, BKD] · [1, BKD]
+        if b % NC == NC - 1:
+            acc += gl.load(wts_ptr + p).to(gl.float32) * gl.sum(y, axis=1)
             y = y * 0.0
             if p % K_TOP == K_TOP - 1:
                 gl.store(out_ptr + (p // K_TOP) * D + d0 + drows, acc.to(gl.bfloat16))
@@ -130,8 +141,9 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, gbuf, ubuf, ready, empty
 
 @gluon.jit
 def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr,
-                   D, F, n_items, nbox, n_pre, G,
-                   K_TOP: gl.constexpr, NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr, BF: gl.constexpr,
+                   D, F, P, n_items, nbox, n_pre, G,
+                   K_TOP: gl.constexpr, XR: gl.constexpr, HR: gl.constexpr, NFB: gl.constexpr, NKC: gl.constexpr,
+                   NC: gl.constexpr, BF: gl.constexpr,
                    BK: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr,
                    num_warps: gl.constexpr):
     cta = gl.program_id(0)
@@ -145,6 +157,9 @@ def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sy
     empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     dready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     dempty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    xs = gl.allocate_shared_memory(gl.bfloat16, [XR, BK], flat)  # x rows of every token, BK at a time
+    hs = gl.allocate_shared_memory(gl.bfloat16, [HR, BKD], flat)  # h of every pair after the grid barrier
     for i in gl.static_range(SLOTS):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
@@ -153,7 +168,7 @@ def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sy
         mbarrier.init(dempty.index(i), count=1)
     gl.warp_specialize([
         (_consumer, (x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, gbuf, ubuf, ready, empty, dbuf, dready, dempty,
-                     D, F, item_lo, item_hi, d0, nbox, G, K_TOP, NFB, NKC, NC, BF, BK, BKD, DR, SLOTS, NB,
+                     xs, hs, D, F, P, item_lo, item_hi, d0, nbox, G, K_TOP, NFB, NKC, NC, BF, BK, BKD, DR, SLOTS, NB,
                      num_warps)),
         (_producer, (gu_desc, dn_desc, ids_ptr, gbuf, ubuf, ready, empty, dbuf, dready, dempty,
                      D, F, item_lo, item_hi, d0, nbox, n_pre, NFB, NKC, NC, BF, BK, BKD, SLOTS, NB)),
@@ -162,6 +177,13 @@ def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sy
 
 def _layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)  # rows read whole, no swizzle
+
+
+def _constexprs(k: int, D: int, F: int, c: dict) -> dict:
+    return dict(K_TOP=k, XR=c["TM"] * D // c["BK"], HR=triton.next_power_of_2(c["TM"] * k * F // c["BKD"]),
+                NFB=F // c["BF"],
+                NKC=D // c["BK"], NC=F // c["BKD"], BF=c["BF"], BK=c["BK"], BKD=c["BKD"], DR=c["DR"],
+                SLOTS=c["SLOTS"], NB=c["NB"], num_warps=4)
 
 
 def compile_sm90(K_TOP=8, D=2048, F=768, **cfg):
@@ -173,10 +195,10 @@ def compile_sm90(K_TOP=8, D=2048, F=768, **cfg):
     lay = _layout()
     sig = {"gu_desc": f"tensordesc<bf16[{c['BF']}, {c['BK']}],{lay!r}>",
            "dn_desc": f"tensordesc<bf16[{c['DR']}, {c['BKD']}],{lay!r}>",
-           "x_ptr": "*bf16", "ids_ptr": "*i64", "wts_ptr": "*bf16", "h_ptr": "*fp32", "out_ptr": "*bf16",
-           "sync_ptr": "*i32", "D": "i32", "F": "i32", "n_items": "i32", "nbox": "i32", "n_pre": "i32", "G": "i32"}
-    cx = dict(K_TOP=K_TOP, NFB=F // c["BF"], NKC=D // c["BK"], NC=F // c["BKD"], BF=c["BF"], BK=c["BK"],
-              BKD=c["BKD"], DR=c["DR"], SLOTS=c["SLOTS"], NB=c["NB"], num_warps=4)
+           "x_ptr": "*bf16", "ids_ptr": "*i64", "wts_ptr": "*bf16", "h_ptr": "*bf16", "out_ptr": "*bf16",
+           "sync_ptr": "*i32"}
+    sig.update({n: "i32" for n in ("D", "F", "P", "n_items", "nbox", "n_pre", "G")})
+    cx = _constexprs(K_TOP, D, F, c)
     names = list(sig) + list(cx)
     sig.update({n: "constexpr" for n in cx})
     src = GluonASTSource(small_t_kernel, sig, constexprs={(names.index(n),): v for n, v in cx.items()})
@@ -205,11 +227,12 @@ def small_t(x, ids, wt, w, **cfg):
     sync = _SYNC.get(x.device)
     if sync is None:
         sync = _SYNC[x.device] = torch.zeros(2, dtype=torch.int32, device=x.device)
-    h = torch.empty(P, F, dtype=torch.float32, device=x.device)
+    h = torch.empty(P, F, dtype=torch.bfloat16, device=x.device)
     out = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
-    small_t_kernel[(G,)](gu, dn, x, ids, wt, h, out, sync, D, F, n_items, nbox, min(nbox, c["NB"]), G,
-                         K_TOP=k, NFB=F // c["BF"], NKC=D // c["BK"], NC=F // c["BKD"], BF=c["BF"], BK=c["BK"],
-                         BKD=c["BKD"], DR=c["DR"], SLOTS=c["SLOTS"], NB=c["NB"], num_warps=4)
+    if T > c["TM"]:
+        raise ValueError(f"small_t: T = {T} > TM = {c['TM']} (the shared-memory copies of x and h)")
+    small_t_kernel[(G,)](gu, dn, x, ids, wt, h, out, sync, D, F, P, n_items, nbox, min(nbox, c["NB"]), G,
+                         **_constexprs(k, D, F, c))
     return out
 
 
@@ -217,7 +240,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--compile", action="store_true", help="compile for sm_90 only (CPU), then exit")
-    ap.add_argument("--tokens", default="1,2,3,4")
+    ap.add_argument("--tokens", default="1,2")
     args = ap.parse_args()
     if args.compile:
         shared, ptx = compile_sm90()
