@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import triton
@@ -39,6 +40,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6 / 3.7 names
+
+
+@gluon.jit
+def _stamp(ts_ptr, i, TS: gl.constexpr):
+    """With TS: the GPU's global timer (ns) into ts_ptr[i] (phase boundaries of one program)."""
+    if TS:
+        t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [i], dtype=gl.int64, is_pure=False,
+                                      pack=1)
+        gl.store(ts_ptr + i, t)
 CFG = dict(BF=8, BK=256, BKD=256, DR=16, SLOTS=8, NB=15, TM=2)  # qwen3-30b-a3b, T ≤ TM: ~225 KB shared
 
 
@@ -71,13 +81,14 @@ def _producer(gu_desc, dn_desc, ids_ptr, gbuf, ubuf, ready, empty, dbuf, dready,
 
 
 @gluon.jit
-def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, gbuf, ubuf, ready, empty, dbuf, dready, dempty, xs, hs,
-              D, F, P, item_lo, item_hi, d0, nbox, G,
+def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, gbuf, ubuf, ready, empty, dbuf, dready, dempty, xs,
+              hs, D, F, P, item_lo, item_hi, d0, nbox, G, TS: gl.constexpr,
               K_TOP: gl.constexpr, NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr, BF: gl.constexpr,
               BK: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr,
               num_warps: gl.constexpr):
     L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])  # a warp reads 512 B of a row
     V: gl.constexpr = gl.SliceLayout(0, L)
+    _stamp(ts_ptr, 0, TS)
     # x of every token into shared memory with one wide load (row r: x[r // NKC, (r % NKC)·BK:][:BK])
     xr = gl.arange(0, xs.type.shape[0], layout=gl.SliceLayout(1, L))
     cols = gl.arange(0, BK, layout=V)
@@ -106,6 +117,7 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, gbuf, ubuf, ready, empty
         gs = gl.sum(accg, axis=1)
         gl.store(h_ptr + p * F + f0 + rows, (gs / (1.0 + gl.exp(-gs)) * gl.sum(accu, axis=1)).to(gl.bfloat16))
     # grid barrier: every program's h stores before any program's h loads
+    _stamp(ts_ptr, 1, TS)
     _cta_barrier()  # this warpgroup's stores before the one-thread release below
     gl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
     while gl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") < G:
@@ -113,6 +125,7 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, gbuf, ubuf, ready, empty
     if gl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:  # the last one through resets
         gl.atomic_add(sync_ptr, -G, sem="relaxed", scope="gpu")
         gl.atomic_add(sync_ptr + 1, -G, sem="relaxed", scope="gpu")
+    _stamp(ts_ptr, 2, TS)
     # all of h into shared memory with one wide load from L2 (row r: h[r // NC, (r % NC)·BKD:][:BKD])
     hr = gl.arange(0, hs.type.shape[0], layout=gl.SliceLayout(1, L))
     dcols = gl.arange(0, BKD, layout=V)
@@ -137,15 +150,16 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, gbuf, ubuf, ready, empty
             if p % K_TOP == K_TOP - 1:
                 gl.store(out_ptr + (p // K_TOP) * D + d0 + drows, acc.to(gl.bfloat16))
                 acc = acc * 0.0
+    _stamp(ts_ptr, 3, TS)
 
 
 @gluon.jit
-def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr,
+def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr,
                    D, F, P, n_items, nbox, n_pre, G,
                    K_TOP: gl.constexpr, XR: gl.constexpr, HR: gl.constexpr, NFB: gl.constexpr, NKC: gl.constexpr,
                    NC: gl.constexpr, BF: gl.constexpr,
                    BK: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   num_warps: gl.constexpr, TS: gl.constexpr = False):
     cta = gl.program_id(0)
     item_lo = cta * n_items // G
     item_hi = (cta + 1) * n_items // G
@@ -167,9 +181,9 @@ def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sy
         mbarrier.init(dready.index(i), count=1)
         mbarrier.init(dempty.index(i), count=1)
     gl.warp_specialize([
-        (_consumer, (x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, gbuf, ubuf, ready, empty, dbuf, dready, dempty,
-                     xs, hs, D, F, P, item_lo, item_hi, d0, nbox, G, K_TOP, NFB, NKC, NC, BF, BK, BKD, DR, SLOTS, NB,
-                     num_warps)),
+        (_consumer, (x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr + cta * 4, gbuf, ubuf, ready, empty, dbuf,
+                     dready, dempty, xs, hs, D, F, P, item_lo, item_hi, d0, nbox, G, TS, K_TOP, NFB, NKC, NC, BF,
+                     BK, BKD, DR, SLOTS, NB, num_warps)),
         (_producer, (gu_desc, dn_desc, ids_ptr, gbuf, ubuf, ready, empty, dbuf, dready, dempty,
                      D, F, item_lo, item_hi, d0, nbox, n_pre, NFB, NKC, NC, BF, BK, BKD, SLOTS, NB)),
     ], [1], [24])
@@ -186,8 +200,8 @@ def _constexprs(k: int, D: int, F: int, c: dict) -> dict:
                 SLOTS=c["SLOTS"], NB=c["NB"], num_warps=4)
 
 
-def compile_sm90(K_TOP=8, D=2048, F=768, **cfg):
-    """Compile for sm_90 (no GPU needed): (shared bytes, ptx)."""
+def compile_sm90(K_TOP=8, D=2048, F=768, ts=False, **cfg):
+    """Compile for sm_90 (no GPU needed): (shared bytes, ptx); ts: with the phase time stamps."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -196,9 +210,9 @@ def compile_sm90(K_TOP=8, D=2048, F=768, **cfg):
     sig = {"gu_desc": f"tensordesc<bf16[{c['BF']}, {c['BK']}],{lay!r}>",
            "dn_desc": f"tensordesc<bf16[{c['DR']}, {c['BKD']}],{lay!r}>",
            "x_ptr": "*bf16", "ids_ptr": "*i64", "wts_ptr": "*bf16", "h_ptr": "*bf16", "out_ptr": "*bf16",
-           "sync_ptr": "*i32"}
+           "sync_ptr": "*i32", "ts_ptr": "*i64"}
     sig.update({n: "i32" for n in ("D", "F", "P", "n_items", "nbox", "n_pre", "G")})
-    cx = _constexprs(K_TOP, D, F, c)
+    cx = dict(_constexprs(K_TOP, D, F, c), TS=ts)
     names = list(sig) + list(cx)
     sig.update({n: "constexpr" for n in cx})
     src = GluonASTSource(small_t_kernel, sig, constexprs={(names.index(n),): v for n, v in cx.items()})
@@ -209,7 +223,7 @@ def compile_sm90(K_TOP=8, D=2048, F=768, **cfg):
 _SYNC: dict = {}
 
 
-def small_t(x, ids, wt, w, **cfg):
+def small_t(x, ids, wt, w, ts=None, **cfg):
     """out [T, D] of the block (bf16 x, ids [T, k], routing weights wt [T, k], weights w) in one launch."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -231,8 +245,8 @@ def small_t(x, ids, wt, w, **cfg):
     out = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
     if T > c["TM"]:
         raise ValueError(f"small_t: T = {T} > TM = {c['TM']} (the shared-memory copies of x and h)")
-    small_t_kernel[(G,)](gu, dn, x, ids, wt, h, out, sync, D, F, P, n_items, nbox, min(nbox, c["NB"]), G,
-                         **_constexprs(k, D, F, c))
+    small_t_kernel[(G,)](gu, dn, x, ids, wt, h, out, sync, sync if ts is None else ts, D, F, P, n_items, nbox,
+                         min(nbox, c["NB"]), G, TS=ts is not None, **_constexprs(k, D, F, c))
     return out
 
 
@@ -241,8 +255,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--compile", action="store_true", help="compile for sm_90 only (CPU), then exit")
     ap.add_argument("--tokens", default="1,2")
+    ap.add_argument("--configs", default="8x15,12x11,4x19", help="SLOTSxNB: gate/up slots x down buffers")
     args = ap.parse_args()
     if args.compile:
+        compile_sm90(ts=True)
         shared, ptx = compile_sm90()
         print(json.dumps(dict(shared=shared, tma=ptx.count("cp.async.bulk.tensor"), bar=ptx.count("bar.sync"),
                               atom=ptx.count("atom."))))
@@ -270,18 +286,26 @@ def main() -> None:
         fl = B.floor_us(E, k, D, F, T, distinct)
         x0, ids0, wt0 = sets[0]
         ref = reference(block, Case(x0, ids0, wt0, w))
-        errs = []
-        for x, ids, wt in sets[:8]:  # fresh routings, eager, before any timing
-            r = reference(block, Case(x, ids, wt, w))
-            errs.append(B.rel_err(small_t(x, ids, wt, w), r))
+        refs = [reference(block, Case(x, ids, wt, w)) for x, ids, wt in sets[:8]]  # 8 fresh routings
         table = str(Path(__file__).resolve().parents[1] / "cache" / "h200.sqlite")
-        cands = [("one-launch", small_t)] + [(tag, BACKEND.build(block, s))
-                                             for tag, s in B.table_variant(table, shape, T)]
+        confs = [dict(zip(("SLOTS", "NB"), map(int, c.split("x")), strict=True)) for c in args.configs.split(",")]
+        cands = [(f"one-launch-{c['SLOTS']}x{c['NB']}", partial(small_t, **c)) for c in confs]
+        cands += [(tag, BACKEND.build(block, s)) for tag, s in B.table_variant(table, shape, T)]
+        ts = torch.zeros(D // CFG["DR"], 4, dtype=torch.int64, device=dev)  # phase stamps, first config
+        for _ in range(3):
+            small_t(x0, ids0, wt0, w, ts=ts, **confs[0])
+        torch.cuda.synchronize()
+        rel = (ts - ts[:, 0].min()).double() / 1e3  # µs from the first program's start
+        stamps = {name: [round(float(v), 2) for v in (rel[:, i].min(), rel[:, i].median(), rel[:, i].max())]
+                  for i, name in enumerate(("start", "gate_up_done", "barrier_passed", "end"))}
+        rows.append(dict(shape=shape, tokens=T, variant="stamps " + cands[0][0], stamps_us_min_med_max=stamps))
+        print(json.dumps(rows[-1]), flush=True)
         for tag, fn in cands:
             rec = dict(shape=shape, tokens=T, variant=tag, floor_us=round(fl, 2))
             try:
-                if tag == "one-launch":
-                    rec["eager_rel_err_max"] = max(errs)
+                if tag.startswith("one-launch"):  # eager, before any timing
+                    rec["eager_rel_err_max"] = max(B.rel_err(fn(x, ids, wt, w), r)
+                                                   for (x, ids, wt), r in zip(sets[:8], refs, strict=True))
                 t_us, gerr, mean_us = B.graph_checked_time(fn, sets, w, flush, ref)
                 rec.update(graph_rel_err=gerr, time_us=t_us, routing_mean_us=mean_us)
             except Exception as ex:  # noqa: BLE001  (a prototype: report and go on)
@@ -290,10 +314,13 @@ def main() -> None:
             print(json.dumps(rec), flush=True)
     if args.out:
         Path(args.out, "proto_small_t.json").write_text(json.dumps(rows, indent=1))
-    print(f"\n{'T':>4} {'variant':12} {'µs':>8} {'floor':>7} {'%':>5} {'graph err':>9} {'eager err':>9}")
+    print(f"\n{'T':>4} {'variant':18} {'µs':>8} {'floor':>7} {'%':>5} {'graph err':>9} {'eager err':>9}")
     for r in rows:
+        if "stamps_us_min_med_max" in r:
+            print(f"{r['tokens']:4} {r['variant']}: {r['stamps_us_min_med_max']}")
+            continue
         t = r.get("time_us")
-        print(f"{r['tokens']:4} {r['variant']:12} {t if t is None else round(t, 1)!s:>8} {r['floor_us']:7.1f} "
+        print(f"{r['tokens']:4} {r['variant']:18} {t if t is None else round(t, 1)!s:>8} {r['floor_us']:7.1f} "
               f"{'' if not t else round(100 * r['floor_us'] / t)!s:>5} {r.get('graph_rel_err', float('nan')):9.1e} "
               f"{r.get('eager_rel_err_max', float('nan')):9.1e} {r.get('error', '')[:60]}")
 
