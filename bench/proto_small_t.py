@@ -147,6 +147,11 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, halves, re
     hs3 = hs._reinterpret(hs.dtype, [hs.type.shape[0], 1, BKD], hs.layout)
     _cta_barrier()
     drows = gl.arange(0, DR, layout=gl.SliceLayout(1, L))
+    # every pair's routing weight in every thread (one load, no global load inside the loop below)
+    PM: gl.constexpr = 32  # pairs at most (TM · K_TOP)
+    WL: gl.constexpr = gl.BlockedLayout([PM], [32], [num_warps], [0])
+    pr = gl.arange(0, PM, layout=WL)
+    wv = gl.load(wts_ptr + pr, mask=pr < P, other=0.0).to(gl.float32)
     y = gl.full([DR, BKD], 0.0, gl.float32, L)
     acc = gl.full([DR], 0.0, gl.float32, gl.SliceLayout(1, L))
     for b in range(nbox):  # down: out[t, d0:d0+DR] = Σ_j w_j · h[p_j] · W[e_j, d0:d0+DR, :]ᵀ
@@ -169,7 +174,7 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, halves, re
             mbarrier.arrive(dempty.index(q % NB), count=1)
         y += wd * hs3.index(b).load(L).to(gl.float32)  # [DR, BKD] · [1, BKD]
         if b % NC == NC - 1:
-            acc += gl.load(wts_ptr + p).to(gl.float32) * gl.sum(y, axis=1)
+            acc += gl.sum(gl.where(pr == p, wv, 0.0), axis=0) * gl.sum(y, axis=1)
             y = y * 0.0
             if p % K_TOP == K_TOP - 1:
                 gl.store(out_ptr + (p // K_TOP) * D + d0 + drows, acc.to(gl.bfloat16))
@@ -268,7 +273,7 @@ def small_t(x, ids, wt, w, ts=None, **cfg):
         sync = _SYNC[x.device] = torch.zeros(2, dtype=torch.int32, device=x.device)
     h = torch.empty(P, F, dtype=torch.bfloat16, device=x.device)
     out = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
-    if T > c["TM"]:
+    if T > c["TM"] or T * k > 32:
         raise ValueError(f"small_t: T = {T} > TM = {c['TM']} (the shared-memory copies of x and h)")
     small_t_kernel[(G,)](gu, dn, x, ids, wt, h, out, sync, sync if ts is None else ts, D, F, P, n_items, nbox,
                          min(nbox, c["NB"]), G, TS=ts is not None, **_constexprs(k, D, F, c))
