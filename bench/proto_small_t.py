@@ -146,6 +146,7 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, halves, re
                      cache_modifier=".cg"))
     hs3 = hs._reinterpret(hs.dtype, [hs.type.shape[0], 1, BKD], hs.layout)
     _cta_barrier()
+    _stamp(ts_ptr, 4, TS)
     drows = gl.arange(0, DR, layout=gl.SliceLayout(1, L))
     # every pair's routing weight in every thread (one load, no global load inside the loop below)
     PM: gl.constexpr = 32  # pairs at most (TM · K_TOP)
@@ -156,6 +157,10 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, halves, re
     acc = gl.full([DR], 0.0, gl.float32, gl.SliceLayout(1, L))
     for b in range(nbox):  # down: out[t, d0:d0+DR] = Σ_j w_j · h[p_j] · W[e_j, d0:d0+DR, :]ᵀ
         p = b // NC
+        if b == NB:
+            _stamp(ts_ptr, 5, TS)  # the boxes of the down buffers done
+        if b == NB + SLOTS:
+            _stamp(ts_ptr, 6, TS)  # the boxes of the ring done
         if b < NB:  # box b in down buffer b
             mbarrier.wait(dready.index(b), 0)
             wd = dbuf.index(b).load(L).to(gl.float32)  # [DR, BKD]
@@ -211,7 +216,7 @@ def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sy
         mbarrier.init(dready.index(i), count=1)
         mbarrier.init(dempty.index(i), count=1)
     gl.warp_specialize([
-        (_consumer, (x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr + cta * 4, ring, halves, ready, empty, dbuf,
+        (_consumer, (x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr + cta * 8, ring, halves, ready, empty, dbuf,
                      dready, dempty, xs, hs, D, F, P, item_lo, item_hi, d0, nbox, G, TS, K_TOP, NFB, NKC, NC, BF,
                      BK, BKD, DR, SLOTS, NB, num_warps)),
         (_producer, (gu_desc, dn_desc, ids_ptr, ring, halves, ready, empty, dbuf, dready, dempty,
@@ -321,14 +326,15 @@ def main() -> None:
         confs = [dict(zip(("SLOTS", "NB"), map(int, c.split("x")), strict=True)) for c in args.configs.split(",")]
         cands = [(f"one-launch-{c['SLOTS']}x{c['NB']}", partial(small_t, **c)) for c in confs]
         cands += [(tag, BACKEND.build(block, s)) for tag, s in B.table_variant(table, shape, T)]
-        ts = torch.zeros(D // CFG["DR"], 4, dtype=torch.int64, device=dev)  # phase stamps, first config
+        ts = torch.zeros(D // CFG["DR"], 8, dtype=torch.int64, device=dev)  # phase stamps, first config
         for _ in range(3):
             flush.sum()  # L2 flushed first, as in the timed replays
             small_t(x0, ids0, wt0, w, ts=ts, **confs[0])
         torch.cuda.synchronize()
         rel = (ts - ts[:, 0].min()).double() / 1e3  # µs from the first program's start
         stamps = {name: [round(float(v), 2) for v in (rel[:, i].min(), rel[:, i].median(), rel[:, i].max())]
-                  for i, name in enumerate(("start", "gate_up_done", "barrier_passed", "end"))}
+                  for i, name in enumerate(("start", "gate_up_done", "barrier_passed", "end", "h_in_smem",
+                                            "dbuf_boxes_done", "ring_boxes_done"))}
         rows.append(dict(shape=shape, tokens=T, variant="stamps " + cands[0][0], stamps_us_min_med_max=stamps))
         print(json.dumps(rows[-1]), flush=True)
         for tag, fn in cands:
