@@ -53,7 +53,7 @@ def _stamp(ts_ptr, i, TS: gl.constexpr):
         t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [i], dtype=gl.int64, is_pure=False,
                                       pack=1)
         gl.store(ts_ptr + i, t)
-CFG = dict(BF=8, BK=256, BKD=256, DR=16, SLOTS=8, NB=15, TM=2)  # qwen3-30b-a3b, T ≤ TM: ~225 KB shared
+CFG = dict(BF=8, BK=256, BKD=256, DR=16, SLOTS=8, NB=12, TM=2)  # qwen3-30b-a3b, T ≤ TM: ~200 KB shared
 
 
 @gluon.jit
@@ -102,6 +102,11 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, halves, re
     L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])  # a warp reads 512 B of a row
     V: gl.constexpr = gl.SliceLayout(0, L)
     _stamp(ts_ptr, 0, TS)
+    # every pair's routing weight in every thread (one load): applied to h, so the down loop needs none
+    PM: gl.constexpr = 32  # pairs at most (TM · K_TOP)
+    WL: gl.constexpr = gl.BlockedLayout([PM], [32], [num_warps], [0])
+    pr = gl.arange(0, PM, layout=WL)
+    wv = gl.load(wts_ptr + pr, mask=pr < P, other=0.0).to(gl.float32)
     # x of every token into shared memory with one wide load (row r: x[r // NKC, (r % NKC)·BK:][:BK])
     xr = gl.arange(0, xs.type.shape[0], layout=gl.SliceLayout(1, L))
     cols = gl.arange(0, BK, layout=V)
@@ -128,7 +133,8 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, halves, re
             accu += u * xk
             it += 1
         gs = gl.sum(accg, axis=1)
-        gl.store(h_ptr + p * F + f0 + rows, (gs / (1.0 + gl.exp(-gs)) * gl.sum(accu, axis=1)).to(gl.bfloat16))
+        wp = gl.sum(gl.where(pr == p, wv, 0.0), axis=0)
+        gl.store(h_ptr + p * F + f0 + rows, (wp * gs / (1.0 + gl.exp(-gs)) * gl.sum(accu, axis=1)).to(gl.bfloat16))
     # grid barrier: every program's h stores before any program's h loads
     _stamp(ts_ptr, 1, TS)
     _cta_barrier()  # this warpgroup's stores before the one-thread release below
@@ -144,46 +150,50 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, halves, re
     dcols = gl.arange(0, BKD, layout=V)
     hs.store(gl.load(h_ptr + hr[:, None] * BKD + dcols[None, :], mask=(hr < P * NC)[:, None], other=0.0,
                      cache_modifier=".cg"))
-    hs3 = hs._reinterpret(hs.dtype, [hs.type.shape[0], 1, BKD], hs.layout)
     _cta_barrier()
     _stamp(ts_ptr, 4, TS)
-    drows = gl.arange(0, DR, layout=gl.SliceLayout(1, L))
-    # every pair's routing weight in every thread (one load, no global load inside the loop below)
-    PM: gl.constexpr = 32  # pairs at most (TM · K_TOP)
-    WL: gl.constexpr = gl.BlockedLayout([PM], [32], [num_warps], [0])
-    pr = gl.arange(0, PM, layout=WL)
-    wv = gl.load(wts_ptr + pr, mask=pr < P, other=0.0).to(gl.float32)
-    y = gl.full([DR, BKD], 0.0, gl.float32, L)
-    acc = gl.full([DR], 0.0, gl.float32, gl.SliceLayout(1, L))
-    for b in range(nbox):  # down: out[t, d0:d0+DR] = Σ_j w_j · h[p_j] · W[e_j, d0:d0+DR, :]ᵀ
-        p = b // NC
-        if b == NB:
+    # down, 4 boxes at a time, one per warp: out[t, d0:d0+DR] = Σ_boxes of t (w_p · h[p]) · W[e_p, d0:d0+DR, :]ᵀ
+    gl.static_assert(num_warps == 4 and NB % 4 == 0 and SLOTS % 4 == 0 and (K_TOP * NC) % 4 == 0)
+    gl.static_assert(NKC % SLOTS == 0)  # the gate/up steps end on slot 0: ring box j is in slot j
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 1, 32], [4, 1, 1], [2, 1, 0])  # warp j: box j of a group
+    S2: gl.constexpr = gl.SliceLayout(2, L3)
+    rows3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)  # row-major
+    dgroups = dbuf._reinterpret(dbuf.dtype, [NB // 4, 4, DR, BKD], rows3)
+    rgroups = ring._reinterpret(ring.dtype, [SLOTS // 4, 4, DR, BKD], rows3)
+    hgroups = hs._reinterpret(hs.dtype, [hs.type.shape[0] // 4, 4, 1, BKD], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    drows = gl.arange(0, DR, layout=gl.SliceLayout(0, S2))
+    acc = gl.full([DR], 0.0, gl.float32, gl.SliceLayout(0, S2))
+    ring_phase = (it // SLOTS) & 1
+    for g in range(nbox // 4):
+        b0 = g * 4
+        if b0 == NB:
             _stamp(ts_ptr, 5, TS)  # the boxes of the down buffers done
-        if b == NB + SLOTS:
+        if b0 == NB + SLOTS:
             _stamp(ts_ptr, 6, TS)  # the boxes of the ring done
-        if b < NB:  # box b in down buffer b
-            mbarrier.wait(dready.index(b), 0)
-            wd = dbuf.index(b).load(L).to(gl.float32)  # [DR, BKD]
+        if b0 < NB:  # boxes b0..b0+3 in down buffers b0..b0+3
+            for j in gl.static_range(4):
+                mbarrier.wait(dready.index(b0 + j), 0)
+            w = dgroups.index(g).load(L3)
             fence_async_shared()
-            mbarrier.arrive(dempty.index(b), count=1)
-        elif b < NB + SLOTS:  # in the gate/up ring, after its last gate/up step
-            s = it % SLOTS
-            mbarrier.wait(ready.index(s), (it // SLOTS) & 1)
-            wd = ring.index(s).load(L).to(gl.float32)
-            it += 1
-        else:  # streamed into a released down buffer
-            q = b - SLOTS
-            mbarrier.wait(dready.index(q % NB), (q // NB) & 1)
-            wd = dbuf.index(q % NB).load(L).to(gl.float32)
+            for j in gl.static_range(4):
+                mbarrier.arrive(dempty.index(b0 + j), count=1)
+        elif b0 < NB + SLOTS:  # in the gate/up ring's slots b0 - NB ..
+            for j in gl.static_range(4):
+                mbarrier.wait(ready.index(b0 - NB + j), ring_phase)
+            w = rgroups.index((b0 - NB) // 4).load(L3)
+        else:  # streamed into released down buffers
+            q0 = b0 - SLOTS
+            for j in gl.static_range(4):
+                mbarrier.wait(dready.index(q0 % NB + j), (q0 // NB) & 1)
+            w = dgroups.index((q0 % NB) // 4).load(L3)
             fence_async_shared()
-            mbarrier.arrive(dempty.index(q % NB), count=1)
-        y += wd * hs3.index(b).load(L).to(gl.float32)  # [DR, BKD] · [1, BKD]
-        if b % NC == NC - 1:
-            acc += gl.sum(gl.where(pr == p, wv, 0.0), axis=0) * gl.sum(y, axis=1)
-            y = y * 0.0
-            if p % K_TOP == K_TOP - 1:
-                gl.store(out_ptr + (p // K_TOP) * D + d0 + drows, acc.to(gl.bfloat16))
-                acc = acc * 0.0
+            for j in gl.static_range(4):
+                mbarrier.arrive(dempty.index(q0 % NB + j), count=1)
+        z = gl.sum(w.to(gl.float32) * hgroups.index(g).load(L3).to(gl.float32), axis=2)  # [4, DR]
+        acc += gl.sum(z, axis=0)
+        if (b0 + 4) % (K_TOP * NC) == 0:  # this token's boxes done
+            gl.store(out_ptr + (b0 // (K_TOP * NC)) * D + d0 + drows, acc.to(gl.bfloat16))
+            acc = acc * 0.0
     _stamp(ts_ptr, 3, TS)
 
 
@@ -290,7 +300,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--compile", action="store_true", help="compile for sm_90 only (CPU), then exit")
     ap.add_argument("--tokens", default="1,2")
-    ap.add_argument("--configs", default="8x15,12x11,4x19", help="SLOTSxNB: gate/up slots x down buffers")
+    ap.add_argument("--configs", default="8x12,4x16", help="SLOTSxNB: gate/up slots x down buffers (multiples of 4)")
     args = ap.parse_args()
     if args.compile:
         compile_sm90(ts=True)
