@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 from pathlib import Path
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @gluon.jit
@@ -35,40 +37,25 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    import kernels as B  # bench/kernels.py: its graph timing (flush, warm-up, median of 100)
     import torch
 
-    dev = "cuda"
-    flush = torch.randn(128 * 1024 * 1024, dtype=torch.bfloat16, device=dev)
-    out = torch.empty(128, dtype=torch.float32, device=dev)
-    rows = []
+    flush = torch.randn(128 * 1024 * 1024, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(128, dtype=torch.float32, device="cuda")
+    table = {}
     for kb in (16, 112, 224):
         for launches in (1, 2):
-            def fn(kb=kb, launches=launches):
+            def fn(x, ids, wt, w, kb=kb, launches=launches):
                 for _ in range(launches):
                     touch_kernel[(128,)](out, ROWS=kb * 2, num_warps=4)  # 512 B a row
+                return out
 
-            fn()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            ts = []
-            for _ in range(100):
-                flush.sum()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                g.replay()
-                b.record()
-                b.synchronize()
-                ts.append(a.elapsed_time(b) * 1e3)
-            rec = dict(shared_kb=kb, launches=launches, time_us=statistics.median(ts), min_us=min(ts))
-            rows.append(rec)
-            print(json.dumps(rec), flush=True)
+            med, times, _ = B.time_graph(fn, [(None, None, None)] * 2, None, flush)
+            table[f"{kb} KB x{launches}"] = (med, min(times))
     if args.out:
-        Path(args.out, "proto_launch_cost.json").write_text(json.dumps(rows, indent=1))
-    print(f"\n{'shared KB':>9} {'launches':>8} {'median µs':>9} {'min µs':>7}")
-    for r in rows:
-        print(f"{r['shared_kb']:9} {r['launches']:8} {r['time_us']:9.2f} {r['min_us']:7.2f}")
+        Path(args.out, "proto_launch_cost.json").write_text(json.dumps(table, indent=1))
+    for key, (med, low) in table.items():
+        print(f"{key:>12}: median {med:.2f} µs, min {low:.2f} µs")
 
 
 if __name__ == "__main__":
