@@ -95,7 +95,7 @@ def _producer(gu_desc, dn_desc, ids_ptr, ring, halves, ready, empty, dbuf, dread
 
 @gluon.jit
 def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, halves, ready, empty, dbuf, dready,
-              dempty, xs, hs, D, F, P, item_lo, item_hi, d0, nbox, G, TS: gl.constexpr,
+              dempty, xs, hs, D, F, P, item_lo, item_hi, d0, nbox, G, TS: gl.constexpr, LATE: gl.constexpr,
               K_TOP: gl.constexpr, NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr, BF: gl.constexpr,
               BK: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr,
               num_warps: gl.constexpr):
@@ -163,6 +163,7 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, halves, re
     hgroups = hs._reinterpret(hs.dtype, [hs.type.shape[0] // 4, 4, 1, BKD], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
     drows = gl.arange(0, DR, layout=gl.SliceLayout(0, S2))
     acc = gl.full([DR], 0.0, gl.float32, gl.SliceLayout(0, S2))
+    acc_l = gl.sum(gl.reshape(gl.full([4, DR, BKD], 0.0, gl.float32, L3), [4, DR, 32, BKD // 32]), axis=3)
     ring_phase = (it // SLOTS) & 1
     for g in range(nbox // 4):
         b0 = g * 4
@@ -189,11 +190,18 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, halves, re
             fence_async_shared()
             for j in gl.static_range(4):
                 mbarrier.arrive(dempty.index(q0 % NB + j), count=1)
-        z = gl.sum(w.to(gl.float32) * hgroups.index(g).load(L3).to(gl.float32), axis=2)  # [4, DR]
-        acc += gl.sum(z, axis=0)
-        if (b0 + 4) % (K_TOP * NC) == 0:  # this token's boxes done
-            gl.store(out_ptr + (b0 // (K_TOP * NC)) * D + d0 + drows, acc.to(gl.bfloat16))
-            acc = acc * 0.0
+        prod = w.to(gl.float32) * hgroups.index(g).load(L3).to(gl.float32)  # [4, DR, BKD]
+        if LATE:  # sums inside each thread only; across lanes and warps once per token
+            part = gl.sum(gl.reshape(prod, [4, DR, 32, BKD // 32]), axis=3)  # [4, DR, 32]
+            acc_l = acc_l * (b0 % (K_TOP * NC) != 0).to(gl.float32) + part  # a token's first group starts anew
+            if (b0 + 4) % (K_TOP * NC) == 0:  # this token's boxes done
+                tot = gl.convert_layout(gl.sum(gl.sum(acc_l, axis=2), axis=0), gl.SliceLayout(0, S2))
+                gl.store(out_ptr + (b0 // (K_TOP * NC)) * D + d0 + drows, tot.to(gl.bfloat16))
+        else:
+            acc += gl.sum(gl.sum(prod, axis=2), axis=0)  # [DR]: across the warps at every group
+            if (b0 + 4) % (K_TOP * NC) == 0:  # this token's boxes done
+                gl.store(out_ptr + (b0 // (K_TOP * NC)) * D + d0 + drows, acc.to(gl.bfloat16))
+                acc = acc * 0.0
     _stamp(ts_ptr, 3, TS)
 
 
@@ -203,7 +211,7 @@ def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sy
                    K_TOP: gl.constexpr, XR: gl.constexpr, HR: gl.constexpr, NFB: gl.constexpr, NKC: gl.constexpr,
                    NC: gl.constexpr, BF: gl.constexpr,
                    BK: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr,
-                   num_warps: gl.constexpr, TS: gl.constexpr = False):
+                   num_warps: gl.constexpr, TS: gl.constexpr = False, LATE: gl.constexpr = False):
     cta = gl.program_id(0)
     item_lo = cta * n_items // G
     item_hi = (cta + 1) * n_items // G
@@ -227,7 +235,7 @@ def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sy
         mbarrier.init(dempty.index(i), count=1)
     gl.warp_specialize([
         (_consumer, (x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr + cta * 8, ring, halves, ready, empty, dbuf,
-                     dready, dempty, xs, hs, D, F, P, item_lo, item_hi, d0, nbox, G, TS, K_TOP, NFB, NKC, NC, BF,
+                     dready, dempty, xs, hs, D, F, P, item_lo, item_hi, d0, nbox, G, TS, LATE, K_TOP, NFB, NKC, NC, BF,
                      BK, BKD, DR, SLOTS, NB, num_warps)),
         (_producer, (gu_desc, dn_desc, ids_ptr, ring, halves, ready, empty, dbuf, dready, dempty,
                      D, F, item_lo, item_hi, d0, nbox, n_pre, NFB, NKC, NC, BF, BK, BKD, SLOTS, NB)),
@@ -242,7 +250,7 @@ def _constexprs(k: int, D: int, F: int, c: dict) -> dict:
     return dict(K_TOP=k, XR=c["TM"] * D // c["BK"], HR=triton.next_power_of_2(c["TM"] * k * F // c["BKD"]),
                 NFB=F // c["BF"],
                 NKC=D // c["BK"], NC=F // c["BKD"], BF=c["BF"], BK=c["BK"], BKD=c["BKD"], DR=c["DR"],
-                SLOTS=c["SLOTS"], NB=c["NB"], num_warps=4)
+                SLOTS=c["SLOTS"], NB=c["NB"], LATE=c.get("LATE", False), num_warps=4)
 
 
 def compile_sm90(K_TOP=8, D=2048, F=768, ts=False, **cfg):
@@ -258,8 +266,9 @@ def compile_sm90(K_TOP=8, D=2048, F=768, ts=False, **cfg):
            "sync_ptr": "*i32", "ts_ptr": "*i64"}
     sig.update({n: "i32" for n in ("D", "F", "P", "n_items", "nbox", "n_pre", "G")})
     cx = dict(_constexprs(K_TOP, D, F, c), TS=ts)
-    names = list(sig) + list(cx)
+    names = list(small_t_kernel.arg_names)  # the kernel's own parameter order
     sig.update({n: "constexpr" for n in cx})
+    sig = {n: sig[n] for n in names}
     src = GluonASTSource(small_t_kernel, sig, constexprs={(names.index(n),): v for n, v in cx.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     return k.metadata.shared, k.asm["ptx"]
@@ -300,7 +309,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--compile", action="store_true", help="compile for sm_90 only (CPU), then exit")
     ap.add_argument("--tokens", default="1,2")
-    ap.add_argument("--configs", default="8x12,4x16", help="SLOTSxNB: gate/up slots x down buffers (multiples of 4)")
+    ap.add_argument("--configs", default="8x12,8x12L",
+                    help="SLOTSxNB[L]: gate/up slots x down buffers (multiples of 4); L: the down loop's sums across "
+                         "lanes and warps once per token (prepared in session 10, not yet run on the H200)")
     args = ap.parse_args()
     if args.compile:
         compile_sm90(ts=True)
@@ -333,8 +344,10 @@ def main() -> None:
         ref = reference(block, Case(x0, ids0, wt0, w))
         refs = [reference(block, Case(x, ids, wt, w)) for x, ids, wt in sets[:8]]  # 8 fresh routings
         table = str(Path(__file__).resolve().parents[1] / "cache" / "h200.sqlite")
-        confs = [dict(zip(("SLOTS", "NB"), map(int, c.split("x")), strict=True)) for c in args.configs.split(",")]
-        cands = [(f"one-launch-{c['SLOTS']}x{c['NB']}", partial(small_t, **c)) for c in confs]
+        confs = [dict(zip(("SLOTS", "NB"), map(int, c.rstrip("L").split("x")), strict=True), LATE=c.endswith("L"))
+                 for c in args.configs.split(",")]
+        cands = [(f"one-launch-{c['SLOTS']}x{c['NB']}{'L' if c['LATE'] else ''}", partial(small_t, **c))
+                 for c in confs]
         cands += [(tag, BACKEND.build(block, s)) for tag, s in B.table_variant(table, shape, T)]
         ts = torch.zeros(D // CFG["DR"], 8, dtype=torch.int64, device=dev)  # phase stamps, first config
         for _ in range(3):
