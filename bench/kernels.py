@@ -331,10 +331,7 @@ def variants(E: int, k: int, D: int, F: int, T: int):
             twins.append((tag + "-1", dataclasses.replace(s, params=dataclasses.replace(p, one_dot=True))))
         if tag in ("m16", "m64n64"):  # the TMA operand path at 16 / 64 rows (the tuner picks it for mixtral)
             twins.append((tag + "-t", dataclasses.replace(s, params=dataclasses.replace(p, tma=True))))
-        if tag == "m64n64":
-            twins.append((tag + "-t1", dataclasses.replace(s, params=dataclasses.replace(
-                p, tma=True, one_dot=True, down_stages=3))))
-        if tag == "m128s4":  # the split-1 twin (the tuner's choice for mixtral-8x7b [634, 1024], session 10)
+        if tag in ("m64n64", "m128s4"):  # m128s4-t1: the tuner's choice for mixtral-8x7b [634, 1024] (session 10)
             twins.append((tag + "-t1", dataclasses.replace(s, params=dataclasses.replace(
                 p, tma=True, one_dot=True, down_stages=3))))
         if tag in ("m128s4", "m128g32"):

@@ -227,12 +227,13 @@ def tma_refusal(block: MoEBlock) -> str | None:
     return None
 
 
-def _desc(t: torch.Tensor, rows: int, cols: int, row_stride: int, box: list[int]) -> TensorDescriptor:
-    """A 2-D descriptor over `t` seen as [rows, cols] with the given row stride (elements)."""
-    if t.stride(-1) != 1 or t.data_ptr() % 16 or row_stride * t.element_size() % 16:
+def _desc(t: torch.Tensor, shape: list[int], strides: list[int], box: list[int]) -> TensorDescriptor:
+    """A descriptor over `t` seen as `shape` with element `strides` (the last one 1)."""
+    es = t.element_size()
+    if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * es % 16 for s in strides[:-1]):
         raise UnsupportedSchedule(f"grouped_gemm tma: tensor {tuple(t.shape)} strides {t.stride()} cannot be "
                                   "a TMA operand (last dimension contiguous, 16-byte aligned rows needed)")
-    return TensorDescriptor(t, [rows, cols], [row_stride, 1], box)
+    return TensorDescriptor(t, shape, strides, box)
 
 
 def build(block: MoEBlock, schedule: Schedule):
@@ -293,13 +294,9 @@ def _build_tma(block: MoEBlock, p: GemmParams, alpha: float, limit: float):
                 raise UnsupportedSchedule(f"grouped_gemm tma: expert weights gate_up {tuple(gu.stride())} / down "
                                           f"{tuple(dn.stride())} are not one [E·rows, cols] matrix each")
             weight_descs.clear()
-            if p.one_dot:  # [2E, F, D]: gate of expert e at 2e, its up at 2e + 1
-                _desc(gu, E * 2 * F, D, gs.sn, [p.block_n, p.block_k])  # the same checks
-                gu_desc = TensorDescriptor(gu, [2 * E, F, D], [gs.up, gs.sn, 1], [2, p.block_n, p.block_k])
-            else:
-                gu_desc = _desc(gu, E * 2 * F, D, gs.sn, [p.block_n, p.block_k])
-            weight_descs[key] = (gu_desc,
-                                 _desc(dn, E * D, F, ds.sn, [p.down_block_n, p.down_block_k]))
+            gu_desc = (_desc(gu, [2 * E, F, D], [gs.up, gs.sn, 1], [2, p.block_n, p.block_k]) if p.one_dot
+                       else _desc(gu, [E * 2 * F, D], [gs.sn, 1], [p.block_n, p.block_k]))  # one_dot: gate 2e, up 2e+1
+            weight_descs[key] = (gu_desc, _desc(dn, [E * D, F], [ds.sn, 1], [p.down_block_n, p.down_block_k]))
         gu_desc, dn_desc = weight_descs[key]
         counts, sorted_pairs = routing.route(ids, E)
         meta = {n: v for n, v in a.meta.items() if n != "K_TOP"}
@@ -309,7 +306,7 @@ def _build_tma(block: MoEBlock, p: GemmParams, alpha: float, limit: float):
         xs = routing.gather(x, counts, sorted_pairs, block.k, gu.dtype)  # [P, D] sorted token rows
         h = torch.empty(rows, F, dtype=gu.dtype, device=x.device)  # [P, F] sorted order
         grouped_gemm_tma_kernel[(nt * cdiv(F, p.block_n),)](  # descriptors: new objects each call
-            _desc(xs, rows, D, D, [p.block_m, p.block_k]), gu_desc,
+            _desc(xs, [rows, D], [D, 1], [p.block_m, p.block_k]), gu_desc,
             wts_f, counts, sorted_pairs, a.gate_up_bias, gs.sbe, gs.sbn, gs.bup,
             h, h, P, E, F, D, nt, D, alpha, limit,
             PROJ=0, BN=p.block_n, BK=p.block_k, ONE_DOT=p.one_dot, num_warps=p.num_warps,
@@ -318,7 +315,7 @@ def _build_tma(block: MoEBlock, p: GemmParams, alpha: float, limit: float):
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
         grouped_gemm_tma_kernel[(nt * cdiv(D, p.down_block_n), S)](
-            _desc(h, rows, F, F, [p.block_m, p.down_block_k]), dn_desc,
+            _desc(h, [rows, F], [F, 1], [p.block_m, p.down_block_k]), dn_desc,
             wts_f, counts, sorted_pairs, a.down_bias, ds.sbe, ds.sbn, 0,
             h, y, P, E, D, F, nt, k_split, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
