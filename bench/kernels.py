@@ -347,6 +347,18 @@ def variants(E: int, k: int, D: int, F: int, T: int):
 Y_TWINS = ("m16-t", "m64n64", "m64n64-t", "m128g1-1", "m128g32-t1s2", "m128s4-t1s2", "m128s4-t1")
 
 
+def nb_twins(cands: list[tuple[str, Schedule]], nbs=(2, 4)) -> list[tuple[str, Schedule]]:
+    """`-n2` / `-n4`: the down projection's D-blocks walked 2 / 4 per program in one flattened loop
+    (GemvParams / GemmParams.down_nb), for every token-mode GEMV and grouped GEMM candidate."""
+    out = []
+    for tag, s in cands:
+        p = s.params
+        if p is None or getattr(p, "down_nb", 0) != 1 or getattr(p, "down_mode", "token") != "token":
+            continue
+        out += [(f"{tag}-n{n}", dataclasses.replace(s, params=dataclasses.replace(p, down_nb=n))) for n in nbs]
+    return out
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -448,6 +460,8 @@ def main() -> None:
     ap.add_argument("--probe-gemm", action="store_true", help="mixtral large-T GEMM for ncu, then exit")
     ap.add_argument("--probe-table", metavar="CELLS", help="the table's schedule of each cell "
                     "('shape:T,T;shape:T') for ncu, then exit")
+    ap.add_argument("--nb-twins", action="store_true", help="also every candidate's down_nb 2 / 4 twin "
+                    "(token-mode GEMV and grouped GEMM down, bench.kernels.nb_twins)")
     ap.add_argument("--render", metavar="JSON", help="rewrite the markdown table of a results JSON, then exit")
     args = ap.parse_args()
     if args.render:
@@ -498,9 +512,11 @@ def main() -> None:
             x0, ids0, wt0 = sets[0]
             ref = reference(block, Case(x0, ids0, wt0, w))  # the tuner's fp32 reference, expert by expert
             best_open = BEST_OPEN[shape][TOKENS.index(T)] if T in TOKENS else None
-            cands = [(f"moetune:{s.kind}", tag, s, BACKEND.build(block, s))
-                     for tag, s in variants(E, k, D, F, T) + table_variant(args.table, shape, T)
+            named = [(tag, s) for tag, s in variants(E, k, D, F, T) + table_variant(args.table, shape, T)
                      if re.fullmatch(args.tags, tag)]
+            if args.nb_twins:
+                named += nb_twins(named)
+            cands = [(f"moetune:{s.kind}", tag, s, BACKEND.build(block, s)) for tag, s in named]
             for b in baselines:
                 if b == "batched_mm" and (T > 64 or T * k * 3 * D * F * 2 > 24e9):
                     continue

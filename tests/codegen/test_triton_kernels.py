@@ -68,6 +68,15 @@ SCHEDULES = {
         block_m=16, block_n=32, block_k=64, group_m=2, down_block_n=32, down_block_k=16, split_k=2, y_half=True)),
     "gemm_m32_tma_y_half": Schedule("grouped_gemm", backend="triton", params=GemmParams(
         block_m=32, block_n=16, block_k=64, group_m=1, down_block_n=64, down_block_k=16, tma=True, y_half=True)),
+    # down_nb: D-blocks per down program in one flattened loop (the last program's blocks partly past D at
+    # D = 200, the last K chunk partial at F = 48 / 72)
+    "gemv_fused_token_nb2": Schedule("stream_gemv", backend="triton", params=GemvParams(
+        block_n=16, block_k=64, down_block_n=16, down_block_k=32, down_nb=2)),
+    "gemm_m16_nb2": Schedule("grouped_gemm", backend="triton", params=GemmParams(
+        block_m=16, block_n=32, block_k=64, group_m=2, down_block_n=16, down_block_k=32, down_nb=2)),
+    "gemm_m16_tma_split2_nb4": Schedule("grouped_gemm", backend="triton", params=GemmParams(
+        block_m=16, block_n=32, block_k=32, group_m=2, down_block_n=16, down_block_k=16, split_k=2, tma=True,
+        down_nb=4)),
     "hybrid_r2": Schedule("hybrid", row_threshold=2, backend="triton", params=HybridParams(
         block_m=16, block_n=32, block_k=64, gemv_block_n=16, gemv_block_k=64, down_block_n=64,
         down_block_k=64, down_gemv_block_n=32, down_gemv_block_k=64)),

@@ -99,12 +99,15 @@ def representative() -> list[tuple[str, object, dict, dict]]:
         ("route/scatter", route_kernel, dict(PHASE=1, BLOCK_E=512, C=16, GB=8), dict(num_warps=4)),
         ("gemv/gate_up", stream_gemv_kernel, dict(gv, PROJ=0, BN=8, BK=256), o4),
         ("gemv/down_token", stream_gemv_kernel, dict(gv, PROJ=2, BN=4, BK=128), o4),
+        ("gemv/down_token_nb4", stream_gemv_kernel, dict(gv, PROJ=2, BN=8, BK=128, NB=4), o4),
         ("gemv/down_expert", stream_gemv_kernel, dict(gv, PROJ=1, FUSED=False, BN=8, BK=128),
          o4),
         ("gemv/gate_up_rows16", stream_gemv_kernel, dict(gv, PROJ=0, FUSED=False, ROWS=16, BN=64, BK=128),
          o4),
         ("gemm/gate_up_m16", grouped_gemm_kernel,
          dict(base, PROJ=0, K_TOP=8, BLOCK_E=128, BM=16, BN=64, BK=128, GROUP_M=8), o4),
+        ("gemm/down_m16_nb4", grouped_gemm_kernel,
+         dict(base, PROJ=1, K_TOP=8, BLOCK_E=128, BM=16, BN=64, BK=128, GROUP_M=8, NB=4), o4),
         ("gemm/gate_up_m128", grouped_gemm_kernel,
          dict(base, PROJ=0, K_TOP=2, BLOCK_E=16, BM=128, BN=128, BK=64, GROUP_M=8), o8),
         ("gemm/down_m128", grouped_gemm_kernel,
@@ -120,6 +123,9 @@ def representative() -> list[tuple[str, object, dict, dict]]:
         ("gemm/down_m128_tma", grouped_gemm_tma_kernel,
          dict(base, PROJ=1, BLOCK_E=16, BM=128, BN=256, BK=64, GROUP_M=8),
          dict(o8, num_stages=3, descs=tma_descs(128, 256, 64))),
+        ("gemm/down_m16_tma_nb4", grouped_gemm_tma_kernel,
+         dict(base, PROJ=1, BLOCK_E=128, BM=16, BN=64, BK=128, GROUP_M=8, NB=4),
+         dict(o4, descs=tma_descs(16, 64, 128))),
         ("route/gather", gather_kernel, dict(K_TOP=2, BLOCK_E=16, BR=16, BD=256), dict(num_warps=4)),
         ("hybrid/gate_up", hybrid_kernel,
          dict(base, PROJ=0, K_TOP=8, BLOCK_E=128, BM=16, BN=64, BK=128, BNV=8, BKV=256, RP=1, STAGES=4),
@@ -143,11 +149,13 @@ def schedule_kernels(block, tokens: int, schedule) -> list[tuple[str, object, di
     if schedule.kind == "stream_gemv":
         m = dict(base, K_TOP=k, KP=1 << (k - 1).bit_length(), BLOCK_E=be, BP=16,
                  FUSED=p.fused_route and tokens * k <= 64, ROWS=p.rows, STAGES=p.num_stages)
+        down = dict(m, PROJ=2 if p.down_mode == "token" else 1, BN=p.down_block_n, BK=p.down_block_k)
+        if p.down_nb > 1:  # (NB left at its default otherwise: the stored winners keep their digests)
+            down["NB"] = p.down_nb
         return [("gate_up", stream_gemv_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k),
                  dict(num_warps=p.num_warps, num_stages=p.num_stages)),
-                ("down", stream_gemv_kernel, dict(m, PROJ=2 if p.down_mode == "token" else 1, BN=p.down_block_n,
-                                                  BK=p.down_block_k),
-                 dict(num_warps=p.down_warps, num_stages=p.num_stages))]
+                ("down", stream_gemv_kernel, down, dict(num_warps=p.down_warps, num_stages=p.num_stages))]
+    nb = dict(NB=p.down_nb) if getattr(p, "down_nb", 1) > 1 else {}  # grouped_gemm's down
     if schedule.kind == "grouped_gemm" and p.tma:
         m = dict(base, BLOCK_E=be, BM=p.block_m, GROUP_M=p.group_m)
         gate_up = dict(m, PROJ=0, BN=p.block_n, BK=p.block_k)
@@ -156,14 +164,14 @@ def schedule_kernels(block, tokens: int, schedule) -> list[tuple[str, object, di
         return [("gate_up", grouped_gemm_tma_kernel, gate_up,
                  dict(num_warps=p.num_warps, num_stages=p.num_stages,
                       descs=tma_descs(p.block_m, p.block_n, p.block_k, p.one_dot))),
-                ("down", grouped_gemm_tma_kernel, dict(m, PROJ=1, BN=p.down_block_n, BK=p.down_block_k),
+                ("down", grouped_gemm_tma_kernel, dict(m, PROJ=1, BN=p.down_block_n, BK=p.down_block_k, **nb),
                  dict(num_warps=p.down_warps, num_stages=p.down_stages,
                       descs=tma_descs(p.block_m, p.down_block_n, p.down_block_k)))]
     if schedule.kind == "grouped_gemm":
         m = dict(base, K_TOP=k, BLOCK_E=be, BM=p.block_m, GROUP_M=p.group_m)
         return [("gate_up", grouped_gemm_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k, ONE_DOT=p.one_dot),
                  dict(num_warps=p.num_warps, num_stages=p.num_stages)),
-                ("down", grouped_gemm_kernel, dict(m, PROJ=1, BN=p.down_block_n, BK=p.down_block_k),
+                ("down", grouped_gemm_kernel, dict(m, PROJ=1, BN=p.down_block_n, BK=p.down_block_k, **nb),
                  dict(num_warps=p.down_warps, num_stages=p.down_stages))]
     rp = 1 << max(0, (schedule.row_threshold - 2).bit_length())
     m = dict(base, K_TOP=k, BLOCK_E=be, BM=p.block_m, RP=rp)

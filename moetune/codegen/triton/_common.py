@@ -382,6 +382,50 @@ def _token_down(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr, s
 
 
 @triton.jit
+def _token_down_nb(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr, sbe, sbn, n_first, N, K,
+                   y_row, K_TOP: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   NB: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, STAGES: tl.constexpr):
+    """_token_down over NB consecutive D-blocks [n_first + b·BN, +BN) of one token in ONE pipelined loop
+    (b, K chunk) flattened: the next block's first weight chunks are in flight while the current block
+    finishes, and the program's set-up (ids, weights, addresses) is paid once for NB blocks. Each block's
+    out[t, n0:n0+BN] is stored when its last K chunk is in."""
+    jk = tl.arange(0, KP)
+    jm = jk < K_TOP
+    p = t * K_TOP + jk  # [KP]
+    e = tl.load(ids_ptr + p, mask=jm, other=-1).to(tl.int32)
+    ok = jm & (e >= 0) & (e < E)
+    ec = tl.where(ok, e, 0).to(tl.int64)
+    wt = tl.load(wts_ptr + p, mask=ok, other=0.0).to(tl.float32)  # [KP]
+    wbase = w_ptr + ec[:, None, None] * se  # [KP, 1, 1]
+    hbase = h_ptr + p.to(tl.int64)[:, None] * s_hp  # [KP, 1]
+    nk = tl.cdiv(K, BK)
+    nb = tl.minimum(NB, tl.cdiv(N - n_first, BN))  # blocks of this program inside [0, N)
+    acc = tl.zeros([KP, BN, BK], dtype=tl.float32)
+    for i in tl.range(0, nb * nk, num_stages=STAGES):
+        b = i // nk
+        k0 = (i - b * nk) * BK
+        offs_n = n_first + b * BN + tl.arange(0, BN)
+        nm = offs_n < N
+        offs_k = k0 + tl.arange(0, BK)
+        km = offs_k < K
+        hv = tl.load(hbase + offs_k[None, :], mask=ok[:, None] & km[None, :], other=0.0)  # [KP, BK]
+        wv = tl.load(wbase + offs_n[None, :, None] * sn + offs_k[None, None, :] * sk,
+                     mask=ok[:, None, None] & nm[None, :, None] & km[None, None, :], other=0.0,
+                     eviction_policy="evict_first")  # [KP, BN, BK]
+        acc += wv.to(tl.float32) * hv.to(tl.float32)[:, None, :]
+        if k0 + BK >= K:  # block b complete
+            y = tl.sum(acc, axis=2)  # [KP, BN]
+            if HAS_BIAS:
+                bv = tl.load(b_ptr + ec[:, None] * sbe + offs_n[None, :] * sbn, mask=ok[:, None] & nm[None, :],
+                             other=0.0).to(tl.float32)
+                y += bv
+            if not W_IN:
+                y = y * wt[:, None]
+            tl.store(y_row + offs_n, tl.sum(y, axis=0).to(y_row.dtype.element_ty), mask=nm)
+            acc = tl.zeros([KP, BN, BK], dtype=tl.float32)
+
+
+@triton.jit
 def _tile_gate_up(x_ptr, s_xt, tok, rmask, w_e, sn, sk, up, n0, N, K, k_end,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
                   ONE_DOT: tl.constexpr):
@@ -449,6 +493,29 @@ def _tile_down(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n0, N, k_lo, k_hi,
     for k0 in range(k_lo, k_hi, BK):
         acc = _dot_step(arow, bcol, sk, k0, k_hi, rmask, nm, acc, BK, UPCAST)
     return acc
+
+
+@triton.jit
+def _tile_down_nb(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n_first, N, k_lo, k_hi, y_ptr, wt, b_e, sbn,
+                  first_split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr,
+                  UPCAST: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr):
+    """_tile_down + _store_y over NB consecutive column blocks [n_first + b·BN, +BN) of one row tile in ONE
+    pipelined loop (b, K step) flattened: at a short reduction (F = 768: 6 steps of 128) the next block's
+    first tiles load while the current one finishes, and the tile's set-up (counts, pairs, weights) is
+    paid once for NB blocks. Each block's y rows are stored when its last K step is in."""
+    nk = tl.cdiv(k_hi - k_lo, BK)
+    nb = tl.minimum(NB, tl.cdiv(N - n_first, BN))
+    arow = h_ptr + pairs.to(tl.int64)[:, None] * s_hp
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for i in range(0, nb * nk):
+        b = i // nk
+        k0 = k_lo + (i - b * nk) * BK
+        n0 = n_first + b * BN
+        offs_n = n0 + tl.arange(0, BN)
+        acc = _dot_step(arow, w_e + offs_n[None, :] * sn, sk, k0, k_hi, rmask, offs_n < N, acc, BK, UPCAST)
+        if k0 + BK >= k_hi:  # block b complete
+            _store_y(y_ptr, pairs, rmask, acc, wt, b_e, sbn, first_split, n0, N, BN, HAS_BIAS, W_IN)
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
 
 
 @triton.jit

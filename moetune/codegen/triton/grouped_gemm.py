@@ -46,6 +46,7 @@ from ._common import (
     _store_h,
     _store_y,
     _tile_down,
+    _tile_down_nb,
     _tile_gate_up,
     act_args,
     call_args,
@@ -76,8 +77,13 @@ class GemmParams:
     # down: y rows in x's dtype instead of fp32 (a 16-bit x: half the bytes the down GEMM writes and the
     # combine reads, S·P·D·2 each; each (pair, column) value rounded once, the sum over k stays fp32)
     y_half: bool = False
+    # down: D-column blocks per program, walked in one flattened pipelined loop (the next block's tiles load
+    # while the current one ends; the tile's set-up is paid once for all of them): for short reductions
+    down_nb: int = 1
 
     def __post_init__(self) -> None:
+        if self.down_nb not in (1, 2, 4, 8):
+            raise UnsupportedSchedule(f"GemmParams.down_nb = {self.down_nb}: 1, 2, 4 or 8")
         check_pow2("GemmParams", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
                    down_block_n=self.down_block_n, down_block_k=self.down_block_k,
                    num_warps=self.num_warps, down_warps=self.down_warps)
@@ -116,6 +122,7 @@ SPACE = ParamSpace(GemmParams, (
     ("split_k", (1, 2, 4)),
     ("tma", (False, True)),
     ("y_half", (False, True)),
+    ("down_nb", (1, 2, 4)),
 ))
 
 
@@ -127,9 +134,9 @@ def grouped_gemm_kernel(
     PROJ: tl.constexpr, K_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
-    ONE_DOT: tl.constexpr = False,
+    ONE_DOT: tl.constexpr = False, NB: tl.constexpr = 1,
 ):
-    tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
+    tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN * NB, GROUP_M)
     e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
     r = tl.arange(0, BM)
     rmask = r < left
@@ -146,10 +153,15 @@ def grouped_gemm_kernel(
         ks = tl.program_id(1)  # split of the F reduction: fp32 partial planes y [S, P, D]
         k_lo = ks * k_split
         k_hi = tl.where(left > 0, tl.minimum(k_lo + k_split, K), k_lo)
-        acc = _tile_down(h_ptr, s_hp, pairs, rmask, w_ptr + ec * se, sn, sk, n0, N, k_lo, k_hi,
-                         BM, BN, BK, UPCAST)
-        _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, b_ptr + ec * sbe, sbn,
-                 (ks == 0).to(tl.float32), n0, N, BN, HAS_BIAS, W_IN)
+        if NB == 1:
+            acc = _tile_down(h_ptr, s_hp, pairs, rmask, w_ptr + ec * se, sn, sk, n0, N, k_lo, k_hi,
+                             BM, BN, BK, UPCAST)
+            _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, b_ptr + ec * sbe, sbn,
+                     (ks == 0).to(tl.float32), n0, N, BN, HAS_BIAS, W_IN)
+        else:  # NB column blocks in one flattened loop
+            _tile_down_nb(h_ptr, s_hp, pairs, rmask, w_ptr + ec * se, sn, sk, n0, N, k_lo, k_hi,
+                          y_ptr + ks.to(tl.int64) * P * N, wt, b_ptr + ec * sbe, sbn, (ks == 0).to(tl.float32),
+                          BM, BN, BK, NB, UPCAST, HAS_BIAS, W_IN)
 
 
 @triton.jit(do_not_specialize=["P", "n_tiles"])
@@ -158,13 +170,13 @@ def grouped_gemm_tma_kernel(
     h_ptr, y_ptr, P, E, N, K, n_tiles, k_split, alpha, limit,
     BLOCK_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     PROJ: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
-    ONE_DOT: tl.constexpr = False,
+    ONE_DOT: tl.constexpr = False, NB: tl.constexpr = 1,
 ):
     """The TMA operand path. a_desc: xs [P, D] (PROJ 0) or h [P, F] (PROJ 1), sorted order, box [BM, BK];
     b_desc: gate_up as [E·2F, D] (gate rows e·2F + n, up rows e·2F + F + n) or down as [E·D, F], box
     [BN, BK]; with ONE_DOT gate_up as [2E, F, D], box [2, BN, BK]. Boxes past a tensor's edge read
-    zeros."""
-    tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
+    zeros. NB (down): column blocks per program, one flattened loop (see _common._tile_down_nb)."""
+    tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN * NB, GROUP_M)
     e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
     if left > 0:
         r = tl.arange(0, BM)
@@ -199,14 +211,31 @@ def grouped_gemm_tma_kernel(
         else:
             ks = tl.program_id(1)  # split of the F reduction: fp32 partial planes y [S, P, D]
             k_lo = ks * k_split
-            for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BK):
-                a = a_desc.load([row0, k0])  # [BM, BK]
-                b = b_desc.load([e * N + n0, k0])  # [BN, BK]
-                if UPCAST:
-                    a, b = a.to(tl.float32), b.to(tl.float32)
-                acc = tl.dot(a, b.T, acc)
-            _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, b_ptr + e * sbe, sbn,
-                     (ks == 0).to(tl.float32), n0, N, BN, HAS_BIAS, W_IN)
+            if NB == 1:
+                for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BK):
+                    a = a_desc.load([row0, k0])  # [BM, BK]
+                    b = b_desc.load([e * N + n0, k0])  # [BN, BK]
+                    if UPCAST:
+                        a, b = a.to(tl.float32), b.to(tl.float32)
+                    acc = tl.dot(a, b.T, acc)
+                _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, b_ptr + e * sbe, sbn,
+                         (ks == 0).to(tl.float32), n0, N, BN, HAS_BIAS, W_IN)
+            else:  # NB column blocks, one flattened loop; a box past the expert's D rows is not loaded
+                k_hi = tl.minimum(k_lo + k_split, K)
+                nk = tl.cdiv(k_hi - k_lo, BK)
+                for i in range(0, tl.minimum(NB, tl.cdiv(N - n0, BN)) * nk):
+                    bi = i // nk
+                    k0 = k_lo + (i - bi * nk) * BK
+                    nb0 = n0 + bi * BN
+                    a = a_desc.load([row0, k0])  # [BM, BK]
+                    b = b_desc.load([e * N + nb0, k0])  # [BN, BK]
+                    if UPCAST:
+                        a, b = a.to(tl.float32), b.to(tl.float32)
+                    acc = tl.dot(a, b.T, acc)
+                    if k0 + BK >= k_hi:
+                        _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, b_ptr + e * sbe, sbn,
+                                 (ks == 0).to(tl.float32), nb0, N, BN, HAS_BIAS, W_IN)
+                        acc = tl.zeros([BM, BN], dtype=tl.float32)
 
 
 def max_tiles(P: int, E: int, bm: int) -> int:
@@ -266,11 +295,11 @@ def build(block: MoEBlock, schedule: Schedule):
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
-        launch(grouped_gemm_kernel, (nt * cdiv(D, p.down_block_n), S),
+        launch(grouped_gemm_kernel, (nt * cdiv(cdiv(D, p.down_block_n), p.down_nb), S),
             x, x.stride(0), wts_f, counts, sorted_pairs,
             w.down, ds.se, ds.sn, ds.sk, 0, db, ds.sbe, ds.sbn, 0,
             h, h.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
-            PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps,
+            PROJ=1, BN=p.down_block_n, BK=p.down_block_k, NB=p.down_nb, num_warps=p.down_warps,
             num_stages=p.down_stages, **meta)
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         return _combine.combine(y, ids, out, E)
@@ -314,12 +343,12 @@ def _build_tma(block: MoEBlock, p: GemmParams, alpha: float, limit: float):
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
-        grouped_gemm_tma_kernel[(nt * cdiv(D, p.down_block_n), S)](
+        grouped_gemm_tma_kernel[(nt * cdiv(cdiv(D, p.down_block_n), p.down_nb), S)](
             _desc(h, [rows, F], [F, 1], [p.block_m, p.down_block_k]), dn_desc,
             wts_f, counts, sorted_pairs, a.down_bias, ds.sbe, ds.sbn, 0,
             h, y, P, E, D, F, nt, k_split, alpha, limit,
-            PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
-            **meta)
+            PROJ=1, BN=p.down_block_n, BK=p.down_block_k, NB=p.down_nb, num_warps=p.down_warps,
+            num_stages=p.down_stages, **meta)
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         return _combine.combine(y, ids, out, E)
 

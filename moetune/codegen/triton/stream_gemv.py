@@ -7,7 +7,8 @@ One kernel, three projections (PROJ):
   1 down      grid (slot, D-block, K split): fp32 partial rows y [S, P, D] · routing weight, then
               combine.py sums splits and the k experts of each token (deterministic).
   2 down      grid (token, D-block): loops over the token's k experts and writes out [T, D] directly,
-              one launch, no combine; an expert shared by several tokens is re-read per token.
+              one launch, no combine; an expert shared by several tokens is re-read per token. With
+              down_nb > 1 a program walks that many D-blocks in one flattened pipelined loop.
 Work comes from `counts`/`sorted_pairs` (routing.py) or, with `fused_route` and P ≤ 64, from the ids
 themselves (`_fused_slot`): then the whole block is two launches (gate/up, down token).
 All (token, expert) pairs of a projection run in one launch; the grid is static (min(P, E) slots).
@@ -41,6 +42,7 @@ from ._common import (
     _tile_down,
     _tile_gate_up,
     _token_down,
+    _token_down_nb,
     act_args,
     call_args,
     cdiv,
@@ -64,6 +66,9 @@ class GemvParams:
     down_mode: Literal["token", "expert"] = "token"
     split_k: int = 1  # down, expert mode: F split in this many fp32 partials
     fused_route: bool = True  # P ≤ 64: each program groups the ids itself (no routing kernel)
+    # token-mode down: D-blocks per program, walked in one flattened pipelined loop (the next block's chunks
+    # load while the current one ends; the ids, weights and addresses are set up once for all of them)
+    down_nb: int = 1
 
     def __post_init__(self) -> None:
         check_pow2("GemvParams", block_n=self.block_n, block_k=self.block_k, rows=self.rows,
@@ -71,6 +76,9 @@ class GemvParams:
                    num_warps=self.num_warps, down_warps=self.down_warps)
         if self.down_mode not in ("token", "expert"):
             raise UnsupportedSchedule(f"GemvParams.down_mode = {self.down_mode!r}: 'token' or 'expert'")
+        if self.down_nb not in (1, 2, 4, 8) or (self.down_nb > 1 and self.down_mode != "token"):
+            raise UnsupportedSchedule(f"GemvParams.down_nb = {self.down_nb}: 1, 2, 4 or 8, and > 1 only with "
+                                      "down_mode='token'")
         if self.split_k < 1 or (self.split_k > 1 and self.down_mode != "expert"):
             raise UnsupportedSchedule(f"GemvParams.split_k = {self.split_k}: ≥ 1, and > 1 only with "
                                       "down_mode='expert' (the token mode has no partials to combine)")
@@ -102,6 +110,7 @@ SPACE = ParamSpace(GemvParams, (
     ("down_mode", ("token", "expert")),
     ("split_k", (1, 2, 4)),
     ("fused_route", (True, False)),
+    ("down_nb", (1, 2, 4)),
 ))
 
 
@@ -114,12 +123,16 @@ def stream_gemv_kernel(
     PROJ: tl.constexpr, K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, BP: tl.constexpr,
     FUSED: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, NB: tl.constexpr = 1,
 ):
     n0 = tl.program_id(1) * BN
     offs_n = n0 + tl.arange(0, BN)
     nm = offs_n < N
-    if PROJ == 2:
+    if PROJ == 2 and NB > 1:
+        t = tl.program_id(0)
+        _token_down_nb(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr, sbe, sbn, n0 * NB, N, K,
+                       y_ptr + t.to(tl.int64) * s_yt, K_TOP, KP, BN, BK, NB, HAS_BIAS, W_IN, STAGES)
+    elif PROJ == 2:
         t = tl.program_id(0)
         out = _token_down(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr, sbe, sbn, n0, N, K,
                           K_TOP, KP, BN, BK, HAS_BIAS, W_IN, STAGES)
@@ -207,11 +220,11 @@ def build(block: MoEBlock, schedule: Schedule):
             STAGES=p.num_stages, **meta)
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         if p.down_mode == "token":
-            launch(stream_gemv_kernel, (T, cdiv(D, p.down_block_n), 1),
+            launch(stream_gemv_kernel, (T, cdiv(cdiv(D, p.down_block_n), p.down_nb), 1),
                 x, x.stride(0), ids_f, wts_f, counts, sorted_pairs,
                 w.down, ds.se, ds.sn, ds.sk, 0, db, ds.sbe, ds.sbn, 0,
                 h, h.stride(0), out, out.stride(0), P, E, D, F, F, alpha, limit,
-                PROJ=2, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps,
+                PROJ=2, BN=p.down_block_n, BK=p.down_block_k, NB=p.down_nb, num_warps=p.down_warps,
                 num_stages=p.num_stages, STAGES=p.num_stages, **meta)
             return out
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
