@@ -423,6 +423,31 @@ def probe_table(out_dir: Path, cells: str, table: str) -> None:
     (out_dir / "probe_table_plan.json").write_text(json.dumps([(s, t, d) for s, t, d, *_ in plan]))
 
 
+def probe_variants(out_dir: Path, cells: str) -> None:
+    """Named variants per cell ("shape:T:tag,tag;..."; the `-n2` / `-n4` twins of nb_twins too), one eager
+    call each inside cudaProfilerStart/Stop for `ncu --profile-from-start off`, in the order given."""
+    from moetune.codegen.triton import BACKEND
+
+    dev = torch.device("cuda")
+    plan = []
+    for group in cells.split(";"):
+        shape, T, tags = group.split(":")
+        T = int(T)
+        E, k, D, F = SHAPES[shape]
+        block = MoEBlock(E=E, k=k, D=D, F=F, name=shape)
+        w = expert_weights(E, D, F, dev, seed=1)
+        named = variants(E, k, D, F, T)
+        named = dict(named + nb_twins(named))
+        x, ids, wt = routings(T, E, k, D, dev, seed=7)[0]
+        for tag in tags.split(","):
+            fn = BACKEND.build(block, named[tag])
+            fn(x, ids, wt, w)  # compiled before the profiled range
+            torch.cuda.synchronize()
+            plan.append((shape, T, tag, fn, x, ids, wt, w))
+    profiled([(fn, x, ids, wt, w) for *_, fn, x, ids, wt, w in plan])
+    (out_dir / "probe_variants_plan.json").write_text(json.dumps([(s, t, g) for s, t, g, *_ in plan]))
+
+
 def probe_gemm(out_dir: Path) -> None:
     """The large-T GEMM path of mixtral-8x7b (T = 512, 1024) inside cudaProfilerStart/Stop for ncu:
     kernels in order route (×2), gate/up, down, combine per call."""
@@ -462,6 +487,8 @@ def main() -> None:
                     "('shape:T,T;shape:T') for ncu, then exit")
     ap.add_argument("--nb-twins", action="store_true", help="also every candidate's down_nb 2 / 4 twin "
                     "(token-mode GEMV and grouped GEMM down, bench.kernels.nb_twins)")
+    ap.add_argument("--probe-variants", metavar="CELLS", help="named variants of each cell "
+                    "(\"shape:T:tag,tag;...\") for ncu, then exit")
     ap.add_argument("--render", metavar="JSON", help="rewrite the markdown table of a results JSON, then exit")
     args = ap.parse_args()
     if args.render:
@@ -474,6 +501,10 @@ def main() -> None:
     if args.probe:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         probe(Path(args.out))
+        return
+    if args.probe_variants:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        probe_variants(Path(args.out), args.probe_variants)
         return
     if args.probe_table:
         Path(args.out).mkdir(parents=True, exist_ok=True)
