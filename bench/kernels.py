@@ -353,7 +353,8 @@ def nb_twins(cands: list[tuple[str, Schedule]], nbs=(2, 4)) -> list[tuple[str, S
     out = []
     for tag, s in cands:
         p = s.params
-        if p is None or getattr(p, "down_nb", 0) != 1 or getattr(p, "down_mode", "token") != "token":
+        if (p is None or getattr(p, "down_nb", 0) != 1 or getattr(p, "down_mode", "token") != "token"
+                or getattr(p, "tma", False)):
             continue
         out += [(f"{tag}-n{n}", dataclasses.replace(s, params=dataclasses.replace(p, down_nb=n))) for n in nbs]
     return out

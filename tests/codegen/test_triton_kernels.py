@@ -74,9 +74,8 @@ SCHEDULES = {
         block_n=16, block_k=64, down_block_n=16, down_block_k=32, down_nb=2)),
     "gemm_m16_nb2": Schedule("grouped_gemm", backend="triton", params=GemmParams(
         block_m=16, block_n=32, block_k=64, group_m=2, down_block_n=16, down_block_k=32, down_nb=2)),
-    "gemm_m16_tma_split2_nb4": Schedule("grouped_gemm", backend="triton", params=GemmParams(
-        block_m=16, block_n=32, block_k=32, group_m=2, down_block_n=16, down_block_k=16, split_k=2, tma=True,
-        down_nb=4)),
+    "gemm_m16_split2_nb4": Schedule("grouped_gemm", backend="triton", params=GemmParams(
+        block_m=16, block_n=32, block_k=32, group_m=2, down_block_n=16, down_block_k=16, split_k=2, down_nb=4)),
     "hybrid_r2": Schedule("hybrid", row_threshold=2, backend="triton", params=HybridParams(
         block_m=16, block_n=32, block_k=64, gemv_block_n=16, gemv_block_k=64, down_block_n=64,
         down_block_k=64, down_gemv_block_n=32, down_gemv_block_k=64)),
@@ -166,6 +165,16 @@ def test_against_reference(case, sched, poisoned):
     P = T * k
     bound = 4 * (P * F + (3 if tma else 2) * P * D + T * D + 2 * P) + 4 * 64 * max(16, E) + 4 * E
     assert sum(poisoned) <= bound, f"{name}/{sched}: {sum(poisoned)} bytes allocated, bound {bound}"
+
+
+def test_down_nb_refused_where_it_does_not_run():
+    """down_nb > 1: the token-mode GEMV down and the pointer GEMM down only, with the reason."""
+    with pytest.raises(UnsupportedSchedule, match="pointer path only"):
+        GemmParams(block_m=16, block_n=32, block_k=32, down_block_n=16, tma=True, down_nb=2)
+    with pytest.raises(UnsupportedSchedule, match="down_mode='token'"):
+        GemvParams(down_mode="expert", down_nb=2)
+    with pytest.raises(UnsupportedSchedule, match="1, 2, 4 or 8"):
+        GemvParams(down_nb=3)
 
 
 @pytest.mark.parametrize("tma", [False, True])

@@ -123,9 +123,6 @@ def representative() -> list[tuple[str, object, dict, dict]]:
         ("gemm/down_m128_tma", grouped_gemm_tma_kernel,
          dict(base, PROJ=1, BLOCK_E=16, BM=128, BN=256, BK=64, GROUP_M=8),
          dict(o8, num_stages=3, descs=tma_descs(128, 256, 64))),
-        ("gemm/down_m16_tma_nb4", grouped_gemm_tma_kernel,
-         dict(base, PROJ=1, BLOCK_E=128, BM=16, BN=64, BK=128, GROUP_M=8, NB=4),
-         dict(o4, descs=tma_descs(16, 64, 128))),
         ("route/gather", gather_kernel, dict(K_TOP=2, BLOCK_E=16, BR=16, BD=256), dict(num_warps=4)),
         ("hybrid/gate_up", hybrid_kernel,
          dict(base, PROJ=0, K_TOP=8, BLOCK_E=128, BM=16, BN=64, BK=128, BNV=8, BKV=256, RP=1, STAGES=4),
@@ -155,7 +152,7 @@ def schedule_kernels(block, tokens: int, schedule) -> list[tuple[str, object, di
         return [("gate_up", stream_gemv_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k),
                  dict(num_warps=p.num_warps, num_stages=p.num_stages)),
                 ("down", stream_gemv_kernel, down, dict(num_warps=p.down_warps, num_stages=p.num_stages))]
-    nb = dict(NB=p.down_nb) if getattr(p, "down_nb", 1) > 1 else {}  # grouped_gemm's down
+    nb = dict(NB=p.down_nb) if getattr(p, "down_nb", 1) > 1 else {}  # grouped_gemm's pointer-path down
     if schedule.kind == "grouped_gemm" and p.tma:
         m = dict(base, BLOCK_E=be, BM=p.block_m, GROUP_M=p.group_m)
         gate_up = dict(m, PROJ=0, BN=p.block_n, BK=p.block_k)
@@ -164,7 +161,7 @@ def schedule_kernels(block, tokens: int, schedule) -> list[tuple[str, object, di
         return [("gate_up", grouped_gemm_tma_kernel, gate_up,
                  dict(num_warps=p.num_warps, num_stages=p.num_stages,
                       descs=tma_descs(p.block_m, p.block_n, p.block_k, p.one_dot))),
-                ("down", grouped_gemm_tma_kernel, dict(m, PROJ=1, BN=p.down_block_n, BK=p.down_block_k, **nb),
+                ("down", grouped_gemm_tma_kernel, dict(m, PROJ=1, BN=p.down_block_n, BK=p.down_block_k),
                  dict(num_warps=p.down_warps, num_stages=p.down_stages,
                       descs=tma_descs(p.block_m, p.down_block_n, p.down_block_k)))]
     if schedule.kind == "grouped_gemm":

@@ -3,7 +3,8 @@
 One kernel per operand path, two projections (PROJ) each:
   0 gate/up   tile × F-block: A = x rows of the tile's sorted pairs [BM, BK], B = gate and up tiles of
               the expert read in place; SwiGLU in the epilogue; h [P, F] in x.dtype (tma: the weights').
-  1 down      tile × D-block (× split_k F ranges): A = h rows, B = down tile; routing weight in the
+  1 down      tile × D-block (× split_k F ranges; pointer path: down_nb D-blocks per program in one
+              flattened pipelined loop): A = h rows, B = down tile; routing weight in the
               epilogue; rows y [S, P, D] (S = split_k partial planes; fp32, or with y_half the 16-bit
               activation dtype), then combine.py sums the S planes and the k rows of each token in fp32.
 Tiles come from `counts` (routing.py) through `_find_tile`: tile t of expert e holds sorted rows
@@ -84,6 +85,10 @@ class GemmParams:
     def __post_init__(self) -> None:
         if self.down_nb not in (1, 2, 4, 8):
             raise UnsupportedSchedule(f"GemmParams.down_nb = {self.down_nb}: 1, 2, 4 or 8")
+        if self.down_nb > 1 and self.tma:  # H200 (session 11): the flattened TMA loop holds more shared memory
+            raise UnsupportedSchedule("GemmParams.down_nb > 1 with tma: the pointer path only (the TMA down "
+                                      "loop flattened over column blocks took 106 KB of shared memory against "
+                                      "74 KB and ran 10-32 % slower at mixtral-8x7b T = 64)")
         check_pow2("GemmParams", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
                    down_block_n=self.down_block_n, down_block_k=self.down_block_k,
                    num_warps=self.num_warps, down_warps=self.down_warps)
@@ -170,13 +175,13 @@ def grouped_gemm_tma_kernel(
     h_ptr, y_ptr, P, E, N, K, n_tiles, k_split, alpha, limit,
     BLOCK_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     PROJ: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
-    ONE_DOT: tl.constexpr = False, NB: tl.constexpr = 1,
+    ONE_DOT: tl.constexpr = False,
 ):
     """The TMA operand path. a_desc: xs [P, D] (PROJ 0) or h [P, F] (PROJ 1), sorted order, box [BM, BK];
     b_desc: gate_up as [E·2F, D] (gate rows e·2F + n, up rows e·2F + F + n) or down as [E·D, F], box
     [BN, BK]; with ONE_DOT gate_up as [2E, F, D], box [2, BN, BK]. Boxes past a tensor's edge read
-    zeros. NB (down): column blocks per program, one flattened loop (see _common._tile_down_nb)."""
-    tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN * NB, GROUP_M)
+    zeros."""
+    tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
     e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
     if left > 0:
         r = tl.arange(0, BM)
@@ -211,31 +216,14 @@ def grouped_gemm_tma_kernel(
         else:
             ks = tl.program_id(1)  # split of the F reduction: fp32 partial planes y [S, P, D]
             k_lo = ks * k_split
-            if NB == 1:
-                for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BK):
-                    a = a_desc.load([row0, k0])  # [BM, BK]
-                    b = b_desc.load([e * N + n0, k0])  # [BN, BK]
-                    if UPCAST:
-                        a, b = a.to(tl.float32), b.to(tl.float32)
-                    acc = tl.dot(a, b.T, acc)
-                _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, b_ptr + e * sbe, sbn,
-                         (ks == 0).to(tl.float32), n0, N, BN, HAS_BIAS, W_IN)
-            else:  # NB column blocks, one flattened loop; a box past the expert's D rows is not loaded
-                k_hi = tl.minimum(k_lo + k_split, K)
-                nk = tl.cdiv(k_hi - k_lo, BK)
-                for i in range(0, tl.minimum(NB, tl.cdiv(N - n0, BN)) * nk):
-                    bi = i // nk
-                    k0 = k_lo + (i - bi * nk) * BK
-                    nb0 = n0 + bi * BN
-                    a = a_desc.load([row0, k0])  # [BM, BK]
-                    b = b_desc.load([e * N + nb0, k0])  # [BN, BK]
-                    if UPCAST:
-                        a, b = a.to(tl.float32), b.to(tl.float32)
-                    acc = tl.dot(a, b.T, acc)
-                    if k0 + BK >= k_hi:
-                        _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, b_ptr + e * sbe, sbn,
-                                 (ks == 0).to(tl.float32), nb0, N, BN, HAS_BIAS, W_IN)
-                        acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BK):
+                a = a_desc.load([row0, k0])  # [BM, BK]
+                b = b_desc.load([e * N + n0, k0])  # [BN, BK]
+                if UPCAST:
+                    a, b = a.to(tl.float32), b.to(tl.float32)
+                acc = tl.dot(a, b.T, acc)
+            _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, b_ptr + e * sbe, sbn,
+                     (ks == 0).to(tl.float32), n0, N, BN, HAS_BIAS, W_IN)
 
 
 def max_tiles(P: int, E: int, bm: int) -> int:
@@ -343,12 +331,12 @@ def _build_tma(block: MoEBlock, p: GemmParams, alpha: float, limit: float):
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
-        grouped_gemm_tma_kernel[(nt * cdiv(cdiv(D, p.down_block_n), p.down_nb), S)](
+        grouped_gemm_tma_kernel[(nt * cdiv(D, p.down_block_n), S)](
             _desc(h, [rows, F], [F, 1], [p.block_m, p.down_block_k]), dn_desc,
             wts_f, counts, sorted_pairs, a.down_bias, ds.sbe, ds.sbn, 0,
             h, y, P, E, D, F, nt, k_split, alpha, limit,
-            PROJ=1, BN=p.down_block_n, BK=p.down_block_k, NB=p.down_nb, num_warps=p.down_warps,
-            num_stages=p.down_stages, **meta)
+            PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
+            **meta)
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         return _combine.combine(y, ids, out, E)
 
