@@ -13,6 +13,7 @@ shift || true
 cells=("$@")
 [ ${#cells[@]} -gt 0 ] || cells=(deepseek-v3:8,16 qwen3.5-397b-a17b:8,16 mixtral-8x7b:2,16,32 qwen3-30b-a3b:8)
 R=/tmp/retune; mkdir -p $R
+cp cache/h200.sqlite $R/before.sqlite  # the bench times its entries too, as variant `table-before`
 pack() { cp cache/h200.sqlite $R/h200.sqlite; (cd $R && tar czf "$OUT/retune.tgz" .); }
 tune_s=${TUNE_S:-420}  # the tuning's part of the call, split over the cells; NO_BENCH=1: no bench after it
 share=$((tune_s / ${#cells[@]}))
@@ -30,7 +31,8 @@ tags=${TAGS:-'table|g16|ga|gb|gd|m16|m16-t|m64n64|m64n64-t'}  # TAGS=REGEX: othe
 for cell in "${cells[@]}"; do
   left=$((570 - SECONDS)); [ $left -gt 30 ] || break
   timeout -k 10 -s INT $left python3 bench/kernels.py --out $R/bench-${cell%%:*} --baselines "" \
-    --budget-s $((left - 20)) --shapes ${cell%%:*} --tokens ${cell#*:} --tags "$tags" >> $R/bench.log 2>&1
+    --budget-s $((left - 20)) --shapes ${cell%%:*} --tokens ${cell#*:} --tags "$tags" \
+    --table-before $R/before.sqlite ${BENCH_ARGS} >> $R/bench.log 2>&1
   echo "bench ${cell}: rc=$? (${left} s left)"; pack
 done
 for j in $R/bench-*/*-kernels.json; do python3 bench/kernels.py --render "$j" | grep -E "^\| [a-z]|^\`table"; done

@@ -482,6 +482,8 @@ def main() -> None:
     ap.add_argument("--table", default=str(Path(__file__).resolve().parents[1] / "cache" / "h200.sqlite"),
                     help="shipped dispatch table: its current entry for the cell's T joins as variant `table` "
                          "(what a compiled model runs); '' to leave it out")
+    ap.add_argument("--table-before", default="", help="a second table (e.g. a copy taken before a re-tune): "
+                    "its entry joins as variant `table-before`, timed in the same run as `table`")
     ap.add_argument("--probe", action="store_true", help="GEMV configurations for ncu, then exit")
     ap.add_argument("--probe-gemm", action="store_true", help="mixtral large-T GEMM for ncu, then exit")
     ap.add_argument("--probe-table", metavar="CELLS", help="the table's schedule of each cell "
@@ -546,6 +548,7 @@ def main() -> None:
             best_open = BEST_OPEN[shape][TOKENS.index(T)] if T in TOKENS else None
             named = [(tag, s) for tag, s in variants(E, k, D, F, T) + table_variant(args.table, shape, T)
                      if re.fullmatch(args.tags, tag)]
+            named += [("table-before", s) for _, s in table_variant(args.table_before, shape, T)]
             if args.nb_twins:
                 named += nb_twins(named)
             cands = [(f"moetune:{s.kind}", tag, s, BACKEND.build(block, s)) for tag, s in named]
