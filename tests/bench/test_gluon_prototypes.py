@@ -45,7 +45,9 @@ for two in (False, True):
 
 SMALL_T = r'''
 import proto_small_t as S
-assert ptxas_spills(S.compile_sm90(LATE=True)[1]) == 0  # the down loop's once-per-token sums (not yet run)
+assert ptxas_spills(S.compile_sm90(LATE=True)[1]) == 0  # the down loop's once-per-token sums
+assert ptxas_spills(S.compile_sm90(LATE=True, W=8)[1]) == 0  # eight consumer warps
+assert S.parse_config("8x12LW8") == dict(SLOTS=8, NB=12, LATE=True, W=8)
 shared, ptx = S.compile_sm90()
 print(json.dumps(dict(shared=shared, tma=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
                       bars=sorted(set(re.findall(r"bar\.sync\s+[^;]*;", ptx))),
