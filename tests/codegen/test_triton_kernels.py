@@ -175,6 +175,11 @@ def test_down_nb_refused_where_it_does_not_run():
         GemvParams(down_mode="expert", down_nb=2)
     with pytest.raises(UnsupportedSchedule, match="1, 2, 4 or 8"):
         GemvParams(down_nb=3)
+    # the in-loop store's staging tile counts: 196 KiB of pipeline fits alone, not with 128 KiB more
+    GemmParams(block_m=128, block_n=128, down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
+    with pytest.raises(UnsupportedSchedule, match="shared memory"):
+        GemmParams(block_m=128, block_n=128, down_block_n=256, down_block_k=64, down_warps=8, down_stages=4,
+                   down_nb=2)
 
 
 @pytest.mark.parametrize("tma", [False, True])

@@ -101,7 +101,10 @@ class GemmParams:
             raise UnsupportedSchedule(f"GemmParams.group_m = {self.group_m}: must be ≥ 1")
         for name, smem in (
             ("gate/up", dot_smem_bytes(self.block_m, self.block_n, self.block_k, self.num_stages, 2)),
-            ("down", dot_smem_bytes(self.block_m, self.down_block_n, self.down_block_k, self.down_stages, 1)),
+            # down_nb > 1: the store inside the loop takes its own [BM, BN] fp32 staging tile (sm_90 builds:
+            # 196,608 → 327,680 B at 128 × 256 × 64, 4 stages)
+            ("down", dot_smem_bytes(self.block_m, self.down_block_n, self.down_block_k, self.down_stages, 1)
+             + (self.block_m * self.down_block_n * 4 if self.down_nb > 1 else 0)),
         ):
             if smem > H200_SMEM_LIMIT:
                 bn, bk, st = ((self.block_n, self.block_k, self.num_stages) if name == "gate/up"
