@@ -27,9 +27,10 @@ cells = defaultdict(dict)
 for f in sorted(glob.glob(f"{sys.argv[1]}/*/*-kernels.json")):
     for r in json.load(open(f))["records"]:
         cells[(r["shape"], r["tokens"])][r["variant"]] = r.get("time_us") or r.get("error", "?")
+def fmt(x):  # a time, or the first word of a failure (e.g. OutOfResources)
+    return f"{x:.1f}" if isinstance(x, float) else str(x).split(":")[0][:20]
 for (shape, T), v in cells.items():
-    base = {t: x for t, x in v.items() if not t.endswith(("-n2", "-n4"))}
-    row = "  ".join(f"{t} {x:.1f}/{v.get(t + '-n2', float('nan')):.1f}/{v.get(t + '-n4', float('nan')):.1f}"
-                    if isinstance(x, float) else f"{t} {x}" for t, x in base.items())
+    base = [t for t in v if not t.endswith(("-n2", "-n4"))]
+    row = "  ".join(f"{t} {fmt(v[t])}/{fmt(v.get(t + '-n2', '-'))}/{fmt(v.get(t + '-n4', '-'))}" for t in base)
     print(f"{shape:18s} T={T:<4d} (µs: nb 1/2/4)  {row}")
 PY

@@ -94,3 +94,41 @@ def test_every_shipped_table_winner_compiles_for_sm_90():
     digests = rows[0]
     entries = {k.split(" T=")[0] for k in digests}
     assert len(entries) >= 40 and all(len(v) == 16 for v in digests.values())
+
+
+RELABEL = r'''
+import json, shutil, sqlite3, sys
+import triton_sm90 as S
+from moetune.runtime.table import kernel_source_hash
+tmp = sys.argv[1]
+table = f"{tmp}/t.sqlite"
+shutil.copy("cache/h200.sqlite", table)
+con = sqlite3.connect(table)
+with con:  # one stream_gemv entry, its rows marked with an older kernel hash
+    keep = con.execute("SELECT rowid FROM dispatch_v1 WHERE kind = 'stream_gemv' LIMIT 1").fetchone()[0]
+    con.execute("DELETE FROM dispatch_v1 WHERE rowid != ?", (keep,))
+    con.execute("UPDATE dispatch_v1 SET kernel_hash = 'grouped_gemm=0;hybrid=0;stream_gemv=0'")
+con.close()
+before = S.table_digests(table)
+hashes = lambda: {h for (h,) in sqlite3.connect(table).execute("SELECT kernel_hash FROM dispatch_v1")}
+key = sorted(before)[0]
+json.dump(dict(before, **{key: "0" * 16}), open(f"{tmp}/other.json", "w"))  # one kernel's code changed
+bad = S.relabel(table, f"{tmp}/other.json")
+print(json.dumps(dict(step="differ", bad=bad, hashes=sorted(hashes()))))
+json.dump(before, open(f"{tmp}/same.json", "w"))
+bad = S.relabel(table, f"{tmp}/same.json")
+print(json.dumps(dict(step="same", bad=bad, hashes=sorted(hashes()), current=kernel_source_hash("triton"),
+                      n=len(before))))
+'''
+
+
+def test_relabel_moves_rows_only_when_every_digest_is_equal(tmp_path):
+    """triton_sm90.relabel: a changed PTX digest leaves the rows on their old kernel hash and names the
+    kernel; equal digests move every row to the current hash (one stored winner, compiled for sm_90)."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{HERE}")
+    res = subprocess.run([sys.executable, "-c", RELABEL, str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=900, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    differ, same = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(differ["bad"]) == 1 and differ["hashes"] == ["grouped_gemm=0;hybrid=0;stream_gemv=0"]
+    assert same["bad"] == [] and same["hashes"] == [same["current"]] and same["n"] >= 2
