@@ -346,11 +346,8 @@ def _rows_down(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n0, N, k_lo, k_hi,
 
 
 @triton.jit
-def _token_down(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr, sbe, sbn, n0, N, K,
-                K_TOP: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, STAGES: tl.constexpr):
-    """out[t, n0:n0+BN] = Σ_j w_tj · down[e_tj] · h[t·k + j]: all k experts of the token in one
-    [KP, BN, BK] tile per K chunk (k weight streams in flight at once), pipelined K loop."""
+def _token_pairs(ids_ptr, wts_ptr, t, E, K_TOP: tl.constexpr, KP: tl.constexpr):
+    """Token t's k pairs as [KP] vectors: (pair index, valid, expert id (0 where not), routing weight)."""
     jk = tl.arange(0, KP)
     jm = jk < K_TOP
     p = t * K_TOP + jk  # [KP]
@@ -358,6 +355,30 @@ def _token_down(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr, s
     ok = jm & (e >= 0) & (e < E)
     ec = tl.where(ok, e, 0).to(tl.int64)
     wt = tl.load(wts_ptr + p, mask=ok, other=0.0).to(tl.float32)  # [KP]
+    return p, ok, ec, wt
+
+
+@triton.jit
+def _token_rows(acc, ok, ec, wt, b_ptr, sbe, sbn, offs_n, nm, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr):
+    """A token's [KP, BN, BK] products summed over K (+ bias) · routing weight: [KP, BN], one row per pair
+    (their sum over the pairs is the token's output block)."""
+    y = tl.sum(acc, axis=2)  # [KP, BN]
+    if HAS_BIAS:
+        b = tl.load(b_ptr + ec[:, None] * sbe + offs_n[None, :] * sbn, mask=ok[:, None] & nm[None, :],
+                    other=0.0).to(tl.float32)
+        y += b
+    if not W_IN:
+        y = y * wt[:, None]
+    return y
+
+
+@triton.jit
+def _token_down(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr, sbe, sbn, n0, N, K,
+                K_TOP: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, STAGES: tl.constexpr):
+    """out[t, n0:n0+BN] = Σ_j w_tj · down[e_tj] · h[t·k + j]: all k experts of the token in one
+    [KP, BN, BK] tile per K chunk (k weight streams in flight at once), pipelined K loop."""
+    p, ok, ec, wt = _token_pairs(ids_ptr, wts_ptr, t, E, K_TOP, KP)
     offs_n = n0 + tl.arange(0, BN)
     nm = offs_n < N
     wbase = w_ptr + ec[:, None, None] * se + offs_n[None, :, None] * sn  # [KP, BN, 1]
@@ -371,14 +392,7 @@ def _token_down(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr, s
         wv = tl.load(wbase + offs_k[None, None, :] * sk, mask=m3 & km[None, None, :], other=0.0,
                      eviction_policy="evict_first")  # [KP, BN, BK]
         acc += wv.to(tl.float32) * hv.to(tl.float32)[:, None, :]
-    y = tl.sum(acc, axis=2)  # [KP, BN]
-    if HAS_BIAS:
-        b = tl.load(b_ptr + ec[:, None] * sbe + offs_n[None, :] * sbn, mask=ok[:, None] & nm[None, :],
-                    other=0.0).to(tl.float32)
-        y += b
-    if not W_IN:
-        y = y * wt[:, None]
-    return tl.sum(y, axis=0)
+    return tl.sum(_token_rows(acc, ok, ec, wt, b_ptr, sbe, sbn, offs_n, nm, HAS_BIAS, W_IN), axis=0)
 
 
 @triton.jit
@@ -389,13 +403,7 @@ def _token_down_nb(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr
     (b, K chunk) flattened: the next block's first weight chunks are in flight while the current block
     finishes, and the program's set-up (ids, weights, addresses) is paid once for NB blocks. Each block's
     out[t, n0:n0+BN] is stored when its last K chunk is in."""
-    jk = tl.arange(0, KP)
-    jm = jk < K_TOP
-    p = t * K_TOP + jk  # [KP]
-    e = tl.load(ids_ptr + p, mask=jm, other=-1).to(tl.int32)
-    ok = jm & (e >= 0) & (e < E)
-    ec = tl.where(ok, e, 0).to(tl.int64)
-    wt = tl.load(wts_ptr + p, mask=ok, other=0.0).to(tl.float32)  # [KP]
+    p, ok, ec, wt = _token_pairs(ids_ptr, wts_ptr, t, E, K_TOP, KP)
     wbase = w_ptr + ec[:, None, None] * se  # [KP, 1, 1]
     hbase = h_ptr + p.to(tl.int64)[:, None] * s_hp  # [KP, 1]
     nk = tl.cdiv(K, BK)
@@ -414,13 +422,7 @@ def _token_down_nb(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr
                      eviction_policy="evict_first")  # [KP, BN, BK]
         acc += wv.to(tl.float32) * hv.to(tl.float32)[:, None, :]
         if k0 + BK >= K:  # block b complete
-            y = tl.sum(acc, axis=2)  # [KP, BN]
-            if HAS_BIAS:
-                bv = tl.load(b_ptr + ec[:, None] * sbe + offs_n[None, :] * sbn, mask=ok[:, None] & nm[None, :],
-                             other=0.0).to(tl.float32)
-                y += bv
-            if not W_IN:
-                y = y * wt[:, None]
+            y = _token_rows(acc, ok, ec, wt, b_ptr, sbe, sbn, offs_n, nm, HAS_BIAS, W_IN)
             tl.store(y_row + offs_n, tl.sum(y, axis=0).to(y_row.dtype.element_ty), mask=nm)
             acc = tl.zeros([KP, BN, BK], dtype=tl.float32)
 
