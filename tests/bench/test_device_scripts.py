@@ -20,6 +20,7 @@ COMMANDS = {  # how a script calls it → the argv that prints its options
     "bench/grid_vs_tpe.py": [sys.executable, "bench/grid_vs_tpe.py", "--help"],
     "bench/host_overhead.py": [sys.executable, "bench/host_overhead.py", "--help"],
     "bench/proto_gluon_gemm.py": [sys.executable, "bench/proto_gluon_gemm.py", "--help"],
+    "bench/proto_read_pattern.py": [sys.executable, "bench/proto_read_pattern.py", "--help"],
 }
 
 
