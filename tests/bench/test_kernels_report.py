@@ -3,6 +3,7 @@ and its footer's figures are computed from the records (recomputed here independ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -69,3 +70,18 @@ def test_routing_mean_is_the_mean_of_each_routings_median():
     times = [10.0, 20.0, 11.0, 21.0, 100.0, 22.0]
     assert B.routing_mean(times, 2) == pytest.approx((11.0 + 21.0) / 2)
     assert B.routing_mean(times, 1) == pytest.approx(20.5)  # one routing: the plain median
+
+
+def test_nb_twins_only_where_down_nb_runs():
+    """bench --nb-twins: `-n2` / `-n4` of the token-mode GEMV and pointer-path GEMM candidates, and every twin
+    builds (the TMA path and the expert-mode GEMV refuse down_nb, so they get none)."""
+    named = B.variants(128, 8, 2048, 768, 1) + B.variants(128, 8, 2048, 768, 16) + B.variants(8, 2, 4096, 14336, 64)
+    twins = dict(B.nb_twins(named))
+    assert twins and all(t.endswith(("-n2", "-n4")) for t in twins)
+    by_tag = dict(named)
+    for tag, s in twins.items():
+        base = by_tag[tag.rsplit("-", 1)[0]]
+        assert s.params.down_nb == int(tag[-1])
+        assert s.params == dataclasses.replace(base.params, down_nb=s.params.down_nb)
+        assert not getattr(s.params, "tma", False) and getattr(s.params, "down_mode", "token") == "token"
+    assert {"ga-n4", "m16-n2"} <= set(twins) and not any(t.startswith(("m16-t-", "m64n64-t1-")) for t in twins)
