@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 call (~4 minutes): what bounds the small-T kernels. First bench/proto_small_t.py at T = 1, 2 with
-# its configurations (8x12 and 8x12L, the down loop summing inside each thread), checked and timed beside
+# its default configurations (8x12L and 8x12LW8 since c01b388; 8x12 and 8x12L in call 2), checked and timed beside
 # the table's schedule; then ncu's SpeedOfLight, launch, occupancy, warp-state and memory sections of the
 # named variants' kernels (bench/kernels.py --probe-variants: each kernel alone, caches flushed): the token-
 # mode down against the gate/up at qwen3.5-397b-a17b / qwen3-30b-a3b T = 1, with and without down_nb.

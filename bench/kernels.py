@@ -349,7 +349,8 @@ Y_TWINS = ("m16-t", "m64n64", "m64n64-t", "m128g1-1", "m128g32-t1s2", "m128s4-t1
 
 def nb_twins(cands: list[tuple[str, Schedule]], nbs=(2, 4)) -> list[tuple[str, Schedule]]:
     """`-n2` / `-n4`: the down projection's D-blocks walked 2 / 4 per program in one flattened loop
-    (GemvParams / GemmParams.down_nb), for every token-mode GEMV and grouped GEMM candidate."""
+    (GemvParams / GemmParams.down_nb), for every token-mode GEMV and pointer-path grouped GEMM candidate (the
+    TMA path and the expert-mode GEMV refuse down_nb)."""
     out = []
     for tag, s in cands:
         p = s.params
@@ -489,7 +490,7 @@ def main() -> None:
     ap.add_argument("--probe-table", metavar="CELLS", help="the table's schedule of each cell "
                     "('shape:T,T;shape:T') for ncu, then exit")
     ap.add_argument("--nb-twins", action="store_true", help="also every candidate's down_nb 2 / 4 twin "
-                    "(token-mode GEMV and grouped GEMM down, bench.kernels.nb_twins)")
+                    "(token-mode GEMV and pointer-path grouped GEMM down, bench.kernels.nb_twins)")
     ap.add_argument("--probe-variants", metavar="CELLS", help="named variants of each cell "
                     "(\"shape:T:tag,tag;...\") for ncu, then exit")
     ap.add_argument("--render", metavar="JSON", help="rewrite the markdown table of a results JSON, then exit")

@@ -234,20 +234,19 @@ def relabel(table: str, before: str) -> list[str]:
     """Move the Triton rows of `table` to the current kernel hash when every stored winner's PTX digest equals
     the one recorded in `before` (the JSON of `--digests`, run on the tree before a source edit): their timings
     still hold. Returns the keys whose digest differs (nothing is written then)."""
+    import dataclasses
     import json
-    import sqlite3
 
-    from moetune.runtime.table import kernel_source_hash
+    from moetune.runtime.table import DispatchTable, kernel_source_hash
 
     old, now = json.loads(open(before).read()), table_digests(table)
     differ = sorted(k for k in old.keys() | now.keys() if old.get(k) != now.get(k))
     if not differ:
-        con = sqlite3.connect(table)
-        with con:
-            con.execute("UPDATE dispatch_v1 SET kernel_hash = ? WHERE backend = 'triton'",
-                        (kernel_source_hash("triton"),))
-        con.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the .sqlite file alone holds every row
-        con.close()
+        current = kernel_source_hash("triton")
+        with DispatchTable(table, create=False) as t:  # the table's own write path (checkpointed on close)
+            for e in t.entries(backend="triton"):
+                t.put(dataclasses.replace(e, versions=dataclasses.replace(e.versions, kernel_hash=current)),
+                      replace=True)
     return differ
 
 
