@@ -305,15 +305,303 @@ def small_t(x, ids, wt, w, ts=None, **cfg):
     return out
 
 
+# ---- pipelined variant (configuration suffix P): the down projection runs pair by pair during gate/up ----
+# Gate/up items are dealt round-robin in pair-major order (program c takes items c, c + G, ...), so pair p's h is
+# complete after round ((p + 1)·NFB − 1) // G; each program adds 1 to the pair's counter per item it stores
+# (release), and after its own round j runs the down boxes of the pairs complete by round j − 1 (acquire on their
+# counters; lag 1, so a program seldom waits). Only the last round's pairs remain after gate/up, where the
+# one-barrier design above left every down box (session 11: 0.6-0.8 µs per group of four after the barrier).
+# The producer streams the down boxes through one ring of NB buffers in box order, refilled after each gate/up
+# item up to what the consumer has released two rounds earlier (no deadlock while two rounds consume ≤ NB
+# boxes: checked on the host, `pipe_plan`).
+
+
+@gluon.jit
+def _pdone(r, P, G, NFB: gl.constexpr):
+    """Pairs whose gate/up items all lie in rounds ≤ r (0 for r < 0)."""
+    return gl.maximum(gl.minimum(P, G * (r + 1) // NFB), 0)
+
+
+@gluon.jit
+def _cons(j, P, G, NFB: gl.constexpr, NC: gl.constexpr):
+    """Down boxes the consumer has used by the end of its round j: whole groups of 4 of the pairs done by j − 1."""
+    return _pdone(j - 1, P, G, NFB) * NC // 4 * 4
+
+
+@gluon.jit
+def _producer_pipe(gu_desc, dn_desc, ids_ptr, halves, ready, empty, dbuf, dready, dempty,
+                   D, F, P, n_items, nbox, G, cta, R, d0,
+                   NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr, BF: gl.constexpr, BK: gl.constexpr,
+                   BKD: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr):
+    it = 0
+    issued = 0
+    for j in range(R):
+        item = cta + j * G
+        if item < n_items:
+            e = gl.load(ids_ptr + item // NFB).to(gl.int32)
+            row = e * 2 * F + (item % NFB) * BF
+            for kc in range(NKC):
+                s = it % SLOTS
+                mbarrier.wait(empty.index(s), ((it // SLOTS) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+                mbarrier.expect(ready.index(s), 2 * gu_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(gu_desc, [row, kc * BK], ready.index(s), halves.index(2 * s))
+                tma.async_copy_global_to_shared(gu_desc, [row + F, kc * BK], ready.index(s),
+                                                halves.index(2 * s + 1))
+                it += 1
+        lim = gl.minimum(nbox, _cons(j - 2, P, G, NFB, NC) + NB)
+        for b in range(issued, lim):
+            s = b % NB
+            if b >= NB:
+                mbarrier.wait(dempty.index(s), ((b // NB) - 1) & 1)
+            e = gl.load(ids_ptr + b // NC).to(gl.int32)
+            mbarrier.expect(dready.index(s), dn_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(dn_desc, [e * D + d0, (b % NC) * BKD], dready.index(s), dbuf.index(s))
+        issued = gl.maximum(issued, lim)
+    for b in range(issued, nbox):
+        s = b % NB
+        if b >= NB:
+            mbarrier.wait(dempty.index(s), ((b // NB) - 1) & 1)
+        e = gl.load(ids_ptr + b // NC).to(gl.int32)
+        mbarrier.expect(dready.index(s), dn_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(dn_desc, [e * D + d0, (b % NC) * BKD], dready.index(s), dbuf.index(s))
+
+
+@gluon.jit
+def _down_pipe(h_ptr, out_ptr, cnt_ptr, dbuf, dready, dempty, acc_l, pw, g_lo, pd, g_hi, d0, D,
+               K_TOP: gl.constexpr, NFB: gl.constexpr, NC: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr,
+               NB: gl.constexpr, L3: gl.constexpr):
+    """Groups [g_lo, g_hi) of four down boxes, after the counters of pairs [pw, pd) say their h is whole."""
+    while pw < pd:
+        while gl.atomic_add(cnt_ptr + pw, 0, sem="acquire", scope="gpu") < NFB:
+            pass
+        pw += 1
+    S2: gl.constexpr = gl.SliceLayout(2, L3)
+    rows3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
+    dgroups = dbuf._reinterpret(dbuf.dtype, [NB // 4, 4, DR, BKD], rows3)
+    i4 = gl.arange(0, 4, layout=gl.SliceLayout(1, S2))
+    hc = gl.arange(0, BKD, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    hoff = i4[:, None, None] * BKD + hc[None, None, :]  # [4, 1, BKD]: h rows of a group's boxes (row b: box b)
+    drows = gl.arange(0, DR, layout=gl.SliceLayout(0, S2))
+    hv = gl.load(h_ptr + g_lo * 4 * BKD + hoff, mask=(hoff >= 0) & (g_lo < g_hi), other=0.0, cache_modifier=".cg")
+    for g in range(g_lo, g_hi):
+        b0 = g * 4
+        for jj in gl.static_range(4):
+            mbarrier.wait(dready.index(b0 % NB + jj), (b0 // NB) & 1)
+        w = dgroups.index((b0 % NB) // 4).load(L3)
+        fence_async_shared()
+        for jj in gl.static_range(4):
+            mbarrier.arrive(dempty.index(b0 % NB + jj), count=1)
+        hcur = hv
+        hv = gl.load(h_ptr + (b0 + 4) * BKD + hoff, mask=(hoff >= 0) & (g + 1 < g_hi), other=0.0,
+                     cache_modifier=".cg")  # the next group's h while this one multiplies
+        prod = w.to(gl.float32) * hcur.to(gl.float32)  # [4, DR, BKD]
+        part = gl.sum(gl.reshape(prod, [4, DR, 32, BKD // 32]), axis=3)  # [4, DR, 32]
+        acc_l = acc_l * (b0 % (K_TOP * NC) != 0).to(gl.float32) + part  # a token's first group starts anew
+        if (b0 + 4) % (K_TOP * NC) == 0:  # this token's boxes done
+            tot = gl.convert_layout(gl.sum(gl.sum(acc_l, axis=2), axis=0), gl.SliceLayout(0, S2))
+            gl.store(out_ptr + (b0 // (K_TOP * NC)) * D + d0 + drows, tot.to(gl.bfloat16))
+    return acc_l, pw
+
+
+@gluon.jit
+def _consumer_pipe(x_ptr, wts_ptr, h_ptr, out_ptr, cnt_ptr, ts_ptr, halves, ready, empty, dbuf, dready, dempty, xs,
+                   D, F, P, n_items, nbox, G, cta, R, d0, TS: gl.constexpr, K_TOP: gl.constexpr,
+                   NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr, BF: gl.constexpr, BK: gl.constexpr,
+                   BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr, PM: gl.constexpr,
+                   num_warps: gl.constexpr):
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])  # a warp reads 512 B of a row
+    V: gl.constexpr = gl.SliceLayout(0, L)
+    _stamp(ts_ptr, 0, TS)
+    WL: gl.constexpr = gl.BlockedLayout([PM], [32], [num_warps], [0])
+    pr = gl.arange(0, PM, layout=WL)
+    wv = gl.load(wts_ptr + pr, mask=pr < P, other=0.0).to(gl.float32)  # every pair's routing weight
+    xr = gl.arange(0, xs.type.shape[0], layout=gl.SliceLayout(1, L))
+    cols = gl.arange(0, BK, layout=V)
+    xs.store(gl.load(x_ptr + xr[:, None] * BK + cols[None, :], mask=(xr < (P // K_TOP) * NKC)[:, None], other=0.0))
+    xs3 = xs._reinterpret(xs.dtype, [xs.type.shape[0], 1, BK], xs.layout)
+    _cta_barrier()
+    rows = gl.arange(0, BF, layout=gl.SliceLayout(1, L))
+    gl.static_assert(num_warps == 4 and NB % 4 == 0 and (K_TOP * NC) % 4 == 0)
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 1, 32], [4, num_warps // 4, 1], [2, 1, 0])
+    acc_l = gl.sum(gl.reshape(gl.full([4, DR, BKD], 0.0, gl.float32, L3), [4, DR, 32, BKD // 32]), axis=3)
+    it = 0
+    pw = 0
+    for j in range(R):
+        item = cta + j * G
+        if item < n_items:  # gate/up: h[p, f0:f0+BF], routing weight folded in
+            p = item // NFB
+            f0 = (item % NFB) * BF
+            xrow = (p // K_TOP) * NKC
+            accg = gl.full([BF, BK], 0.0, gl.float32, L)
+            accu = gl.full([BF, BK], 0.0, gl.float32, L)
+            for kc in range(NKC):
+                s = it % SLOTS
+                mbarrier.wait(ready.index(s), (it // SLOTS) & 1)
+                g = halves.index(2 * s).load(L).to(gl.float32)
+                u = halves.index(2 * s + 1).load(L).to(gl.float32)
+                fence_async_shared()
+                mbarrier.arrive(empty.index(s), count=1)
+                xk = xs3.index(xrow + kc).load(L).to(gl.float32)
+                accg += g * xk
+                accu += u * xk
+                it += 1
+            gs = gl.sum(accg, axis=1)
+            wp = gl.sum(gl.where(pr == p, wv, 0.0), axis=0)
+            gl.store(h_ptr + p * F + f0 + rows,
+                     (wp * gs / (1.0 + gl.exp(-gs)) * gl.sum(accu, axis=1)).to(gl.bfloat16))
+            _cta_barrier()  # this warpgroup's h stores before the one-thread release
+            gl.atomic_add(cnt_ptr + p, 1, sem="release", scope="gpu")
+        if j == R - 1:
+            _stamp(ts_ptr, 1, TS)
+        acc_l, pw = _down_pipe(h_ptr, out_ptr, cnt_ptr, dbuf, dready, dempty, acc_l, pw,
+                               _cons(j - 1, P, G, NFB, NC) // 4, _pdone(j - 1, P, G, NFB),
+                               _cons(j, P, G, NFB, NC) // 4, d0, D, K_TOP, NFB, NC, BKD, DR, NB, L3)
+    _stamp(ts_ptr, 4, TS)
+    while pw < P:  # the pairs of the last rounds
+        while gl.atomic_add(cnt_ptr + pw, 0, sem="acquire", scope="gpu") < NFB:
+            pass
+        pw += 1
+    _stamp(ts_ptr, 2, TS)
+    acc_l, pw = _down_pipe(h_ptr, out_ptr, cnt_ptr, dbuf, dready, dempty, acc_l, pw, _cons(R - 1, P, G, NFB, NC) // 4,
+                           P, nbox // 4, d0, D, K_TOP, NFB, NC, BKD, DR, NB, L3)
+    _stamp(ts_ptr, 3, TS)
+    if gl.atomic_add(cnt_ptr + PM, 1, sem="acq_rel", scope="gpu") == G - 1:  # the last program resets the counters
+        for q in range(P):
+            gl.atomic_xchg(cnt_ptr + q, 0, sem="relaxed", scope="gpu")
+        gl.atomic_xchg(cnt_ptr + PM, 0, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
+def pipe_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, cnt_ptr, ts_ptr,
+                D, F, P, n_items, nbox, G, R,
+                K_TOP: gl.constexpr, XR: gl.constexpr, NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr,
+                BF: gl.constexpr, BK: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr,
+                NB: gl.constexpr, PM: gl.constexpr, num_warps: gl.constexpr, TS: gl.constexpr = False):
+    cta = gl.program_id(0)
+    d0 = cta * DR
+    gl.static_assert(BK == BKD)
+    ring = gl.allocate_shared_memory(gu_desc.dtype, [SLOTS, 2 * BF, BK], gu_desc.layout)
+    halves = ring._reinterpret(gu_desc.dtype, [2 * SLOTS, BF, BK], gu_desc.layout)  # even: gate, odd: up
+    dbuf = gl.allocate_shared_memory(dn_desc.dtype, [NB, DR, BKD], dn_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    dready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    dempty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+    xs = gl.allocate_shared_memory(gl.bfloat16, [XR, BK], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    for i in gl.static_range(SLOTS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(NB):
+        mbarrier.init(dready.index(i), count=1)
+        mbarrier.init(dempty.index(i), count=1)
+    gl.warp_specialize([
+        (_consumer_pipe, (x_ptr, wts_ptr, h_ptr, out_ptr, cnt_ptr, ts_ptr + cta * 8, halves, ready, empty, dbuf,
+                          dready, dempty, xs, D, F, P, n_items, nbox, G, cta, R, d0, TS, K_TOP, NFB, NKC, NC, BF,
+                          BK, BKD, DR, SLOTS, NB, PM, num_warps)),
+        (_producer_pipe, (gu_desc, dn_desc, ids_ptr, halves, ready, empty, dbuf, dready, dempty,
+                          D, F, P, n_items, nbox, G, cta, R, d0, NFB, NKC, NC, BF, BK, BKD, SLOTS, NB)),
+    ], [1], [24])
+
+
+PIPE_PM = 32  # pairs at most (the routing weights' register vector; the counters' length)
+
+
+def pipe_plan(P: int, G: int, NFB: int, NC: int, NB: int) -> int:
+    """Rounds of the pipelined schedule; raises if two rounds could consume more than NB boxes (deadlock)."""
+    R = -(-P * NFB // G)
+    pdone = lambda r: max(0, min(P, G * (r + 1) // NFB))  # noqa: E731
+    cons = lambda j: pdone(j - 1) * NC // 4 * 4  # noqa: E731
+    for j in range(R):
+        if cons(j) > cons(j - 2) + NB:
+            raise ValueError(f"pipelined schedule: round {j} needs {cons(j) - cons(j - 2)} boxes of two rounds, "
+                             f"NB = {NB}")
+    return R
+
+
+def _pipe_constexprs(k: int, D: int, F: int, c: dict) -> dict:
+    return dict(K_TOP=k, XR=c["TM"] * D // c["BK"], NFB=F // c["BF"], NKC=D // c["BK"], NC=F // c["BKD"],
+                BF=c["BF"], BK=c["BK"], BKD=c["BKD"], DR=c["DR"], SLOTS=c["SLOTS"], NB=c["NB"], PM=PIPE_PM,
+                num_warps=4)
+
+
+def compile_sm90_pipe(K_TOP=8, D=2048, F=768, ts=False, **cfg):
+    """Compile the pipelined kernel for sm_90 (no GPU needed): (shared bytes, ptx)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    c = {**CFG, **PIPE_CFG, **cfg}
+    lay = _layout()
+    sig = {"gu_desc": f"tensordesc<bf16[{c['BF']}, {c['BK']}],{lay!r}>",
+           "dn_desc": f"tensordesc<bf16[{c['DR']}, {c['BKD']}],{lay!r}>",
+           "x_ptr": "*bf16", "ids_ptr": "*i64", "wts_ptr": "*bf16", "h_ptr": "*bf16", "out_ptr": "*bf16",
+           "cnt_ptr": "*i32", "ts_ptr": "*i64"}
+    sig.update({n: "i32" for n in ("D", "F", "P", "n_items", "nbox", "G", "R")})
+    cx = dict(_pipe_constexprs(K_TOP, D, F, c), TS=ts)
+    names = list(pipe_kernel.arg_names)
+    sig.update({n: "constexpr" for n in cx})
+    sig = {n: sig[n] for n in names}
+    src = GluonASTSource(pipe_kernel, sig, constexprs={(names.index(n),): v for n, v in cx.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    return k.metadata.shared, k.asm["ptx"]
+
+
+PIPE_CFG = dict(NB=16, TM=4)
+_CNT: dict = {}
+
+
+def small_t_pipe(x, ids, wt, w, ts=None, **cfg):
+    """out [T, D] of the block in one pipelined launch (see above); T·k ≤ PIPE_PM, T ≤ TM."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    c = {**CFG, **PIPE_CFG, **{k_: v for k_, v in cfg.items() if k_ in ("SLOTS", "NB", "TM")}}
+    T, k = ids.shape
+    E, F2, D = w.gate_up.shape
+    F = F2 // 2
+    P = T * k
+    if T > c["TM"] or P > PIPE_PM:
+        raise ValueError(f"small_t_pipe: T = {T} > TM = {c['TM']} or T·k = {P} > {PIPE_PM}")
+    G = D // c["DR"]
+    NFB, NC = F // c["BF"], F // c["BKD"]
+    R = pipe_plan(P, G, NFB, NC, c["NB"])
+    lay = _layout()
+    gu = TensorDescriptor(w.gate_up, [E * F2, D], [D, 1], [c["BF"], c["BK"]], lay)
+    dn = TensorDescriptor(w.down, [E * D, F], [F, 1], [c["DR"], c["BKD"]], lay)
+    cnt = _CNT.get(x.device)
+    if cnt is None:
+        cnt = _CNT[x.device] = torch.zeros(PIPE_PM + 1, dtype=torch.int32, device=x.device)
+    h = torch.empty(P, F, dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
+    pipe_kernel[(G,)](gu, dn, x, ids, wt, h, out, cnt, cnt if ts is None else ts, D, F, P, P * NFB, P * NC, G, R,
+                      TS=ts is not None, **_pipe_constexprs(k, D, F, c))
+    return out
+
+
 def parse_config(text: str) -> dict:
-    """SLOTSxNB[L][W8] → dict(SLOTS, NB, LATE, W): L the down loop's sums across lanes and warps once per token,
-    W8 eight consumer warps instead of four (each box of a down group shared by two warps)."""
+    """SLOTSxNB[L][W8][P] → dict(SLOTS, NB, LATE, W, PIPE): L the down loop's sums across lanes and warps once per
+    token, W8 eight consumer warps instead of four (each box of a down group shared by two), P the pipelined
+    kernel (the down boxes of each pair as soon as its h is whole; its down loop sums as L does)."""
     import re
 
-    m = re.fullmatch(r"(\d+)x(\d+)(L?)(?:W(\d+))?", text)
+    m = re.fullmatch(r"(\d+)x(\d+)(L?)(?:W(\d+))?(P?)", text)
     if not m:
-        raise ValueError(f"configuration {text!r}: SLOTSxNB[L][W8]")
-    return dict(SLOTS=int(m[1]), NB=int(m[2]), LATE=bool(m[3]), W=int(m[4] or 4))
+        raise ValueError(f"configuration {text!r}: SLOTSxNB[L][W8][P]")
+    return dict(SLOTS=int(m[1]), NB=int(m[2]), LATE=bool(m[3]), W=int(m[4] or 4), PIPE=bool(m[5]))
+
+
+def config_name(c: dict) -> str:
+    return (f"one-launch-{c['SLOTS']}x{c['NB']}{'L' if c['LATE'] else ''}{'W8' if c['W'] == 8 else ''}"
+            f"{'P' if c['PIPE'] else ''}")
+
+
+def config_fn(c: dict):
+    if c["PIPE"]:
+        return partial(small_t_pipe, SLOTS=c["SLOTS"], NB=c["NB"])
+    return partial(small_t, **{k: v for k, v in c.items() if k != "PIPE"})
+
+
+STAMPS = ("start", "gate_up_done", "barrier_passed", "end", "h_in_smem", "dbuf_boxes_done", "ring_boxes_done")
+STAMPS_PIPE = ("start", "gate_up_done", "last_flags_passed", "end", "rounds_done")
 
 
 def main() -> None:
@@ -321,13 +609,16 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--compile", action="store_true", help="compile for sm_90 only (CPU), then exit")
     ap.add_argument("--tokens", default="1,2")
-    ap.add_argument("--configs", default="8x12L,8x12LW8",
-                    help="SLOTSxNB[L][W8]: gate/up slots x down buffers (multiples of 4); L: the down loop's sums "
+    ap.add_argument("--configs", default="8x16P,8x12L",
+                    help="SLOTSxNB[L][W8][P]: gate/up slots x down buffers (multiples of 4); L: the down loop's sums "
                          "across lanes and warps once per token (H200 session 11: 28.8 against 31.1 µs at T=1); "
-                         "W8: eight consumer warps (the first configuration's phases are stamped)")
+                         "W8: eight consumer warps; P: the pipelined kernel (T ≤ 4); every configuration's phases "
+                         "are stamped")
     args = ap.parse_args()
     if args.compile:
         compile_sm90(ts=True)
+        compile_sm90_pipe(ts=True)
+        print(json.dumps(dict(pipe_shared=compile_sm90_pipe()[0])))
         shared, ptx = compile_sm90()
         print(json.dumps(dict(shared=shared, tma=ptx.count("cp.async.bulk.tensor"), bar=ptx.count("bar.sync"),
                               atom=ptx.count("atom."))))
@@ -358,24 +649,24 @@ def main() -> None:
         refs = [reference(block, Case(x, ids, wt, w)) for x, ids, wt in sets[:8]]  # 8 fresh routings
         table = str(Path(__file__).resolve().parents[1] / "cache" / "h200.sqlite")
         confs = [parse_config(c) for c in args.configs.split(",")]
-        cands = [(f"one-launch-{c['SLOTS']}x{c['NB']}{'L' if c['LATE'] else ''}{'W8' if c['W'] == 8 else ''}",
-                  partial(small_t, **c)) for c in confs]
-        cands += [(tag, BACKEND.build(block, s)) for tag, s in B.table_variant(table, shape, T)]
-        ts = torch.zeros(D // CFG["DR"], 8, dtype=torch.int64, device=dev)  # phase stamps, first config
-        for _ in range(3):
-            flush.sum()  # L2 flushed first, as in the timed replays
-            small_t(x0, ids0, wt0, w, ts=ts, **confs[0])
-        torch.cuda.synchronize()
-        rel = (ts - ts[:, 0].min()).double() / 1e3  # µs from the first program's start
-        stamps = {name: [round(float(v), 2) for v in (rel[:, i].min(), rel[:, i].median(), rel[:, i].max())]
-                  for i, name in enumerate(("start", "gate_up_done", "barrier_passed", "end", "h_in_smem",
-                                            "dbuf_boxes_done", "ring_boxes_done"))}
-        rows.append(dict(shape=shape, tokens=T, variant="stamps " + cands[0][0], stamps_us_min_med_max=stamps))
-        print(json.dumps(rows[-1]), flush=True)
-        for tag, fn in cands:
+        # the table first: a hang of a prototype's grid-wide waits (cut by the caller's timeout) keeps its figure
+        cands = [(tag, BACKEND.build(block, s), None) for tag, s in B.table_variant(table, shape, T)]
+        cands += [(config_name(c), config_fn(c), c) for c in confs if T <= (4 if c["PIPE"] else CFG["TM"])]
+        for tag, fn, c in cands:
+            if c is not None:  # phase stamps of this configuration, then its checks and timing
+                ts = torch.zeros(D // CFG["DR"], 8, dtype=torch.int64, device=dev)
+                for _ in range(3):
+                    flush.sum()  # L2 flushed first, as in the timed replays
+                    fn(x0, ids0, wt0, w, ts=ts)
+                torch.cuda.synchronize()
+                rel = (ts - ts[:, 0].min()).double() / 1e3  # µs from the first program's start
+                stamps = {name: [round(float(v), 2) for v in (rel[:, i].min(), rel[:, i].median(), rel[:, i].max())]
+                          for i, name in enumerate(STAMPS_PIPE if c["PIPE"] else STAMPS)}
+                rows.append(dict(shape=shape, tokens=T, variant="stamps " + tag, stamps_us_min_med_max=stamps))
+                print(json.dumps(rows[-1]), flush=True)
             rec = dict(shape=shape, tokens=T, variant=tag, floor_us=round(fl, 2))
             try:
-                if tag.startswith("one-launch"):  # eager, before any timing
+                if c is not None:  # eager, before any timing
                     rec["eager_rel_err_max"] = max(B.rel_err(fn(x, ids, wt, w), r)
                                                    for (x, ids, wt), r in zip(sets[:8], refs, strict=True))
                 t_us, gerr, mean_us = B.graph_checked_time(fn, sets, w, flush, ref)
