@@ -305,15 +305,20 @@ def small_t(x, ids, wt, w, ts=None, **cfg):
     return out
 
 
-# ---- pipelined variant (configuration suffix P): the down projection runs pair by pair during gate/up ----
+# ---- FIFO variant (configuration NF: a ring of N slots): the down projection runs pair by pair during gate/up ----
 # Gate/up items are dealt round-robin in pair-major order (program c takes items c, c + G, ...), so pair p's h is
-# complete after round ((p + 1)·NFB − 1) // G; each program adds 1 to the pair's counter per item it stores
-# (release), and after its own round j runs the down boxes of the pairs complete by round j − 1 (acquire on their
-# counters; lag 1, so a program seldom waits). Only the last round's pairs remain after gate/up, where the
-# one-barrier design above left every down box (session 11: 0.6-0.8 µs per group of four after the barrier).
-# The producer streams the down boxes through one ring of NB buffers in box order, refilled after each gate/up
-# item up to what the consumer has released two rounds earlier (no deadlock while two rounds consume ≤ NB
-# boxes: checked on the host, `pipe_plan`).
+# whole after round ((p + 1)·NFB − 1) // G. Each program adds 1 to the pair's counter per item it stores
+# (release). One ring of SLOTS slots carries everything the program reads, in the order its consumer uses it:
+# round j's gate/up item (NKC slots of [2·BF, BK]), then the down boxes ([DR, BKD], the same bytes) of the groups
+# that round multiplies; the producer never waits for anything but the consumer's progress through the ring, so
+# the stream stays SLOTS deep. The consumer, in round j: gate/up item j; the groups whose h it loaded in round
+# j − 1 (registers); then it waits (acquire) for the pairs whole by round j − 1 and loads their h for round j + 1,
+# so neither the wait nor the load stands between two ring reads. Left after gate/up: the last rounds' pairs only
+# (the one-barrier kernel above left every down box: 0.6-0.8 µs per group of four after its barrier).
+# Session 12 call 1 measured a first version (a second ring for the down boxes, h loaded after the wait, in the
+# same round): correct, but 4.1 µs per round, 34.9 against the table's 26.8 µs at T = 1 (commit b8fa0b5).
+
+GPR = gl.constexpr(3)  # groups of four boxes one round may hand to the next at most (their h in registers; `fifo_plan` checks)
 
 
 @gluon.jit
@@ -323,18 +328,26 @@ def _pdone(r, P, G, NFB: gl.constexpr):
 
 
 @gluon.jit
-def _cons(j, P, G, NFB: gl.constexpr, NC: gl.constexpr):
-    """Down boxes the consumer has used by the end of its round j: whole groups of 4 of the pairs done by j − 1."""
-    return _pdone(j - 1, P, G, NFB) * NC // 4 * 4
+def _q(j, P, G, NFB: gl.constexpr, NC: gl.constexpr):
+    """Groups of four down boxes the consumer has multiplied, or holds h for, when round j begins."""
+    return _pdone(j - 2, P, G, NFB) * NC // 4
 
 
 @gluon.jit
-def _producer_pipe(gu_desc, dn_desc, ids_ptr, halves, ready, empty, dbuf, dready, dempty,
-                   D, F, P, n_items, nbox, G, cta, R, d0,
+def _ring_box(dn_desc, ids_ptr, ring, ready, empty, it, b, D, d0,
+              NC: gl.constexpr, BKD: gl.constexpr, SLOTS: gl.constexpr):
+    s = it % SLOTS
+    mbarrier.wait(empty.index(s), ((it // SLOTS) & 1) ^ 1)
+    e = gl.load(ids_ptr + b // NC).to(gl.int32)
+    mbarrier.expect(ready.index(s), dn_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(dn_desc, [e * D + d0, (b % NC) * BKD], ready.index(s), ring.index(s))
+
+
+@gluon.jit
+def _producer_fifo(gu_desc, dn_desc, ids_ptr, ring, halves, ready, empty, D, F, P, n_items, nbox, G, cta, R, d0,
                    NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr, BF: gl.constexpr, BK: gl.constexpr,
-                   BKD: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr):
+                   BKD: gl.constexpr, SLOTS: gl.constexpr):
     it = 0
-    issued = 0
     for j in range(R):
         item = cta + j * G
         if item < n_items:
@@ -348,66 +361,52 @@ def _producer_pipe(gu_desc, dn_desc, ids_ptr, halves, ready, empty, dbuf, dready
                 tma.async_copy_global_to_shared(gu_desc, [row + F, kc * BK], ready.index(s),
                                                 halves.index(2 * s + 1))
                 it += 1
-        lim = gl.minimum(nbox, _cons(j - 2, P, G, NFB, NC) + NB)
-        for b in range(issued, lim):
-            s = b % NB
-            if b >= NB:
-                mbarrier.wait(dempty.index(s), ((b // NB) - 1) & 1)
-            e = gl.load(ids_ptr + b // NC).to(gl.int32)
-            mbarrier.expect(dready.index(s), dn_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(dn_desc, [e * D + d0, (b % NC) * BKD], dready.index(s), dbuf.index(s))
-        issued = gl.maximum(issued, lim)
-    for b in range(issued, nbox):
-        s = b % NB
-        if b >= NB:
-            mbarrier.wait(dempty.index(s), ((b // NB) - 1) & 1)
-        e = gl.load(ids_ptr + b // NC).to(gl.int32)
-        mbarrier.expect(dready.index(s), dn_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(dn_desc, [e * D + d0, (b % NC) * BKD], dready.index(s), dbuf.index(s))
+        for b in range(4 * _q(j - 1, P, G, NFB, NC), 4 * _q(j, P, G, NFB, NC)):  # the groups round j multiplies
+            _ring_box(dn_desc, ids_ptr, ring, ready, empty, it, b, D, d0, NC, BKD, SLOTS)
+            it += 1
+    for b in range(4 * _q(R - 1, P, G, NFB, NC), nbox):  # the rest, in order
+        _ring_box(dn_desc, ids_ptr, ring, ready, empty, it, b, D, d0, NC, BKD, SLOTS)
+        it += 1
 
 
 @gluon.jit
-def _down_pipe(h_ptr, out_ptr, cnt_ptr, dbuf, dready, dempty, acc_l, pw, g_lo, pd, g_hi, d0, D,
-               K_TOP: gl.constexpr, NFB: gl.constexpr, NC: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr,
-               NB: gl.constexpr, L3: gl.constexpr):
-    """Groups [g_lo, g_hi) of four down boxes, after the counters of pairs [pw, pd) say their h is whole."""
+def _group(ring, ready, empty, it, hv, acc_l, out_ptr, b0, d0, D, K_TOP: gl.constexpr, NC: gl.constexpr,
+           BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr, L3: gl.constexpr):
+    """Down boxes b0..b0+3 from ring slots it..it+3 times their h rows hv [4, 1, BKD]; a token's last group stores."""
+    S2: gl.constexpr = gl.SliceLayout(2, L3)
+    rows3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
+    rgroups = ring._reinterpret(ring.dtype, [SLOTS // 4, 4, DR, BKD], rows3)
+    s0 = it % SLOTS
+    for jj in gl.static_range(4):
+        mbarrier.wait(ready.index(s0 + jj), (it // SLOTS) & 1)
+    w = rgroups.index(s0 // 4).load(L3)
+    fence_async_shared()
+    for jj in gl.static_range(4):
+        mbarrier.arrive(empty.index(s0 + jj), count=1)
+    prod = w.to(gl.float32) * hv.to(gl.float32)  # [4, DR, BKD]
+    part = gl.sum(gl.reshape(prod, [4, DR, 32, BKD // 32]), axis=3)  # [4, DR, 32]: sums inside each thread
+    acc_l = acc_l * (b0 % (K_TOP * NC) != 0).to(gl.float32) + part  # a token's first group starts anew
+    if (b0 + 4) % (K_TOP * NC) == 0:  # this token's boxes done: across lanes and warps once
+        tot = gl.convert_layout(gl.sum(gl.sum(acc_l, axis=2), axis=0), gl.SliceLayout(0, S2))
+        gl.store(out_ptr + (b0 // (K_TOP * NC)) * D + d0 + gl.arange(0, DR, layout=gl.SliceLayout(0, S2)),
+                 tot.to(gl.bfloat16))
+    return acc_l
+
+
+@gluon.jit
+def _wait_pairs(cnt_ptr, pw, pd, NFB: gl.constexpr):
     while pw < pd:
         while gl.atomic_add(cnt_ptr + pw, 0, sem="acquire", scope="gpu") < NFB:
             pass
         pw += 1
-    S2: gl.constexpr = gl.SliceLayout(2, L3)
-    rows3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
-    dgroups = dbuf._reinterpret(dbuf.dtype, [NB // 4, 4, DR, BKD], rows3)
-    i4 = gl.arange(0, 4, layout=gl.SliceLayout(1, S2))
-    hc = gl.arange(0, BKD, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    hoff = i4[:, None, None] * BKD + hc[None, None, :]  # [4, 1, BKD]: h rows of a group's boxes (row b: box b)
-    drows = gl.arange(0, DR, layout=gl.SliceLayout(0, S2))
-    hv = gl.load(h_ptr + g_lo * 4 * BKD + hoff, mask=(hoff >= 0) & (g_lo < g_hi), other=0.0, cache_modifier=".cg")
-    for g in range(g_lo, g_hi):
-        b0 = g * 4
-        for jj in gl.static_range(4):
-            mbarrier.wait(dready.index(b0 % NB + jj), (b0 // NB) & 1)
-        w = dgroups.index((b0 % NB) // 4).load(L3)
-        fence_async_shared()
-        for jj in gl.static_range(4):
-            mbarrier.arrive(dempty.index(b0 % NB + jj), count=1)
-        hcur = hv
-        hv = gl.load(h_ptr + (b0 + 4) * BKD + hoff, mask=(hoff >= 0) & (g + 1 < g_hi), other=0.0,
-                     cache_modifier=".cg")  # the next group's h while this one multiplies
-        prod = w.to(gl.float32) * hcur.to(gl.float32)  # [4, DR, BKD]
-        part = gl.sum(gl.reshape(prod, [4, DR, 32, BKD // 32]), axis=3)  # [4, DR, 32]
-        acc_l = acc_l * (b0 % (K_TOP * NC) != 0).to(gl.float32) + part  # a token's first group starts anew
-        if (b0 + 4) % (K_TOP * NC) == 0:  # this token's boxes done
-            tot = gl.convert_layout(gl.sum(gl.sum(acc_l, axis=2), axis=0), gl.SliceLayout(0, S2))
-            gl.store(out_ptr + (b0 // (K_TOP * NC)) * D + d0 + drows, tot.to(gl.bfloat16))
-    return acc_l, pw
+    return pw
 
 
 @gluon.jit
-def _consumer_pipe(x_ptr, wts_ptr, h_ptr, out_ptr, cnt_ptr, ts_ptr, halves, ready, empty, dbuf, dready, dempty, xs,
+def _consumer_fifo(x_ptr, wts_ptr, h_ptr, out_ptr, cnt_ptr, ts_ptr, ring, halves, ready, empty, xs,
                    D, F, P, n_items, nbox, G, cta, R, d0, TS: gl.constexpr, K_TOP: gl.constexpr,
                    NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr, BF: gl.constexpr, BK: gl.constexpr,
-                   BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr, PM: gl.constexpr,
+                   BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr, PM: gl.constexpr,
                    num_warps: gl.constexpr):
     L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])  # a warp reads 512 B of a row
     V: gl.constexpr = gl.SliceLayout(0, L)
@@ -421,9 +420,17 @@ def _consumer_pipe(x_ptr, wts_ptr, h_ptr, out_ptr, cnt_ptr, ts_ptr, halves, read
     xs3 = xs._reinterpret(xs.dtype, [xs.type.shape[0], 1, BK], xs.layout)
     _cta_barrier()
     rows = gl.arange(0, BF, layout=gl.SliceLayout(1, L))
-    gl.static_assert(num_warps == 4 and NB % 4 == 0 and (K_TOP * NC) % 4 == 0)
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 1, 32], [4, num_warps // 4, 1], [2, 1, 0])
+    gl.static_assert(num_warps == 4 and SLOTS % 4 == 0 and NKC % 4 == 0 and (K_TOP * NC) % 4 == 0 and 2 * BF == DR)
+    gl.static_assert(GPR == 3)
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 1, 32], [4, 1, 1], [2, 1, 0])
+    S2: gl.constexpr = gl.SliceLayout(2, L3)
+    i4 = gl.arange(0, 4, layout=gl.SliceLayout(1, S2))
+    hc = gl.arange(0, BKD, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    hoff = i4[:, None, None] * BKD + hc[None, None, :]  # [4, 1, BKD]: the h rows of a group (row b: box b)
     acc_l = gl.sum(gl.reshape(gl.full([4, DR, BKD], 0.0, gl.float32, L3), [4, DR, 32, BKD // 32]), axis=3)
+    hv0 = gl.full([4, 1, BKD], 0.0, gl.bfloat16, L3)
+    hv1 = hv0
+    hv2 = hv0
     it = 0
     pw = 0
     for j in range(R):
@@ -453,17 +460,48 @@ def _consumer_pipe(x_ptr, wts_ptr, h_ptr, out_ptr, cnt_ptr, ts_ptr, halves, read
             gl.atomic_add(cnt_ptr + p, 1, sem="release", scope="gpu")
         if j == R - 1:
             _stamp(ts_ptr, 1, TS)
-        acc_l, pw = _down_pipe(h_ptr, out_ptr, cnt_ptr, dbuf, dready, dempty, acc_l, pw,
-                               _cons(j - 1, P, G, NFB, NC) // 4, _pdone(j - 1, P, G, NFB),
-                               _cons(j, P, G, NFB, NC) // 4, d0, D, K_TOP, NFB, NC, BKD, DR, NB, L3)
+        ga = _q(j - 1, P, G, NFB, NC)  # the groups whose h round j − 1 loaded
+        gb = _q(j, P, G, NFB, NC)
+        if ga < gb:
+            acc_l = _group(ring, ready, empty, it, hv0, acc_l, out_ptr, 4 * ga, d0, D, K_TOP, NC, BKD, DR, SLOTS, L3)
+            it += 4
+        if ga + 1 < gb:
+            acc_l = _group(ring, ready, empty, it, hv1, acc_l, out_ptr, 4 * ga + 4, d0, D, K_TOP, NC, BKD, DR, SLOTS,
+                           L3)
+            it += 4
+        if ga + 2 < gb:
+            acc_l = _group(ring, ready, empty, it, hv2, acc_l, out_ptr, 4 * ga + 8, d0, D, K_TOP, NC, BKD, DR, SLOTS,
+                           L3)
+            it += 4
+        gn = _q(j + 1, P, G, NFB, NC)  # the groups round j + 1 multiplies: their pairs' h, loaded now
+        pw = _wait_pairs(cnt_ptr, pw, _pdone(j - 1, P, G, NFB), NFB)
+        hv0 = gl.load(h_ptr + 4 * gb * BKD + hoff, mask=(hoff >= 0) & (gb < gn), other=0.0, cache_modifier=".cg")
+        hv1 = gl.load(h_ptr + 4 * (gb + 1) * BKD + hoff, mask=(hoff >= 0) & (gb + 1 < gn), other=0.0,
+                      cache_modifier=".cg")
+        hv2 = gl.load(h_ptr + 4 * (gb + 2) * BKD + hoff, mask=(hoff >= 0) & (gb + 2 < gn), other=0.0,
+                      cache_modifier=".cg")
     _stamp(ts_ptr, 4, TS)
-    while pw < P:  # the pairs of the last rounds
-        while gl.atomic_add(cnt_ptr + pw, 0, sem="acquire", scope="gpu") < NFB:
-            pass
-        pw += 1
+    ga = _q(R - 1, P, G, NFB, NC)
+    gb = _q(R, P, G, NFB, NC)
+    if ga < gb:
+        acc_l = _group(ring, ready, empty, it, hv0, acc_l, out_ptr, 4 * ga, d0, D, K_TOP, NC, BKD, DR, SLOTS, L3)
+        it += 4
+    if ga + 1 < gb:
+        acc_l = _group(ring, ready, empty, it, hv1, acc_l, out_ptr, 4 * ga + 4, d0, D, K_TOP, NC, BKD, DR, SLOTS, L3)
+        it += 4
+    if ga + 2 < gb:
+        acc_l = _group(ring, ready, empty, it, hv2, acc_l, out_ptr, 4 * ga + 8, d0, D, K_TOP, NC, BKD, DR, SLOTS, L3)
+        it += 4
+    pw = _wait_pairs(cnt_ptr, pw, P, NFB)  # the pairs of the last rounds
     _stamp(ts_ptr, 2, TS)
-    acc_l, pw = _down_pipe(h_ptr, out_ptr, cnt_ptr, dbuf, dready, dempty, acc_l, pw, _cons(R - 1, P, G, NFB, NC) // 4,
-                           P, nbox // 4, d0, D, K_TOP, NFB, NC, BKD, DR, NB, L3)
+    ng = nbox // 4
+    hv = gl.load(h_ptr + 4 * gb * BKD + hoff, mask=(hoff >= 0) & (gb < ng), other=0.0, cache_modifier=".cg")
+    for g in range(gb, ng):
+        hcur = hv
+        hv = gl.load(h_ptr + 4 * (g + 1) * BKD + hoff, mask=(hoff >= 0) & (g + 1 < ng), other=0.0,
+                     cache_modifier=".cg")  # the next group's h while this one multiplies
+        acc_l = _group(ring, ready, empty, it, hcur, acc_l, out_ptr, 4 * g, d0, D, K_TOP, NC, BKD, DR, SLOTS, L3)
+        it += 4
     _stamp(ts_ptr, 3, TS)
     if gl.atomic_add(cnt_ptr + PM, 1, sem="acq_rel", scope="gpu") == G - 1:  # the last program resets the counters
         for q in range(P):
@@ -472,136 +510,132 @@ def _consumer_pipe(x_ptr, wts_ptr, h_ptr, out_ptr, cnt_ptr, ts_ptr, halves, read
 
 
 @gluon.jit
-def pipe_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, cnt_ptr, ts_ptr,
+def fifo_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, cnt_ptr, ts_ptr,
                 D, F, P, n_items, nbox, G, R,
                 K_TOP: gl.constexpr, XR: gl.constexpr, NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr,
                 BF: gl.constexpr, BK: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr,
-                NB: gl.constexpr, PM: gl.constexpr, num_warps: gl.constexpr, TS: gl.constexpr = False):
+                PM: gl.constexpr, num_warps: gl.constexpr, TS: gl.constexpr = False):
     cta = gl.program_id(0)
     d0 = cta * DR
     gl.static_assert(BK == BKD)
     ring = gl.allocate_shared_memory(gu_desc.dtype, [SLOTS, 2 * BF, BK], gu_desc.layout)
     halves = ring._reinterpret(gu_desc.dtype, [2 * SLOTS, BF, BK], gu_desc.layout)  # even: gate, odd: up
-    dbuf = gl.allocate_shared_memory(dn_desc.dtype, [NB, DR, BKD], dn_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    dready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-    dempty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     xs = gl.allocate_shared_memory(gl.bfloat16, [XR, BK], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     for i in gl.static_range(SLOTS):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(NB):
-        mbarrier.init(dready.index(i), count=1)
-        mbarrier.init(dempty.index(i), count=1)
     gl.warp_specialize([
-        (_consumer_pipe, (x_ptr, wts_ptr, h_ptr, out_ptr, cnt_ptr, ts_ptr + cta * 8, halves, ready, empty, dbuf,
-                          dready, dempty, xs, D, F, P, n_items, nbox, G, cta, R, d0, TS, K_TOP, NFB, NKC, NC, BF,
-                          BK, BKD, DR, SLOTS, NB, PM, num_warps)),
-        (_producer_pipe, (gu_desc, dn_desc, ids_ptr, halves, ready, empty, dbuf, dready, dempty,
-                          D, F, P, n_items, nbox, G, cta, R, d0, NFB, NKC, NC, BF, BK, BKD, SLOTS, NB)),
+        (_consumer_fifo, (x_ptr, wts_ptr, h_ptr, out_ptr, cnt_ptr, ts_ptr + cta * 8, ring, halves, ready, empty, xs,
+                          D, F, P, n_items, nbox, G, cta, R, d0, TS, K_TOP, NFB, NKC, NC, BF, BK, BKD, DR, SLOTS,
+                          PM, num_warps)),
+        (_producer_fifo, (gu_desc, dn_desc, ids_ptr, ring, halves, ready, empty, D, F, P, n_items, nbox, G, cta, R,
+                          d0, NFB, NKC, NC, BF, BK, BKD, SLOTS)),
     ], [1], [24])
 
 
-PIPE_PM = 32  # pairs at most (the routing weights' register vector; the counters' length)
+FIFO_PM = 32  # pairs at most (the routing weights' register vector; the counters' length)
+FIFO_CFG = dict(SLOTS=24, TM=4)
 
 
-def pipe_plan(P: int, G: int, NFB: int, NC: int, NB: int) -> int:
-    """Rounds of the pipelined schedule; raises if two rounds could consume more than NB boxes (deadlock)."""
+def fifo_plan(P: int, G: int, NFB: int, NC: int) -> int:
+    """Rounds of the FIFO schedule; raises if one round would hand more than GPR groups to the next."""
     R = -(-P * NFB // G)
     pdone = lambda r: max(0, min(P, G * (r + 1) // NFB))  # noqa: E731
-    cons = lambda j: pdone(j - 1) * NC // 4 * 4  # noqa: E731
-    for j in range(R):
-        if cons(j) > cons(j - 2) + NB:
-            raise ValueError(f"pipelined schedule: round {j} needs {cons(j) - cons(j - 2)} boxes of two rounds, "
-                             f"NB = {NB}")
+    q = lambda j: pdone(j - 2) * NC // 4  # noqa: E731
+    for j in range(R + 1):
+        if q(j + 1) - q(j) > GPR:
+            raise ValueError(f"FIFO schedule: round {j} hands {q(j + 1) - q(j)} groups to the next, at most {GPR}")
     return R
 
 
-def _pipe_constexprs(k: int, D: int, F: int, c: dict) -> dict:
+def _fifo_constexprs(k: int, D: int, F: int, c: dict) -> dict:
     return dict(K_TOP=k, XR=c["TM"] * D // c["BK"], NFB=F // c["BF"], NKC=D // c["BK"], NC=F // c["BKD"],
-                BF=c["BF"], BK=c["BK"], BKD=c["BKD"], DR=c["DR"], SLOTS=c["SLOTS"], NB=c["NB"], PM=PIPE_PM,
-                num_warps=4)
+                BF=c["BF"], BK=c["BK"], BKD=c["BKD"], DR=c["DR"], SLOTS=c["SLOTS"], PM=FIFO_PM, num_warps=4)
 
 
-def compile_sm90_pipe(K_TOP=8, D=2048, F=768, ts=False, **cfg):
-    """Compile the pipelined kernel for sm_90 (no GPU needed): (shared bytes, ptx)."""
+def compile_sm90_fifo(K_TOP=8, D=2048, F=768, ts=False, **cfg):
+    """Compile the FIFO kernel for sm_90 (no GPU needed): (shared bytes, ptx)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    c = {**CFG, **PIPE_CFG, **cfg}
+    c = {**CFG, **FIFO_CFG, **cfg}
     lay = _layout()
     sig = {"gu_desc": f"tensordesc<bf16[{c['BF']}, {c['BK']}],{lay!r}>",
            "dn_desc": f"tensordesc<bf16[{c['DR']}, {c['BKD']}],{lay!r}>",
            "x_ptr": "*bf16", "ids_ptr": "*i64", "wts_ptr": "*bf16", "h_ptr": "*bf16", "out_ptr": "*bf16",
            "cnt_ptr": "*i32", "ts_ptr": "*i64"}
     sig.update({n: "i32" for n in ("D", "F", "P", "n_items", "nbox", "G", "R")})
-    cx = dict(_pipe_constexprs(K_TOP, D, F, c), TS=ts)
-    names = list(pipe_kernel.arg_names)
+    cx = dict(_fifo_constexprs(K_TOP, D, F, c), TS=ts)
+    names = list(fifo_kernel.arg_names)
     sig.update({n: "constexpr" for n in cx})
     sig = {n: sig[n] for n in names}
-    src = GluonASTSource(pipe_kernel, sig, constexprs={(names.index(n),): v for n, v in cx.items()})
+    src = GluonASTSource(fifo_kernel, sig, constexprs={(names.index(n),): v for n, v in cx.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     return k.metadata.shared, k.asm["ptx"]
 
 
-PIPE_CFG = dict(NB=16, TM=4)
 _CNT: dict = {}
 
 
-def small_t_pipe(x, ids, wt, w, ts=None, **cfg):
-    """out [T, D] of the block in one pipelined launch (see above); T·k ≤ PIPE_PM, T ≤ TM."""
+def small_t_fifo(x, ids, wt, w, ts=None, **cfg):
+    """out [T, D] of the block in one FIFO launch (see above); T·k ≤ FIFO_PM, T ≤ TM."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    c = {**CFG, **PIPE_CFG, **{k_: v for k_, v in cfg.items() if k_ in ("SLOTS", "NB", "TM")}}
+    c = {**CFG, **FIFO_CFG, **{k_: v for k_, v in cfg.items() if k_ in ("SLOTS", "TM")}}
     T, k = ids.shape
     E, F2, D = w.gate_up.shape
     F = F2 // 2
     P = T * k
-    if T > c["TM"] or P > PIPE_PM:
-        raise ValueError(f"small_t_pipe: T = {T} > TM = {c['TM']} or T·k = {P} > {PIPE_PM}")
+    if T > c["TM"] or P > FIFO_PM:
+        raise ValueError(f"small_t_fifo: T = {T} > TM = {c['TM']} or T·k = {P} > {FIFO_PM}")
     G = D // c["DR"]
     NFB, NC = F // c["BF"], F // c["BKD"]
-    R = pipe_plan(P, G, NFB, NC, c["NB"])
+    R = fifo_plan(P, G, NFB, NC)
     lay = _layout()
     gu = TensorDescriptor(w.gate_up, [E * F2, D], [D, 1], [c["BF"], c["BK"]], lay)
     dn = TensorDescriptor(w.down, [E * D, F], [F, 1], [c["DR"], c["BKD"]], lay)
     cnt = _CNT.get(x.device)
     if cnt is None:
-        cnt = _CNT[x.device] = torch.zeros(PIPE_PM + 1, dtype=torch.int32, device=x.device)
+        cnt = _CNT[x.device] = torch.zeros(FIFO_PM + 1, dtype=torch.int32, device=x.device)
     h = torch.empty(P, F, dtype=torch.bfloat16, device=x.device)
     out = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
-    pipe_kernel[(G,)](gu, dn, x, ids, wt, h, out, cnt, cnt if ts is None else ts, D, F, P, P * NFB, P * NC, G, R,
-                      TS=ts is not None, **_pipe_constexprs(k, D, F, c))
+    fifo_kernel[(G,)](gu, dn, x, ids, wt, h, out, cnt, cnt if ts is None else ts, D, F, P, P * NFB, P * NC, G, R,
+                      TS=ts is not None, **_fifo_constexprs(k, D, F, c))
     return out
 
 
 def parse_config(text: str) -> dict:
-    """SLOTSxNB[L][W8][P] → dict(SLOTS, NB, LATE, W, PIPE): L the down loop's sums across lanes and warps once per
-    token, W8 eight consumer warps instead of four (each box of a down group shared by two), P the pipelined
-    kernel (the down boxes of each pair as soon as its h is whole; its down loop sums as L does)."""
+    """SLOTSxNB[L][W8] → dict(SLOTS, NB, LATE, W, FIFO=False): L the down loop's sums across lanes and warps once per
+    token, W8 eight consumer warps instead of four (each box of a down group shared by two); SLOTSF → the FIFO kernel
+    with a ring of SLOTS slots (its down loop sums as L does)."""
     import re
 
-    m = re.fullmatch(r"(\d+)x(\d+)(L?)(?:W(\d+))?(P?)", text)
+    m = re.fullmatch(r"(\d+)F", text)
+    if m:
+        return dict(SLOTS=int(m[1]), FIFO=True)
+    m = re.fullmatch(r"(\d+)x(\d+)(L?)(?:W(\d+))?", text)
     if not m:
-        raise ValueError(f"configuration {text!r}: SLOTSxNB[L][W8][P]")
-    return dict(SLOTS=int(m[1]), NB=int(m[2]), LATE=bool(m[3]), W=int(m[4] or 4), PIPE=bool(m[5]))
+        raise ValueError(f"configuration {text!r}: SLOTSxNB[L][W8] or SLOTSF")
+    return dict(SLOTS=int(m[1]), NB=int(m[2]), LATE=bool(m[3]), W=int(m[4] or 4), FIFO=False)
 
 
 def config_name(c: dict) -> str:
-    return (f"one-launch-{c['SLOTS']}x{c['NB']}{'L' if c['LATE'] else ''}{'W8' if c['W'] == 8 else ''}"
-            f"{'P' if c['PIPE'] else ''}")
+    if c["FIFO"]:
+        return f"one-launch-{c['SLOTS']}F"
+    return f"one-launch-{c['SLOTS']}x{c['NB']}{'L' if c['LATE'] else ''}{'W8' if c['W'] == 8 else ''}"
 
 
 def config_fn(c: dict):
-    if c["PIPE"]:
-        return partial(small_t_pipe, SLOTS=c["SLOTS"], NB=c["NB"])
-    return partial(small_t, **{k: v for k, v in c.items() if k != "PIPE"})
+    if c["FIFO"]:
+        return partial(small_t_fifo, SLOTS=c["SLOTS"])
+    return partial(small_t, **{k: v for k, v in c.items() if k != "FIFO"})
 
 
 STAMPS = ("start", "gate_up_done", "barrier_passed", "end", "h_in_smem", "dbuf_boxes_done", "ring_boxes_done")
-STAMPS_PIPE = ("start", "gate_up_done", "last_flags_passed", "end", "rounds_done")
+STAMPS_FIFO = ("start", "gate_up_done", "last_flags_passed", "end", "rounds_done")
 
 
 def main() -> None:
@@ -609,16 +643,16 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--compile", action="store_true", help="compile for sm_90 only (CPU), then exit")
     ap.add_argument("--tokens", default="1,2")
-    ap.add_argument("--configs", default="8x16P,8x12L",
-                    help="SLOTSxNB[L][W8][P]: gate/up slots x down buffers (multiples of 4); L: the down loop's sums "
+    ap.add_argument("--configs", default="24F,8x12L",
+                    help="SLOTSxNB[L][W8] or SLOTSF: gate/up slots x down buffers (multiples of 4); L: the down loop's sums "
                          "across lanes and warps once per token (H200 session 11: 28.8 against 31.1 µs at T=1); "
-                         "W8: eight consumer warps; P: the pipelined kernel (T ≤ 4); every configuration's phases "
+                         "W8: eight consumer warps; SLOTSF: the FIFO kernel (T ≤ 4); every configuration's phases "
                          "are stamped")
     args = ap.parse_args()
     if args.compile:
         compile_sm90(ts=True)
-        compile_sm90_pipe(ts=True)
-        print(json.dumps(dict(pipe_shared=compile_sm90_pipe()[0])))
+        compile_sm90_fifo(ts=True)
+        print(json.dumps(dict(fifo_shared=compile_sm90_fifo()[0])))
         shared, ptx = compile_sm90()
         print(json.dumps(dict(shared=shared, tma=ptx.count("cp.async.bulk.tensor"), bar=ptx.count("bar.sync"),
                               atom=ptx.count("atom."))))
@@ -651,7 +685,7 @@ def main() -> None:
         confs = [parse_config(c) for c in args.configs.split(",")]
         # the table first: a hang of a prototype's grid-wide waits (cut by the caller's timeout) keeps its figure
         cands = [(tag, BACKEND.build(block, s), None) for tag, s in B.table_variant(table, shape, T)]
-        cands += [(config_name(c), config_fn(c), c) for c in confs if T <= (4 if c["PIPE"] else CFG["TM"])]
+        cands += [(config_name(c), config_fn(c), c) for c in confs if T <= (FIFO_CFG["TM"] if c["FIFO"] else CFG["TM"])]
         for tag, fn, c in cands:
             if c is not None:  # phase stamps of this configuration, then its checks and timing
                 ts = torch.zeros(D // CFG["DR"], 8, dtype=torch.int64, device=dev)
@@ -661,7 +695,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 rel = (ts - ts[:, 0].min()).double() / 1e3  # µs from the first program's start
                 stamps = {name: [round(float(v), 2) for v in (rel[:, i].min(), rel[:, i].median(), rel[:, i].max())]
-                          for i, name in enumerate(STAMPS_PIPE if c["PIPE"] else STAMPS)}
+                          for i, name in enumerate(STAMPS_FIFO if c["FIFO"] else STAMPS)}
                 rows.append(dict(shape=shape, tokens=T, variant="stamps " + tag, stamps_us_min_med_max=stamps))
                 print(json.dumps(rows[-1]), flush=True)
             rec = dict(shape=shape, tokens=T, variant=tag, floor_us=round(fl, 2))
