@@ -53,21 +53,44 @@ def _stamp(ts_ptr, i, TS: gl.constexpr):
         t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [i], dtype=gl.int64, is_pure=False,
                                       pack=1)
         gl.store(ts_ptr + i, t)
+@gluon.jit
+def _ids_vec(ids_ptr, P, IDREG: gl.constexpr):
+    """With IDREG: the ids of every pair (at most 32) in the producer warp's registers, one load; else nothing."""
+    r = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    if IDREG:
+        v = gl.load(ids_ptr + r, mask=r < P, other=0).to(gl.int32)
+    else:
+        v = r * 0
+    return r, v
+
+
+@gluon.jit
+def _id(ids_ptr, r, v, i, IDREG: gl.constexpr):
+    """Expert of pair i: from the registers (a shuffle sum, no memory latency) or one global load each time. Session
+    12: each producer load of an id was one dependent L2 round trip in the single issuing warp."""
+    if IDREG:
+        e = gl.sum(gl.where(r == i, v, 0), axis=0)
+    else:
+        e = gl.load(ids_ptr + i).to(gl.int32)
+    return e
+
+
 CFG = dict(BF=8, BK=256, BKD=256, DR=16, SLOTS=8, NB=12, TM=2)  # qwen3-30b-a3b, T ≤ TM: ~200 KB shared
 
 
 @gluon.jit
 def _producer(gu_desc, dn_desc, ids_ptr, ring, halves, ready, empty, dbuf, dready, dempty,
-              D, F, item_lo, item_hi, d0, nbox, n_pre,
+              D, F, P, item_lo, item_hi, d0, nbox, n_pre,
               NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr, BF: gl.constexpr, BK: gl.constexpr,
-              BKD: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr):
+              BKD: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr, IDREG: gl.constexpr):
+    idr, idv = _ids_vec(ids_ptr, P, IDREG)
     for b in range(n_pre):  # down rows first: they stream while gate/up runs
-        e = gl.load(ids_ptr + b // NC).to(gl.int32)
+        e = _id(ids_ptr, idr, idv, b // NC, IDREG)
         mbarrier.expect(dready.index(b), dn_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(dn_desc, [e * D + d0, (b % NC) * BKD], dready.index(b), dbuf.index(b))
     it = 0
     for item in range(item_lo, item_hi):
-        e = gl.load(ids_ptr + item // NFB).to(gl.int32)
+        e = _id(ids_ptr, idr, idv, item // NFB, IDREG)
         row = e * 2 * F + (item % NFB) * BF
         for kc in range(NKC):
             s = it % SLOTS
@@ -79,7 +102,7 @@ def _producer(gu_desc, dn_desc, ids_ptr, ring, halves, ready, empty, dbuf, dread
     # the gate/up ring is free once its last slot is read: the next down boxes go there, before the barrier
     for b in range(NB, gl.minimum(nbox, NB + SLOTS)):
         s = it % SLOTS
-        e = gl.load(ids_ptr + b // NC).to(gl.int32)
+        e = _id(ids_ptr, idr, idv, b // NC, IDREG)
         mbarrier.wait(empty.index(s), ((it // SLOTS) & 1) ^ 1)
         mbarrier.expect(ready.index(s), dn_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(dn_desc, [e * D + d0, (b % NC) * BKD], ready.index(s), ring.index(s))
@@ -87,7 +110,7 @@ def _producer(gu_desc, dn_desc, ids_ptr, ring, halves, ready, empty, dbuf, dread
     for b in range(NB + SLOTS, nbox):  # the rest: into the down buffers the consumers release
         q = b - SLOTS
         s = q % NB
-        e = gl.load(ids_ptr + b // NC).to(gl.int32)
+        e = _id(ids_ptr, idr, idv, b // NC, IDREG)
         mbarrier.wait(dempty.index(s), ((q // NB) - 1) & 1)
         mbarrier.expect(dready.index(s), dn_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(dn_desc, [e * D + d0, (b % NC) * BKD], dready.index(s), dbuf.index(s))
@@ -212,7 +235,8 @@ def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sy
                    K_TOP: gl.constexpr, XR: gl.constexpr, HR: gl.constexpr, NFB: gl.constexpr, NKC: gl.constexpr,
                    NC: gl.constexpr, BF: gl.constexpr,
                    BK: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr,
-                   num_warps: gl.constexpr, TS: gl.constexpr = False, LATE: gl.constexpr = False):
+                   num_warps: gl.constexpr, TS: gl.constexpr = False, LATE: gl.constexpr = False,
+                   IDREG: gl.constexpr = False):
     cta = gl.program_id(0)
     item_lo = cta * n_items // G
     item_hi = (cta + 1) * n_items // G
@@ -239,7 +263,7 @@ def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sy
                      dready, dempty, xs, hs, D, F, P, item_lo, item_hi, d0, nbox, G, TS, LATE, K_TOP, NFB, NKC, NC, BF,
                      BK, BKD, DR, SLOTS, NB, num_warps)),
         (_producer, (gu_desc, dn_desc, ids_ptr, ring, halves, ready, empty, dbuf, dready, dempty,
-                     D, F, item_lo, item_hi, d0, nbox, n_pre, NFB, NKC, NC, BF, BK, BKD, SLOTS, NB)),
+                     D, F, P, item_lo, item_hi, d0, nbox, n_pre, NFB, NKC, NC, BF, BK, BKD, SLOTS, NB, IDREG)),
     ], [1], [24])
 
 
@@ -251,7 +275,8 @@ def _constexprs(k: int, D: int, F: int, c: dict) -> dict:
     return dict(K_TOP=k, XR=c["TM"] * D // c["BK"], HR=triton.next_power_of_2(c["TM"] * k * F // c["BKD"]),
                 NFB=F // c["BF"],
                 NKC=D // c["BK"], NC=F // c["BKD"], BF=c["BF"], BK=c["BK"], BKD=c["BKD"], DR=c["DR"],
-                SLOTS=c["SLOTS"], NB=c["NB"], LATE=c.get("LATE", False), num_warps=c.get("W", 4))
+                SLOTS=c["SLOTS"], NB=c["NB"], LATE=c.get("LATE", False), num_warps=c.get("W", 4),
+                IDREG=c.get("IDREG", False))
 
 
 def compile_sm90(K_TOP=8, D=2048, F=768, ts=False, **cfg):
@@ -318,7 +343,8 @@ def small_t(x, ids, wt, w, ts=None, **cfg):
 # Session 12 call 1 measured a first version (a second ring for the down boxes, h loaded after the wait, in the
 # same round): correct, but 4.1 µs per round, 34.9 against the table's 26.8 µs at T = 1 (commit b8fa0b5).
 
-GPR = gl.constexpr(3)  # groups of four boxes one round may hand to the next at most (their h in registers; `fifo_plan` checks)
+# groups of four boxes one round may hand to the next at most (their h in registers; `fifo_plan` checks)
+GPR = gl.constexpr(3)
 
 
 @gluon.jit
@@ -334,11 +360,11 @@ def _q(j, P, G, NFB: gl.constexpr, NC: gl.constexpr):
 
 
 @gluon.jit
-def _ring_box(dn_desc, ids_ptr, ring, ready, empty, it, b, D, d0,
-              NC: gl.constexpr, BKD: gl.constexpr, SLOTS: gl.constexpr):
+def _ring_box(dn_desc, ids_ptr, idr, idv, ring, ready, empty, it, b, D, d0,
+              NC: gl.constexpr, BKD: gl.constexpr, SLOTS: gl.constexpr, IDREG: gl.constexpr):
     s = it % SLOTS
     mbarrier.wait(empty.index(s), ((it // SLOTS) & 1) ^ 1)
-    e = gl.load(ids_ptr + b // NC).to(gl.int32)
+    e = _id(ids_ptr, idr, idv, b // NC, IDREG)
     mbarrier.expect(ready.index(s), dn_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(dn_desc, [e * D + d0, (b % NC) * BKD], ready.index(s), ring.index(s))
 
@@ -346,12 +372,13 @@ def _ring_box(dn_desc, ids_ptr, ring, ready, empty, it, b, D, d0,
 @gluon.jit
 def _producer_fifo(gu_desc, dn_desc, ids_ptr, ring, halves, ready, empty, D, F, P, n_items, nbox, G, cta, R, d0,
                    NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr, BF: gl.constexpr, BK: gl.constexpr,
-                   BKD: gl.constexpr, SLOTS: gl.constexpr):
+                   BKD: gl.constexpr, SLOTS: gl.constexpr, IDREG: gl.constexpr):
+    idr, idv = _ids_vec(ids_ptr, P, IDREG)
     it = 0
     for j in range(R):
         item = cta + j * G
         if item < n_items:
-            e = gl.load(ids_ptr + item // NFB).to(gl.int32)
+            e = _id(ids_ptr, idr, idv, item // NFB, IDREG)
             row = e * 2 * F + (item % NFB) * BF
             for kc in range(NKC):
                 s = it % SLOTS
@@ -362,10 +389,10 @@ def _producer_fifo(gu_desc, dn_desc, ids_ptr, ring, halves, ready, empty, D, F, 
                                                 halves.index(2 * s + 1))
                 it += 1
         for b in range(4 * _q(j - 1, P, G, NFB, NC), 4 * _q(j, P, G, NFB, NC)):  # the groups round j multiplies
-            _ring_box(dn_desc, ids_ptr, ring, ready, empty, it, b, D, d0, NC, BKD, SLOTS)
+            _ring_box(dn_desc, ids_ptr, idr, idv, ring, ready, empty, it, b, D, d0, NC, BKD, SLOTS, IDREG)
             it += 1
     for b in range(4 * _q(R - 1, P, G, NFB, NC), nbox):  # the rest, in order
-        _ring_box(dn_desc, ids_ptr, ring, ready, empty, it, b, D, d0, NC, BKD, SLOTS)
+        _ring_box(dn_desc, ids_ptr, idr, idv, ring, ready, empty, it, b, D, d0, NC, BKD, SLOTS, IDREG)
         it += 1
 
 
@@ -514,7 +541,7 @@ def fifo_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, cnt_p
                 D, F, P, n_items, nbox, G, R,
                 K_TOP: gl.constexpr, XR: gl.constexpr, NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr,
                 BF: gl.constexpr, BK: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr,
-                PM: gl.constexpr, num_warps: gl.constexpr, TS: gl.constexpr = False):
+                PM: gl.constexpr, num_warps: gl.constexpr, TS: gl.constexpr = False, IDREG: gl.constexpr = False):
     cta = gl.program_id(0)
     d0 = cta * DR
     gl.static_assert(BK == BKD)
@@ -531,7 +558,7 @@ def fifo_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, cnt_p
                           D, F, P, n_items, nbox, G, cta, R, d0, TS, K_TOP, NFB, NKC, NC, BF, BK, BKD, DR, SLOTS,
                           PM, num_warps)),
         (_producer_fifo, (gu_desc, dn_desc, ids_ptr, ring, halves, ready, empty, D, F, P, n_items, nbox, G, cta, R,
-                          d0, NFB, NKC, NC, BF, BK, BKD, SLOTS)),
+                          d0, NFB, NKC, NC, BF, BK, BKD, SLOTS, IDREG)),
     ], [1], [24])
 
 
@@ -552,7 +579,8 @@ def fifo_plan(P: int, G: int, NFB: int, NC: int) -> int:
 
 def _fifo_constexprs(k: int, D: int, F: int, c: dict) -> dict:
     return dict(K_TOP=k, XR=c["TM"] * D // c["BK"], NFB=F // c["BF"], NKC=D // c["BK"], NC=F // c["BKD"],
-                BF=c["BF"], BK=c["BK"], BKD=c["BKD"], DR=c["DR"], SLOTS=c["SLOTS"], PM=FIFO_PM, num_warps=4)
+                BF=c["BF"], BK=c["BK"], BKD=c["BKD"], DR=c["DR"], SLOTS=c["SLOTS"], PM=FIFO_PM, num_warps=4,
+                IDREG=c.get("IDREG", False))
 
 
 def compile_sm90_fifo(K_TOP=8, D=2048, F=768, ts=False, **cfg):
@@ -584,7 +612,7 @@ def small_t_fifo(x, ids, wt, w, ts=None, **cfg):
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    c = {**CFG, **FIFO_CFG, **{k_: v for k_, v in cfg.items() if k_ in ("SLOTS", "TM")}}
+    c = {**CFG, **FIFO_CFG, **{k_: v for k_, v in cfg.items() if k_ in ("SLOTS", "TM", "IDREG")}}
     T, k = ids.shape
     E, F2, D = w.gate_up.shape
     F = F2 // 2
@@ -608,29 +636,31 @@ def small_t_fifo(x, ids, wt, w, ts=None, **cfg):
 
 
 def parse_config(text: str) -> dict:
-    """SLOTSxNB[L][W8] → dict(SLOTS, NB, LATE, W, FIFO=False): L the down loop's sums across lanes and warps once per
-    token, W8 eight consumer warps instead of four (each box of a down group shared by two); SLOTSF → the FIFO kernel
-    with a ring of SLOTS slots (its down loop sums as L does)."""
+    """SLOTSxNB[L][W8][R] → dict(SLOTS, NB, LATE, W, IDREG, FIFO=False): L the down loop's sums across lanes and
+    warps once per token, W8 eight consumer warps instead of four (each box of a down group shared by two), R the
+    producer's expert ids from registers (`_id`); SLOTSF[R] → the FIFO kernel with a ring of SLOTS slots (its down
+    loop sums as L does)."""
     import re
 
-    m = re.fullmatch(r"(\d+)F", text)
+    m = re.fullmatch(r"(\d+)F(R?)", text)
     if m:
-        return dict(SLOTS=int(m[1]), FIFO=True)
-    m = re.fullmatch(r"(\d+)x(\d+)(L?)(?:W(\d+))?", text)
+        return dict(SLOTS=int(m[1]), IDREG=bool(m[2]), FIFO=True)
+    m = re.fullmatch(r"(\d+)x(\d+)(L?)(?:W(\d+))?(R?)", text)
     if not m:
-        raise ValueError(f"configuration {text!r}: SLOTSxNB[L][W8] or SLOTSF")
-    return dict(SLOTS=int(m[1]), NB=int(m[2]), LATE=bool(m[3]), W=int(m[4] or 4), FIFO=False)
+        raise ValueError(f"configuration {text!r}: SLOTSxNB[L][W8][R] or SLOTSF[R]")
+    return dict(SLOTS=int(m[1]), NB=int(m[2]), LATE=bool(m[3]), W=int(m[4] or 4), IDREG=bool(m[5]), FIFO=False)
 
 
 def config_name(c: dict) -> str:
+    r = "R" if c["IDREG"] else ""
     if c["FIFO"]:
-        return f"one-launch-{c['SLOTS']}F"
-    return f"one-launch-{c['SLOTS']}x{c['NB']}{'L' if c['LATE'] else ''}{'W8' if c['W'] == 8 else ''}"
+        return f"one-launch-{c['SLOTS']}F{r}"
+    return f"one-launch-{c['SLOTS']}x{c['NB']}{'L' if c['LATE'] else ''}{'W8' if c['W'] == 8 else ''}{r}"
 
 
 def config_fn(c: dict):
     if c["FIFO"]:
-        return partial(small_t_fifo, SLOTS=c["SLOTS"])
+        return partial(small_t_fifo, SLOTS=c["SLOTS"], IDREG=c["IDREG"])
     return partial(small_t, **{k: v for k, v in c.items() if k != "FIFO"})
 
 
@@ -643,11 +673,11 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--compile", action="store_true", help="compile for sm_90 only (CPU), then exit")
     ap.add_argument("--tokens", default="1,2")
-    ap.add_argument("--configs", default="24F,8x12L",
-                    help="SLOTSxNB[L][W8] or SLOTSF: gate/up slots x down buffers (multiples of 4); L: the down loop's sums "
-                         "across lanes and warps once per token (H200 session 11: 28.8 against 31.1 µs at T=1); "
-                         "W8: eight consumer warps; SLOTSF: the FIFO kernel (T ≤ 4); every configuration's phases "
-                         "are stamped")
+    ap.add_argument("--configs", default="24FR,8x12LR",
+                    help="SLOTSxNB[L][W8][R] or SLOTSF[R]: gate/up slots x down buffers (multiples of 4); L: the "
+                         "down loop's sums across lanes and warps once per token (H200 session 11: 28.8 against "
+                         "31.1 µs at T=1); W8: eight consumer warps; R: the producer's ids from registers; SLOTSF: "
+                         "the FIFO kernel (T ≤ 4); every configuration's phases are stamped")
     args = ap.parse_args()
     if args.compile:
         compile_sm90(ts=True)
