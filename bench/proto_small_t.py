@@ -118,6 +118,11 @@ def _producer(gu_desc, dn_desc, ids_ptr, ring, halves, ready, empty, dbuf, dread
 
 
 @gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
 def _down_mma(out_ptr, ts_ptr, ring, ready, dbuf, dready, dempty, hs, nbox, d0, D, ring_phase, TS: gl.constexpr,
               K_TOP: gl.constexpr, NC: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr,
               NB: gl.constexpr):
@@ -179,7 +184,7 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, halves, re
               dempty, xs, hs, D, F, P, item_lo, item_hi, d0, nbox, G, TS: gl.constexpr, LATE: gl.constexpr,
               K_TOP: gl.constexpr, NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr, BF: gl.constexpr,
               BK: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr,
-              num_warps: gl.constexpr, MMA: gl.constexpr):
+              num_warps: gl.constexpr, MMA: gl.constexpr, LOWP: gl.constexpr):
     L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])  # a warp reads 512 B of a row
     V: gl.constexpr = gl.SliceLayout(0, L)
     _stamp(ts_ptr, 0, TS)
@@ -279,9 +284,14 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, halves, re
                 fence_async_shared()
                 for j in gl.static_range(4):
                     mbarrier.arrive(dempty.index(q0 % NB + j), count=1)
-            prod = w.to(gl.float32) * hgroups.index(g).load(L3).to(gl.float32)  # [4, DR, BKD]
-            if LATE:  # sums inside each thread only; across lanes and warps once per token
+            if LOWP:  # bf16 products summed in bf16 inside each thread (packed bf16x2 math), then fp32
+                part = gl.reduce(gl.reshape(w * hgroups.index(g).load(L3), [4, DR, 32, BKD // 32]), 3,
+                                 _add).to(gl.float32)  # [4, DR, 32]
+                prod = part  # (unused)
+            else:
+                prod = w.to(gl.float32) * hgroups.index(g).load(L3).to(gl.float32)  # [4, DR, BKD]
                 part = gl.sum(gl.reshape(prod, [4, DR, 32, BKD // 32]), axis=3)  # [4, DR, 32]
+            if LATE or LOWP:  # sums inside each thread only; across lanes and warps once per token
                 acc_l = acc_l * (b0 % (K_TOP * NC) != 0).to(gl.float32) + part  # a token's first group starts anew
                 if (b0 + 4) % (K_TOP * NC) == 0:  # this token's boxes done
                     tot = gl.convert_layout(gl.sum(gl.sum(acc_l, axis=2), axis=0), gl.SliceLayout(0, S2))
@@ -301,7 +311,7 @@ def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sy
                    NC: gl.constexpr, BF: gl.constexpr,
                    BK: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr,
                    num_warps: gl.constexpr, TS: gl.constexpr = False, LATE: gl.constexpr = False,
-                   IDREG: gl.constexpr = False, MMA: gl.constexpr = False):
+                   IDREG: gl.constexpr = False, MMA: gl.constexpr = False, LOWP: gl.constexpr = False):
     cta = gl.program_id(0)
     item_lo = cta * n_items // G
     item_hi = (cta + 1) * n_items // G
@@ -326,7 +336,7 @@ def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sy
     gl.warp_specialize([
         (_consumer, (x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr + cta * 8, ring, halves, ready, empty, dbuf,
                      dready, dempty, xs, hs, D, F, P, item_lo, item_hi, d0, nbox, G, TS, LATE, K_TOP, NFB, NKC, NC, BF,
-                     BK, BKD, DR, SLOTS, NB, num_warps, MMA)),
+                     BK, BKD, DR, SLOTS, NB, num_warps, MMA, LOWP)),
         (_producer, (gu_desc, dn_desc, ids_ptr, ring, halves, ready, empty, dbuf, dready, dempty,
                      D, F, P, item_lo, item_hi, d0, nbox, n_pre, NFB, NKC, NC, BF, BK, BKD, SLOTS, NB, IDREG)),
     ], [1], [24])
@@ -341,7 +351,7 @@ def _constexprs(k: int, D: int, F: int, c: dict) -> dict:
                 NFB=F // c["BF"],
                 NKC=D // c["BK"], NC=F // c["BKD"], BF=c["BF"], BK=c["BK"], BKD=c["BKD"], DR=c["DR"],
                 SLOTS=c["SLOTS"], NB=c["NB"], LATE=c.get("LATE", False), num_warps=c.get("W", 4),
-                IDREG=c.get("IDREG", False), MMA=c.get("MMA", False))
+                IDREG=c.get("IDREG", False), MMA=c.get("MMA", False), LOWP=c.get("LOWP", False))
 
 
 def compile_sm90(K_TOP=8, D=2048, F=768, ts=False, **cfg):
@@ -701,21 +711,22 @@ def small_t_fifo(x, ids, wt, w, ts=None, **cfg):
 
 
 def parse_config(text: str) -> dict:
-    """SLOTSxNB[L][W8][R][M][tN] → dict(SLOTS, NB, LATE, W, IDREG, MMA, TM, FIFO=False): L the down loop's sums
-    across lanes and warps once per token, W8 eight consumer warps instead of four (each box of a down group shared
-    by two), R the producer's expert ids from registers (`_id`), M the down loop on the tensor cores (`_down_mma`),
-    tN at most N tokens (the shared-memory copies of x and h; default CFG's TM); SLOTSF[R] → the FIFO kernel with a
-    ring of SLOTS slots (its down loop sums as L does)."""
+    """SLOTSxNB[L][W8][R][M][H][tN] → dict(SLOTS, NB, LATE, W, IDREG, MMA, LOWP, TM, FIFO=False): L the down loop's
+    sums across lanes and warps once per token, W8 eight consumer warps instead of four (each box of a down group
+    shared by two), R the producer's expert ids from registers (`_id`), M the down loop on the tensor cores
+    (`_down_mma`), H its products and in-thread sums in bf16 (packed bf16x2 instructions; sums as L does), tN at
+    most N tokens (the shared-memory copies of x and h; default CFG's TM); SLOTSF[R] → the FIFO kernel with a ring
+    of SLOTS slots (its down loop sums as L does)."""
     import re
 
     m = re.fullmatch(r"(\d+)F(R?)", text)
     if m:
         return dict(SLOTS=int(m[1]), IDREG=bool(m[2]), FIFO=True)
-    m = re.fullmatch(r"(\d+)x(\d+)(L?)(?:W(\d+))?(R?)(M?)(?:t(\d+))?", text)
+    m = re.fullmatch(r"(\d+)x(\d+)(L?)(?:W(\d+))?(R?)(M?)(H?)(?:t(\d+))?", text)
     if not m:
-        raise ValueError(f"configuration {text!r}: SLOTSxNB[L][W8][R][M][tN] or SLOTSF[R]")
+        raise ValueError(f"configuration {text!r}: SLOTSxNB[L][W8][R][M][H][tN] or SLOTSF[R]")
     return dict(SLOTS=int(m[1]), NB=int(m[2]), LATE=bool(m[3]), W=int(m[4] or 4), IDREG=bool(m[5]), MMA=bool(m[6]),
-                TM=int(m[7] or CFG["TM"]), FIFO=False)
+                LOWP=bool(m[7]), TM=int(m[8] or CFG["TM"]), FIFO=False)
 
 
 def config_name(c: dict) -> str:
@@ -724,7 +735,7 @@ def config_name(c: dict) -> str:
         return f"one-launch-{c['SLOTS']}F{r}"
     tm = "" if c["TM"] == CFG["TM"] else f"t{c['TM']}"
     return (f"one-launch-{c['SLOTS']}x{c['NB']}{'L' if c['LATE'] else ''}{'W8' if c['W'] == 8 else ''}{r}"
-            f"{'M' if c['MMA'] else ''}{tm}")
+            f"{'M' if c['MMA'] else ''}{'H' if c['LOWP'] else ''}{tm}")
 
 
 def config_fn(c: dict):
