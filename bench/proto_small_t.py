@@ -80,26 +80,69 @@ CFG = dict(BF=8, BK=256, BKD=256, DR=16, SLOTS=8, NB=12, TM=2)  # qwen3-30b-a3b,
 
 
 @gluon.jit
-def _producer(gu_desc, dn_desc, ids_ptr, ring, halves, ready, empty, dbuf, dready, dempty,
-              D, F, P, item_lo, item_hi, d0, nbox, n_pre,
+def _gu_issue(gu_desc, ids_ptr, idr, idv, halves, ready, empty, item, it, F, NFB: gl.constexpr, NKC: gl.constexpr,
+              BF: gl.constexpr, BK: gl.constexpr, SLOTS: gl.constexpr, IDREG: gl.constexpr):
+    """The TMA loads of one gate/up item (its gate and up rows [BF, BK], NKC steps) into the ring."""
+    e = _id(ids_ptr, idr, idv, item // NFB, IDREG)
+    row = e * 2 * F + (item % NFB) * BF
+    for kc in range(NKC):
+        s = it % SLOTS
+        mbarrier.wait(empty.index(s), ((it // SLOTS) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
+        mbarrier.expect(ready.index(s), 2 * gu_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(gu_desc, [row, kc * BK], ready.index(s), halves.index(2 * s))
+        tma.async_copy_global_to_shared(gu_desc, [row + F, kc * BK], ready.index(s), halves.index(2 * s + 1))
+        it += 1
+    return it
+
+
+ITQ = gl.constexpr(2)  # DYN: item indices in flight from the producer to the consumers
+
+
+@gluon.jit
+def _itq_push(itq, itq_full, itq_empty, n, item):
+    q = n % ITQ
+    mbarrier.wait(itq_empty.index(q), ((n // ITQ) & 1) ^ 1)
+    itq.index(q).store(gl.full([32], item, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+    _cta_barrier()  # the warp's stores before the one-thread arrive
+    mbarrier.arrive(itq_full.index(q), count=1)
+
+
+@gluon.jit
+def _itq_pop(itq, itq_full, itq_empty, n, num_warps: gl.constexpr):
+    q = n % ITQ
+    mbarrier.wait(itq_full.index(q), (n // ITQ) & 1)
+    item = gl.max(itq.index(q).load(gl.BlockedLayout([1], [32], [num_warps], [0])), axis=0)
+    _cta_barrier()  # every consumer thread's load before the one-thread arrive
+    mbarrier.arrive(itq_empty.index(q), count=1)
+    return item
+
+
+@gluon.jit
+def _producer(gu_desc, dn_desc, ids_ptr, work_ptr, ring, halves, ready, empty, dbuf, dready, dempty, itq, itq_full,
+              itq_empty, D, F, P, item_lo, item_hi, d0, nbox, n_pre, n_items,
               NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr, BF: gl.constexpr, BK: gl.constexpr,
-              BKD: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr, IDREG: gl.constexpr):
+              BKD: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr, IDREG: gl.constexpr, DYN: gl.constexpr):
     idr, idv = _ids_vec(ids_ptr, P, IDREG)
     for b in range(n_pre):  # down rows first: they stream while gate/up runs
         e = _id(ids_ptr, idr, idv, b // NC, IDREG)
         mbarrier.expect(dready.index(b), dn_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(dn_desc, [e * D + d0, (b % NC) * BKD], dready.index(b), dbuf.index(b))
     it = 0
-    for item in range(item_lo, item_hi):
-        e = _id(ids_ptr, idr, idv, item // NFB, IDREG)
-        row = e * 2 * F + (item % NFB) * BF
-        for kc in range(NKC):
-            s = it % SLOTS
-            mbarrier.wait(empty.index(s), ((it // SLOTS) & 1) ^ 1)  # a fresh barrier passes phase 1 at once
-            mbarrier.expect(ready.index(s), 2 * gu_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(gu_desc, [row, kc * BK], ready.index(s), halves.index(2 * s))
-            tma.async_copy_global_to_shared(gu_desc, [row + F, kc * BK], ready.index(s), halves.index(2 * s + 1))
-            it += 1
+    if DYN:  # items from the launch's work counter, one ahead; each index handed to the consumers through itq
+        item = gl.atomic_add(work_ptr, 1, sem="relaxed", scope="gpu")
+        n = 0
+        while item < n_items:
+            nxt = gl.atomic_add(work_ptr, 1, sem="relaxed", scope="gpu")
+            _itq_push(itq, itq_full, itq_empty, n, item)
+            n += 1
+            it = _gu_issue(gu_desc, ids_ptr, idr, idv, halves, ready, empty, item, it, F, NFB, NKC, BF, BK, SLOTS,
+                           IDREG)
+            item = nxt
+        _itq_push(itq, itq_full, itq_empty, n, -1)  # the end of the items
+    else:
+        for item in range(item_lo, item_hi):
+            it = _gu_issue(gu_desc, ids_ptr, idr, idv, halves, ready, empty, item, it, F, NFB, NKC, BF, BK, SLOTS,
+                           IDREG)
     # the gate/up ring is free once its last slot is read: the next down boxes go there, before the barrier
     for b in range(NB, gl.minimum(nbox, NB + SLOTS)):
         s = it % SLOTS
@@ -180,11 +223,40 @@ def _down_mma(out_ptr, ts_ptr, ring, ready, dbuf, dready, dempty, hs, nbox, d0, 
 
 
 @gluon.jit
+def _gu_item(x_ptr, h_ptr, halves, ready, empty, xs3, pr, wv, rows, item, it, F, K_TOP: gl.constexpr,
+             NFB: gl.constexpr, NKC: gl.constexpr, BF: gl.constexpr, BK: gl.constexpr, SLOTS: gl.constexpr,
+             L: gl.constexpr):
+    """Gate/up item `item`: h[p, f0:f0+BF] from the ring's NKC steps, SwiGLU, the routing weight folded in."""
+    p = item // NFB
+    f0 = (item % NFB) * BF
+    xrow = (p // K_TOP) * NKC
+    accg = gl.full([BF, BK], 0.0, gl.float32, L)  # products summed over K once, at the item's end
+    accu = gl.full([BF, BK], 0.0, gl.float32, L)
+    for kc in range(NKC):
+        s = it % SLOTS
+        mbarrier.wait(ready.index(s), (it // SLOTS) & 1)
+        g = halves.index(2 * s).load(L).to(gl.float32)
+        u = halves.index(2 * s + 1).load(L).to(gl.float32)
+        fence_async_shared()  # the shared loads before the slot's next TMA write
+        mbarrier.arrive(empty.index(s), count=1)
+        xk = xs3.index(xrow + kc).load(L).to(gl.float32)  # [1, BK]
+        accg += g * xk
+        accu += u * xk
+        it += 1
+    gs = gl.sum(accg, axis=1)
+    wp = gl.sum(gl.where(pr == p, wv, 0.0), axis=0)
+    gl.store(h_ptr + p * F + f0 + rows, (wp * gs / (1.0 + gl.exp(-gs)) * gl.sum(accu, axis=1)).to(gl.bfloat16))
+    return it
+
+
+@gluon.jit
 def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, halves, ready, empty, dbuf, dready,
-              dempty, xs, hs, D, F, P, item_lo, item_hi, d0, nbox, G, TS: gl.constexpr, LATE: gl.constexpr,
+              dempty, xs, hs, itq, itq_full, itq_empty, D, F, P, item_lo, item_hi, d0, nbox, G, TS: gl.constexpr,
+              LATE: gl.constexpr,
               K_TOP: gl.constexpr, NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr, BF: gl.constexpr,
               BK: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr,
-              num_warps: gl.constexpr, MMA: gl.constexpr, LOWP: gl.constexpr):
+              num_warps: gl.constexpr, MMA: gl.constexpr, LOWP: gl.constexpr, BAR: gl.constexpr,
+              DYN: gl.constexpr):
     L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])  # a warp reads 512 B of a row
     V: gl.constexpr = gl.SliceLayout(0, L)
     _stamp(ts_ptr, 0, TS)
@@ -201,35 +273,35 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, halves, re
     _cta_barrier()
     rows = gl.arange(0, BF, layout=gl.SliceLayout(1, L))
     it = 0
-    for item in range(item_lo, item_hi):  # gate/up: h[p, f0:f0+BF]
-        p = item // NFB
-        f0 = (item % NFB) * BF
-        xrow = (p // K_TOP) * NKC
-        accg = gl.full([BF, BK], 0.0, gl.float32, L)  # products summed over K once, at the item's end
-        accu = gl.full([BF, BK], 0.0, gl.float32, L)
-        for kc in range(NKC):
-            s = it % SLOTS
-            mbarrier.wait(ready.index(s), (it // SLOTS) & 1)
-            g = halves.index(2 * s).load(L).to(gl.float32)
-            u = halves.index(2 * s + 1).load(L).to(gl.float32)
-            fence_async_shared()  # the shared loads before the slot's next TMA write
-            mbarrier.arrive(empty.index(s), count=1)
-            xk = xs3.index(xrow + kc).load(L).to(gl.float32)  # [1, BK]
-            accg += g * xk
-            accu += u * xk
-            it += 1
-        gs = gl.sum(accg, axis=1)
-        wp = gl.sum(gl.where(pr == p, wv, 0.0), axis=0)
-        gl.store(h_ptr + p * F + f0 + rows, (wp * gs / (1.0 + gl.exp(-gs)) * gl.sum(accu, axis=1)).to(gl.bfloat16))
+    if DYN:
+        n = 0
+        item = _itq_pop(itq, itq_full, itq_empty, n, num_warps)
+        while item >= 0:
+            it = _gu_item(x_ptr, h_ptr, halves, ready, empty, xs3, pr, wv, rows, item, it, F, K_TOP, NFB, NKC, BF, BK,
+                          SLOTS, L)
+            n += 1
+            item = _itq_pop(itq, itq_full, itq_empty, n, num_warps)
+    else:
+        for item in range(item_lo, item_hi):
+            it = _gu_item(x_ptr, h_ptr, halves, ready, empty, xs3, pr, wv, rows, item, it, F, K_TOP, NFB, NKC, BF, BK,
+                          SLOTS, L)
     # grid barrier: every program's h stores before any program's h loads
     _stamp(ts_ptr, 1, TS)
     _cta_barrier()  # this warpgroup's stores before the one-thread release below
-    gl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
-    while gl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") < G:
-        pass
-    if gl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:  # the last one through resets
-        gl.atomic_add(sync_ptr, -G, sem="relaxed", scope="gpu")
-        gl.atomic_add(sync_ptr + 1, -G, sem="relaxed", scope="gpu")
+    if BAR:  # epoch barrier on sync[2], which only grows: no second round of atomics to reset it (G a power of 2)
+        old = gl.atomic_add(sync_ptr + 2, 1, sem="release", scope="gpu")
+        target = old - (old & (G - 1)) + G  # the end of this launch's epoch; wrap-safe compare below
+        if DYN and (old & (G - 1)) == G - 1:  # the last arrival: every program's grabs are done, reset the counter
+            gl.atomic_xchg(sync_ptr + 3, 0, sem="relaxed", scope="gpu")
+        while gl.atomic_add(sync_ptr + 2, 0, sem="acquire", scope="gpu") - target < 0:
+            pass
+    else:
+        gl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
+        while gl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu") < G:
+            pass
+        if gl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:  # the last one through resets
+            gl.atomic_add(sync_ptr, -G, sem="relaxed", scope="gpu")
+            gl.atomic_add(sync_ptr + 1, -G, sem="relaxed", scope="gpu")
     _stamp(ts_ptr, 2, TS)
     # all of h into shared memory with one wide load from L2 (row r: h[r // NC, (r % NC)·BKD:][:BKD])
     hr = gl.arange(0, hs.type.shape[0], layout=gl.SliceLayout(1, L))
@@ -269,9 +341,10 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, halves, re
                 for j in gl.static_range(4):
                     mbarrier.wait(dready.index(b0 + j), 0)
                 w = dgroups.index(g).load(L3)
-                fence_async_shared()
-                for j in gl.static_range(4):
-                    mbarrier.arrive(dempty.index(b0 + j), count=1)
+                if not BAR or b0 + NB + SLOTS < nbox:  # BAR: only buffers a later box reuses are released
+                    fence_async_shared()
+                    for j in gl.static_range(4):
+                        mbarrier.arrive(dempty.index(b0 + j), count=1)
             elif b0 < NB + SLOTS:  # in the gate/up ring's slots b0 - NB ..
                 for j in gl.static_range(4):
                     mbarrier.wait(ready.index(b0 - NB + j), ring_phase)
@@ -281,9 +354,10 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, halves, re
                 for j in gl.static_range(4):
                     mbarrier.wait(dready.index(q0 % NB + j), (q0 // NB) & 1)
                 w = dgroups.index((q0 % NB) // 4).load(L3)
-                fence_async_shared()
-                for j in gl.static_range(4):
-                    mbarrier.arrive(dempty.index(q0 % NB + j), count=1)
+                if not BAR or b0 + NB < nbox:
+                    fence_async_shared()
+                    for j in gl.static_range(4):
+                        mbarrier.arrive(dempty.index(q0 % NB + j), count=1)
             if LOWP:  # bf16 products summed in bf16 inside each thread (packed bf16x2 math), then fp32
                 part = gl.reduce(gl.reshape(w * hgroups.index(g).load(L3), [4, DR, 32, BKD // 32]), 3,
                                  _add).to(gl.float32)  # [4, DR, 32]
@@ -311,8 +385,10 @@ def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sy
                    NC: gl.constexpr, BF: gl.constexpr,
                    BK: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr,
                    num_warps: gl.constexpr, TS: gl.constexpr = False, LATE: gl.constexpr = False,
-                   IDREG: gl.constexpr = False, MMA: gl.constexpr = False, LOWP: gl.constexpr = False):
+                   IDREG: gl.constexpr = False, MMA: gl.constexpr = False, LOWP: gl.constexpr = False,
+                   BAR: gl.constexpr = False, DYN: gl.constexpr = False):
     cta = gl.program_id(0)
+    gl.static_assert(BAR or not DYN)  # the barrier's last arrival resets the work counter
     item_lo = cta * n_items // G
     item_hi = (cta + 1) * n_items // G
     d0 = cta * DR
@@ -327,6 +403,12 @@ def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sy
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     xs = gl.allocate_shared_memory(gl.bfloat16, [XR, BK], flat)  # x rows of every token, BK at a time
     hs = gl.allocate_shared_memory(gl.bfloat16, [HR, BKD], flat)  # h of every pair after the grid barrier
+    itq = gl.allocate_shared_memory(gl.int32, [ITQ, 32], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # DYN: items
+    itq_full = gl.allocate_shared_memory(gl.int64, [ITQ, 1], mbarrier.MBarrierLayout())
+    itq_empty = gl.allocate_shared_memory(gl.int64, [ITQ, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(ITQ):
+        mbarrier.init(itq_full.index(i), count=1)
+        mbarrier.init(itq_empty.index(i), count=1)
     for i in gl.static_range(SLOTS):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
@@ -335,10 +417,11 @@ def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sy
         mbarrier.init(dempty.index(i), count=1)
     gl.warp_specialize([
         (_consumer, (x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr + cta * 8, ring, halves, ready, empty, dbuf,
-                     dready, dempty, xs, hs, D, F, P, item_lo, item_hi, d0, nbox, G, TS, LATE, K_TOP, NFB, NKC, NC, BF,
-                     BK, BKD, DR, SLOTS, NB, num_warps, MMA, LOWP)),
-        (_producer, (gu_desc, dn_desc, ids_ptr, ring, halves, ready, empty, dbuf, dready, dempty,
-                     D, F, P, item_lo, item_hi, d0, nbox, n_pre, NFB, NKC, NC, BF, BK, BKD, SLOTS, NB, IDREG)),
+                     dready, dempty, xs, hs, itq, itq_full, itq_empty, D, F, P, item_lo, item_hi, d0, nbox, G, TS,
+                     LATE, K_TOP, NFB, NKC, NC, BF, BK, BKD, DR, SLOTS, NB, num_warps, MMA, LOWP, BAR, DYN)),
+        (_producer, (gu_desc, dn_desc, ids_ptr, sync_ptr + 3, ring, halves, ready, empty, dbuf, dready, dempty, itq,
+                     itq_full, itq_empty, D, F, P, item_lo, item_hi, d0, nbox, n_pre, n_items, NFB, NKC, NC, BF, BK,
+                     BKD, SLOTS, NB, IDREG, DYN)),
     ], [1], [24])
 
 
@@ -351,7 +434,8 @@ def _constexprs(k: int, D: int, F: int, c: dict) -> dict:
                 NFB=F // c["BF"],
                 NKC=D // c["BK"], NC=F // c["BKD"], BF=c["BF"], BK=c["BK"], BKD=c["BKD"], DR=c["DR"],
                 SLOTS=c["SLOTS"], NB=c["NB"], LATE=c.get("LATE", False), num_warps=c.get("W", 4),
-                IDREG=c.get("IDREG", False), MMA=c.get("MMA", False), LOWP=c.get("LOWP", False))
+                IDREG=c.get("IDREG", False), MMA=c.get("MMA", False), LOWP=c.get("LOWP", False),
+                BAR=c.get("BAR", False), DYN=c.get("DYN", False))
 
 
 def compile_sm90(K_TOP=8, D=2048, F=768, ts=False, **cfg):
@@ -395,11 +479,15 @@ def small_t(x, ids, wt, w, ts=None, **cfg):
     dn = TensorDescriptor(w.down, [E * D, F], [F, 1], [c["DR"], c["BKD"]], lay)
     sync = _SYNC.get(x.device)
     if sync is None:
-        sync = _SYNC[x.device] = torch.zeros(2, dtype=torch.int32, device=x.device)
+        sync = _SYNC[x.device] = torch.zeros(4, dtype=torch.int32, device=x.device)
     h = torch.empty(P, F, dtype=torch.bfloat16, device=x.device)
     out = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
+    if c.get("BAR") and G & (G - 1):
+        raise ValueError(f"small_t: the epoch barrier needs a power-of-2 grid, G = {G}")
     if T > c["TM"] or T * k > 32:
         raise ValueError(f"small_t: T = {T} > TM = {c['TM']} (the shared-memory copies of x and h)")
+    if c.get("DYN") and not c.get("BAR"):
+        raise ValueError("small_t: dynamic items (D) need the epoch barrier (B), whose last arrival resets them")
     small_t_kernel[(G,)](gu, dn, x, ids, wt, h, out, sync, sync if ts is None else ts, D, F, P, n_items, nbox,
                          min(nbox, c["NB"]), G, TS=ts is not None, **_constexprs(k, D, F, c))
     return out
@@ -711,10 +799,13 @@ def small_t_fifo(x, ids, wt, w, ts=None, **cfg):
 
 
 def parse_config(text: str) -> dict:
-    """SLOTSxNB[L][W8][R][M][H][tN] → dict(SLOTS, NB, LATE, W, IDREG, MMA, LOWP, TM, FIFO=False): L the down loop's
+    """SLOTSxNB[L][W8][R][M][H][B][D][tN] → dict(SLOTS, NB, LATE, W, IDREG, MMA, LOWP, BAR, DYN, TM, FIFO=False): L
+    the down loop's
     sums across lanes and warps once per token, W8 eight consumer warps instead of four (each box of a down group
     shared by two), R the producer's expert ids from registers (`_id`), M the down loop on the tensor cores
-    (`_down_mma`), H its products and in-thread sums in bf16 (packed bf16x2 instructions; sums as L does), tN at
+    (`_down_mma`), H its products and in-thread sums in bf16 (packed bf16x2 instructions; sums as L does), B the
+    epoch grid barrier (one atomic per program) and only reused down buffers released, D gate/up items from a work
+    counter (the producer takes the next while it issues the current; needs B), tN at
     most N tokens (the shared-memory copies of x and h; default CFG's TM); SLOTSF[R] → the FIFO kernel with a ring
     of SLOTS slots (its down loop sums as L does)."""
     import re
@@ -722,11 +813,11 @@ def parse_config(text: str) -> dict:
     m = re.fullmatch(r"(\d+)F(R?)", text)
     if m:
         return dict(SLOTS=int(m[1]), IDREG=bool(m[2]), FIFO=True)
-    m = re.fullmatch(r"(\d+)x(\d+)(L?)(?:W(\d+))?(R?)(M?)(H?)(?:t(\d+))?", text)
+    m = re.fullmatch(r"(\d+)x(\d+)(L?)(?:W(\d+))?(R?)(M?)(H?)(B?)(D?)(?:t(\d+))?", text)
     if not m:
-        raise ValueError(f"configuration {text!r}: SLOTSxNB[L][W8][R][M][H][tN] or SLOTSF[R]")
+        raise ValueError(f"configuration {text!r}: SLOTSxNB[L][W8][R][M][H][B][D][tN] or SLOTSF[R]")
     return dict(SLOTS=int(m[1]), NB=int(m[2]), LATE=bool(m[3]), W=int(m[4] or 4), IDREG=bool(m[5]), MMA=bool(m[6]),
-                LOWP=bool(m[7]), TM=int(m[8] or CFG["TM"]), FIFO=False)
+                LOWP=bool(m[7]), BAR=bool(m[8]), DYN=bool(m[9]), TM=int(m[10] or CFG["TM"]), FIFO=False)
 
 
 def config_name(c: dict) -> str:
@@ -735,7 +826,8 @@ def config_name(c: dict) -> str:
         return f"one-launch-{c['SLOTS']}F{r}"
     tm = "" if c["TM"] == CFG["TM"] else f"t{c['TM']}"
     return (f"one-launch-{c['SLOTS']}x{c['NB']}{'L' if c['LATE'] else ''}{'W8' if c['W'] == 8 else ''}{r}"
-            f"{'M' if c['MMA'] else ''}{'H' if c['LOWP'] else ''}{tm}")
+            f"{'M' if c['MMA'] else ''}{'H' if c['LOWP'] else ''}{'B' if c['BAR'] else ''}"
+            f"{'D' if c['DYN'] else ''}{tm}")
 
 
 def config_fn(c: dict):
