@@ -118,15 +118,28 @@ def _itq_pop(itq, itq_full, itq_empty, n, num_warps: gl.constexpr):
 
 
 @gluon.jit
-def _producer(gu_desc, dn_desc, ids_ptr, work_ptr, ring, halves, ready, empty, dbuf, dready, dempty, itq, itq_full,
-              itq_empty, D, F, P, item_lo, item_hi, d0, nbox, n_pre, n_items,
+def _box_sw(dn_desc, bar, buf, i0, stride, row, col):
+    """SW: one down box [DR, 4·64] as four 128-byte-swizzled [DR, 64] chunks, chunk kc at buf[i0 + kc·stride]
+    (chunk-major within a group of eight boxes, so chunk kc of the group is one [8·DR, 64] operand)."""
+    mbarrier.expect(bar, 4 * dn_desc.block_type.nbytes)
+    for kc in gl.static_range(4):
+        tma.async_copy_global_to_shared(dn_desc, [row, col + kc * 64], bar, buf.index(i0 + kc * stride))
+
+
+@gluon.jit
+def _producer(gu_desc, dn_desc, ids_ptr, work_ptr, ring, ring_sw, halves, ready, empty, dbuf, dready, dempty, itq,
+              itq_full, itq_empty, D, F, P, item_lo, item_hi, d0, nbox, n_pre, n_items,
               NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr, BF: gl.constexpr, BK: gl.constexpr,
-              BKD: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr, IDREG: gl.constexpr, DYN: gl.constexpr):
+              BKD: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr, IDREG: gl.constexpr, DYN: gl.constexpr,
+              SW: gl.constexpr):
     idr, idv = _ids_vec(ids_ptr, P, IDREG)
     for b in range(n_pre):  # down rows first: they stream while gate/up runs
         e = _id(ids_ptr, idr, idv, b // NC, IDREG)
-        mbarrier.expect(dready.index(b), dn_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(dn_desc, [e * D + d0, (b % NC) * BKD], dready.index(b), dbuf.index(b))
+        if SW:
+            _box_sw(dn_desc, dready.index(b), dbuf, (b // 8) * 32 + b % 8, 8, e * D + d0, (b % NC) * BKD)
+        else:
+            mbarrier.expect(dready.index(b), dn_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(dn_desc, [e * D + d0, (b % NC) * BKD], dready.index(b), dbuf.index(b))
     it = 0
     if DYN:  # items from the launch's work counter, one ahead; each index handed to the consumers through itq
         item = gl.atomic_add(work_ptr, 1, sem="relaxed", scope="gpu")
@@ -144,20 +157,30 @@ def _producer(gu_desc, dn_desc, ids_ptr, work_ptr, ring, halves, ready, empty, d
             it = _gu_issue(gu_desc, ids_ptr, idr, idv, halves, ready, empty, item, it, F, NFB, NKC, BF, BK, SLOTS,
                            IDREG)
     # the gate/up ring is free once its last slot is read: the next down boxes go there, before the barrier
-    for b in range(NB, gl.minimum(nbox, NB + SLOTS)):
-        s = it % SLOTS
-        e = _id(ids_ptr, idr, idv, b // NC, IDREG)
-        mbarrier.wait(empty.index(s), ((it // SLOTS) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), dn_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(dn_desc, [e * D + d0, (b % NC) * BKD], ready.index(s), ring.index(s))
-        it += 1
+    if SW:  # a box's chunks land across the ring's slots: every slot released first (the steps end on slot 0)
+        for sl in gl.static_range(SLOTS):
+            mbarrier.wait(empty.index(sl), ((it // SLOTS) & 1) ^ 1)
+        for b in range(NB, gl.minimum(nbox, NB + SLOTS)):
+            e = _id(ids_ptr, idr, idv, b // NC, IDREG)
+            _box_sw(dn_desc, ready.index(b - NB), ring_sw, b - NB, SLOTS, e * D + d0, (b % NC) * BKD)
+    else:
+        for b in range(NB, gl.minimum(nbox, NB + SLOTS)):
+            s = it % SLOTS
+            e = _id(ids_ptr, idr, idv, b // NC, IDREG)
+            mbarrier.wait(empty.index(s), ((it // SLOTS) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), dn_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(dn_desc, [e * D + d0, (b % NC) * BKD], ready.index(s), ring.index(s))
+            it += 1
     for b in range(NB + SLOTS, nbox):  # the rest: into the down buffers the consumers release
         q = b - SLOTS
         s = q % NB
         e = _id(ids_ptr, idr, idv, b // NC, IDREG)
         mbarrier.wait(dempty.index(s), ((q // NB) - 1) & 1)
-        mbarrier.expect(dready.index(s), dn_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(dn_desc, [e * D + d0, (b % NC) * BKD], dready.index(s), dbuf.index(s))
+        if SW:
+            _box_sw(dn_desc, dready.index(s), dbuf, (s // 8) * 32 + s % 8, 8, e * D + d0, (b % NC) * BKD)
+        else:
+            mbarrier.expect(dready.index(s), dn_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(dn_desc, [e * D + d0, (b % NC) * BKD], dready.index(s), dbuf.index(s))
 
 
 @gluon.jit
@@ -223,6 +246,70 @@ def _down_mma(out_ptr, ts_ptr, ring, ready, dbuf, dready, dempty, hs, nbox, d0, 
 
 
 @gluon.jit
+def _mma4(src, base, hsw, g, acc, AL: gl.constexpr, BL: gl.constexpr):
+    for kc in gl.static_range(4):
+        acc = mma_v2(src.index(base + kc).load(AL), hsw.index(g * 4 + kc).permute((1, 0)).load(BL), acc)
+    return acc
+
+
+@gluon.jit
+def _down_mma_sw(out_ptr, ts_ptr, ring_sw, ready, dbuf, dready, dempty, hsw, nbox, d0, D, ring_phase,
+                 TS: gl.constexpr, BAR: gl.constexpr, K_TOP: gl.constexpr, NC: gl.constexpr, DR: gl.constexpr,
+                 SLOTS: gl.constexpr, NB: gl.constexpr):
+    """The tensor-core down loop on 128-byte-swizzled chunks (suffix S; the unswizzled `_down_mma` read its
+    512-byte rows eight-way bank-conflicted: 3.4 µs per eight boxes, session 12 call 4). Eight boxes at a time,
+    in four K chunks of 64: A = chunk kc of the eight boxes [8·DR, 64], B = their h rows [64, 8]; box j's product in
+    column j of its rows, the block diagonal summed per token."""
+    gl.static_assert(NB % 8 == 0 and SLOTS == 8 and (K_TOP * NC) % 8 == 0 and DR == 16)
+    ML: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ML, k_width=2)
+    BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=ML, k_width=2)
+    SWL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    dmma = dbuf._reinterpret(dbuf.dtype, [NB // 8 * 4, 8 * DR, 64], SWL)
+    rmma = ring_sw._reinterpret(ring_sw.dtype, [4, 8 * DR, 64], SWL)
+    r = gl.arange(0, 8 * DR, layout=gl.SliceLayout(1, ML))
+    c = gl.arange(0, 8, layout=gl.SliceLayout(0, ML))
+    diag = c[None, :] == (r // DR)[:, None]  # [8·DR, 8]: box j's rows, column j
+    RL: gl.constexpr = gl.BlockedLayout([1, DR], [32, 1], [4, 1], [1, 0])  # one row of the 8·DR per thread
+    r2 = gl.arange(0, 8 * DR, layout=gl.SliceLayout(1, RL))
+    dd = gl.arange(0, DR, layout=gl.SliceLayout(0, RL))
+    fold = (r2 % DR)[:, None] == dd[None, :]  # [8·DR, DR]: row j·DR + d → column d
+    acc = gl.zeros([8 * DR, 8], gl.float32, ML)
+    for g in range(nbox // 8):
+        b0 = g * 8
+        if b0 == NB:
+            _stamp(ts_ptr, 5, TS)  # the boxes of the down buffers done
+        if b0 == NB + SLOTS:
+            _stamp(ts_ptr, 6, TS)  # the boxes of the ring done
+        acc = acc * (b0 % (K_TOP * NC) != 0).to(gl.float32)  # a token's first group starts anew
+        if b0 < NB:  # boxes b0..b0+7 in down buffers b0..b0+7
+            for j in gl.static_range(8):
+                mbarrier.wait(dready.index(b0 + j), 0)
+            acc = _mma4(dmma, (b0 // 8) * 4, hsw, g, acc, AL, BL)
+            if not BAR or b0 + NB + SLOTS < nbox:
+                fence_async_shared()
+                for j in gl.static_range(8):
+                    mbarrier.arrive(dempty.index(b0 + j), count=1)
+        elif b0 < NB + SLOTS:  # in the gate/up ring
+            for j in gl.static_range(8):
+                mbarrier.wait(ready.index(j), ring_phase)
+            acc = _mma4(rmma, 0, hsw, g, acc, AL, BL)
+        else:  # streamed into released down buffers
+            q0 = b0 - SLOTS
+            for j in gl.static_range(8):
+                mbarrier.wait(dready.index(q0 % NB + j), (q0 // NB) & 1)
+            acc = _mma4(dmma, ((q0 % NB) // 8) * 4, hsw, g, acc, AL, BL)
+            if not BAR or b0 + NB < nbox:
+                fence_async_shared()
+                for j in gl.static_range(8):
+                    mbarrier.arrive(dempty.index(q0 % NB + j), count=1)
+        if (b0 + 8) % (K_TOP * NC) == 0:  # this token's boxes done: the block diagonal, then the eight boxes
+            v = gl.convert_layout(gl.sum(gl.where(diag, acc, 0.0), axis=1), gl.SliceLayout(1, RL))
+            tot = gl.sum(gl.where(fold, v[:, None], 0.0), axis=0)  # [DR]
+            gl.store(out_ptr + (b0 // (K_TOP * NC)) * D + d0 + dd, tot.to(gl.bfloat16))
+
+
+@gluon.jit
 def _gu_item(x_ptr, h_ptr, halves, ready, empty, xs3, pr, wv, rows, item, it, F, K_TOP: gl.constexpr,
              NFB: gl.constexpr, NKC: gl.constexpr, BF: gl.constexpr, BK: gl.constexpr, SLOTS: gl.constexpr,
              L: gl.constexpr):
@@ -250,13 +337,13 @@ def _gu_item(x_ptr, h_ptr, halves, ready, empty, xs3, pr, wv, rows, item, it, F,
 
 
 @gluon.jit
-def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, halves, ready, empty, dbuf, dready,
+def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, ring_sw, halves, ready, empty, dbuf, dready,
               dempty, xs, hs, itq, itq_full, itq_empty, D, F, P, item_lo, item_hi, d0, nbox, G, TS: gl.constexpr,
               LATE: gl.constexpr,
               K_TOP: gl.constexpr, NFB: gl.constexpr, NKC: gl.constexpr, NC: gl.constexpr, BF: gl.constexpr,
               BK: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr,
               num_warps: gl.constexpr, MMA: gl.constexpr, LOWP: gl.constexpr, BAR: gl.constexpr,
-              DYN: gl.constexpr):
+              DYN: gl.constexpr, SW: gl.constexpr):
     L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])  # a warp reads 512 B of a row
     V: gl.constexpr = gl.SliceLayout(0, L)
     _stamp(ts_ptr, 0, TS)
@@ -304,13 +391,26 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, halves, re
             gl.atomic_add(sync_ptr + 1, -G, sem="relaxed", scope="gpu")
     _stamp(ts_ptr, 2, TS)
     # all of h into shared memory with one wide load from L2 (row r: h[r // NC, (r % NC)·BKD:][:BKD])
-    hr = gl.arange(0, hs.type.shape[0], layout=gl.SliceLayout(1, L))
-    dcols = gl.arange(0, BKD, layout=V)
-    hs.store(gl.load(h_ptr + hr[:, None] * BKD + dcols[None, :], mask=(hr < P * NC)[:, None], other=0.0,
-                     cache_modifier=".cg"))
+    if SW:  # h in the chunked arrangement: index 4·g + kc holds rows 8g..8g+7, columns kc·64..kc·64+63
+        HL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        rr = gl.arange(0, hs.type.shape[0] * 8, layout=gl.SliceLayout(1, HL))[:, None]  # row of the 2-D view
+        hc = gl.arange(0, 64, layout=gl.SliceLayout(0, HL))[None, :]
+        hrow = 8 * (rr // 32) + rr % 8  # index rr // 8 = 4·g + kc, its row rr % 8
+        hs2 = hs._reinterpret(hs.dtype, [hs.type.shape[0] * 8, 64], hs.layout)
+        hs2.store(gl.load(h_ptr + hrow * BKD + ((rr // 8) % 4) * 64 + hc, mask=hrow < P * NC, other=0.0,
+                          cache_modifier=".cg"))
+    else:
+        hr = gl.arange(0, hs.type.shape[0], layout=gl.SliceLayout(1, L))
+        dcols = gl.arange(0, BKD, layout=V)
+        hs.store(gl.load(h_ptr + hr[:, None] * BKD + dcols[None, :], mask=(hr < P * NC)[:, None], other=0.0,
+                         cache_modifier=".cg"))
     _cta_barrier()
     _stamp(ts_ptr, 4, TS)
-    if MMA:
+    if SW:
+        gl.static_assert(NKC % SLOTS == 0)  # the gate/up steps end on slot 0
+        _down_mma_sw(out_ptr, ts_ptr, ring_sw, ready, dbuf, dready, dempty, hs, nbox, d0, D, (it // SLOTS) & 1, TS,
+                     BAR, K_TOP, NC, DR, SLOTS, NB)
+    elif MMA:
         gl.static_assert(NKC % SLOTS == 0)  # the gate/up steps end on slot 0: ring box j is in slot j
         _down_mma(out_ptr, ts_ptr, ring, ready, dbuf, dready, dempty, hs, nbox, d0, D, (it // SLOTS) & 1, TS, K_TOP,
                   NC, BKD, DR, SLOTS, NB)
@@ -386,23 +486,30 @@ def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sy
                    BK: gl.constexpr, BKD: gl.constexpr, DR: gl.constexpr, SLOTS: gl.constexpr, NB: gl.constexpr,
                    num_warps: gl.constexpr, TS: gl.constexpr = False, LATE: gl.constexpr = False,
                    IDREG: gl.constexpr = False, MMA: gl.constexpr = False, LOWP: gl.constexpr = False,
-                   BAR: gl.constexpr = False, DYN: gl.constexpr = False):
+                   BAR: gl.constexpr = False, DYN: gl.constexpr = False, SW: gl.constexpr = False):
     cta = gl.program_id(0)
     gl.static_assert(BAR or not DYN)  # the barrier's last arrival resets the work counter
     item_lo = cta * n_items // G
     item_hi = (cta + 1) * n_items // G
     d0 = cta * DR
     gl.static_assert(2 * BF == DR and BK == BKD)  # a ring slot (gate rows, then up rows) holds one down box
-    ring = gl.allocate_shared_memory(gu_desc.dtype, [SLOTS, 2 * BF, BK], gu_desc.layout)
+    if SW:  # 128-byte-swizzled [DR, 64] chunks (the down descriptor's boxes); gate/up sees the ring unswizzled
+        ring_sw = gl.allocate_shared_memory(dn_desc.dtype, [4 * SLOTS, DR, 64], dn_desc.layout)
+        ring = ring_sw._reinterpret(gu_desc.dtype, [SLOTS, 2 * BF, BK], gu_desc.layout)
+        dbuf = gl.allocate_shared_memory(dn_desc.dtype, [4 * NB, DR, 64], dn_desc.layout)
+        hs = gl.allocate_shared_memory(gl.bfloat16, [HR // 8 * 4, 8, 64], dn_desc.layout)
+    else:
+        ring = gl.allocate_shared_memory(gu_desc.dtype, [SLOTS, 2 * BF, BK], gu_desc.layout)
+        ring_sw = ring
+        dbuf = gl.allocate_shared_memory(dn_desc.dtype, [NB, DR, BKD], dn_desc.layout)
+        hs = gl.allocate_shared_memory(gl.bfloat16, [HR, BKD], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     halves = ring._reinterpret(gu_desc.dtype, [2 * SLOTS, BF, BK], gu_desc.layout)  # even: gate, odd: up
-    dbuf = gl.allocate_shared_memory(dn_desc.dtype, [NB, DR, BKD], dn_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     dready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     dempty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     xs = gl.allocate_shared_memory(gl.bfloat16, [XR, BK], flat)  # x rows of every token, BK at a time
-    hs = gl.allocate_shared_memory(gl.bfloat16, [HR, BKD], flat)  # h of every pair after the grid barrier
     itq = gl.allocate_shared_memory(gl.int32, [ITQ, 32], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # DYN: items
     itq_full = gl.allocate_shared_memory(gl.int64, [ITQ, 1], mbarrier.MBarrierLayout())
     itq_empty = gl.allocate_shared_memory(gl.int64, [ITQ, 1], mbarrier.MBarrierLayout())
@@ -416,17 +523,24 @@ def small_t_kernel(gu_desc, dn_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, out_ptr, sy
         mbarrier.init(dready.index(i), count=1)
         mbarrier.init(dempty.index(i), count=1)
     gl.warp_specialize([
-        (_consumer, (x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr + cta * 8, ring, halves, ready, empty, dbuf,
-                     dready, dempty, xs, hs, itq, itq_full, itq_empty, D, F, P, item_lo, item_hi, d0, nbox, G, TS,
-                     LATE, K_TOP, NFB, NKC, NC, BF, BK, BKD, DR, SLOTS, NB, num_warps, MMA, LOWP, BAR, DYN)),
-        (_producer, (gu_desc, dn_desc, ids_ptr, sync_ptr + 3, ring, halves, ready, empty, dbuf, dready, dempty, itq,
-                     itq_full, itq_empty, D, F, P, item_lo, item_hi, d0, nbox, n_pre, n_items, NFB, NKC, NC, BF, BK,
-                     BKD, SLOTS, NB, IDREG, DYN)),
+        (_consumer, (x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr + cta * 8, ring, ring_sw, halves, ready, empty,
+                     dbuf, dready, dempty, xs, hs, itq, itq_full, itq_empty, D, F, P, item_lo, item_hi, d0, nbox, G,
+                     TS, LATE, K_TOP, NFB, NKC, NC, BF, BK, BKD, DR, SLOTS, NB, num_warps, MMA, LOWP, BAR, DYN, SW)),
+        (_producer, (gu_desc, dn_desc, ids_ptr, sync_ptr + 3, ring, ring_sw, halves, ready, empty, dbuf, dready,
+                     dempty, itq, itq_full, itq_empty, D, F, P, item_lo, item_hi, d0, nbox, n_pre, n_items, NFB, NKC,
+                     NC, BF, BK, BKD, SLOTS, NB, IDREG, DYN, SW)),
     ], [1], [24])
 
 
 def _layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)  # rows read whole, no swizzle
+
+
+def _down_box(c: dict) -> tuple[list[int], object]:
+    """The down descriptor's box and layout: [DR, BKD] unswizzled, or with S [DR, 64] 128-byte-swizzled chunks."""
+    if c.get("SW"):
+        return [c["DR"], 64], gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    return [c["DR"], c["BKD"]], _layout()
 
 
 def _constexprs(k: int, D: int, F: int, c: dict) -> dict:
@@ -435,7 +549,7 @@ def _constexprs(k: int, D: int, F: int, c: dict) -> dict:
                 NKC=D // c["BK"], NC=F // c["BKD"], BF=c["BF"], BK=c["BK"], BKD=c["BKD"], DR=c["DR"],
                 SLOTS=c["SLOTS"], NB=c["NB"], LATE=c.get("LATE", False), num_warps=c.get("W", 4),
                 IDREG=c.get("IDREG", False), MMA=c.get("MMA", False), LOWP=c.get("LOWP", False),
-                BAR=c.get("BAR", False), DYN=c.get("DYN", False))
+                BAR=c.get("BAR", False), DYN=c.get("DYN", False), SW=c.get("SW", False))
 
 
 def compile_sm90(K_TOP=8, D=2048, F=768, ts=False, **cfg):
@@ -446,7 +560,7 @@ def compile_sm90(K_TOP=8, D=2048, F=768, ts=False, **cfg):
     c = dict(CFG, **cfg)
     lay = _layout()
     sig = {"gu_desc": f"tensordesc<bf16[{c['BF']}, {c['BK']}],{lay!r}>",
-           "dn_desc": f"tensordesc<bf16[{c['DR']}, {c['BKD']}],{lay!r}>",
+           "dn_desc": "tensordesc<bf16[{}, {}],{!r}>".format(*_down_box(c)[0], _down_box(c)[1]),
            "x_ptr": "*bf16", "ids_ptr": "*i64", "wts_ptr": "*bf16", "h_ptr": "*bf16", "out_ptr": "*bf16",
            "sync_ptr": "*i32", "ts_ptr": "*i64"}
     sig.update({n: "i32" for n in ("D", "F", "P", "n_items", "nbox", "n_pre", "G")})
@@ -476,7 +590,7 @@ def small_t(x, ids, wt, w, ts=None, **cfg):
     n_items, nbox = P * (F // c["BF"]), P * (F // c["BKD"])
     lay = _layout()
     gu = TensorDescriptor(w.gate_up, [E * F2, D], [D, 1], [c["BF"], c["BK"]], lay)
-    dn = TensorDescriptor(w.down, [E * D, F], [F, 1], [c["DR"], c["BKD"]], lay)
+    dn = TensorDescriptor(w.down, [E * D, F], [F, 1], *_down_box(c))
     sync = _SYNC.get(x.device)
     if sync is None:
         sync = _SYNC[x.device] = torch.zeros(4, dtype=torch.int32, device=x.device)
@@ -799,13 +913,14 @@ def small_t_fifo(x, ids, wt, w, ts=None, **cfg):
 
 
 def parse_config(text: str) -> dict:
-    """SLOTSxNB[L][W8][R][M][H][B][D][tN] → dict(SLOTS, NB, LATE, W, IDREG, MMA, LOWP, BAR, DYN, TM, FIFO=False): L
-    the down loop's
+    """SLOTSxNB[L][W8][R][M][H][B][D][S][tN] → dict(SLOTS, NB, LATE, W, IDREG, MMA, LOWP, BAR, DYN, SW, TM,
+    FIFO=False): L the down loop's
     sums across lanes and warps once per token, W8 eight consumer warps instead of four (each box of a down group
     shared by two), R the producer's expert ids from registers (`_id`), M the down loop on the tensor cores
     (`_down_mma`), H its products and in-thread sums in bf16 (packed bf16x2 instructions; sums as L does), B the
     epoch grid barrier (one atomic per program) and only reused down buffers released, D gate/up items from a work
-    counter (the producer takes the next while it issues the current; needs B), tN at
+    counter (the producer takes the next while it issues the current; needs B), S the tensor-core down loop on
+    128-byte-swizzled [DR, 64] chunks (`_down_mma_sw`), tN at
     most N tokens (the shared-memory copies of x and h; default CFG's TM); SLOTSF[R] → the FIFO kernel with a ring
     of SLOTS slots (its down loop sums as L does)."""
     import re
@@ -813,11 +928,12 @@ def parse_config(text: str) -> dict:
     m = re.fullmatch(r"(\d+)F(R?)", text)
     if m:
         return dict(SLOTS=int(m[1]), IDREG=bool(m[2]), FIFO=True)
-    m = re.fullmatch(r"(\d+)x(\d+)(L?)(?:W(\d+))?(R?)(M?)(H?)(B?)(D?)(?:t(\d+))?", text)
+    m = re.fullmatch(r"(\d+)x(\d+)(L?)(?:W(\d+))?(R?)(M?)(H?)(B?)(D?)(S?)(?:t(\d+))?", text)
     if not m:
-        raise ValueError(f"configuration {text!r}: SLOTSxNB[L][W8][R][M][H][B][D][tN] or SLOTSF[R]")
+        raise ValueError(f"configuration {text!r}: SLOTSxNB[L][W8][R][M][H][B][D][S][tN] or SLOTSF[R]")
     return dict(SLOTS=int(m[1]), NB=int(m[2]), LATE=bool(m[3]), W=int(m[4] or 4), IDREG=bool(m[5]), MMA=bool(m[6]),
-                LOWP=bool(m[7]), BAR=bool(m[8]), DYN=bool(m[9]), TM=int(m[10] or CFG["TM"]), FIFO=False)
+                LOWP=bool(m[7]), BAR=bool(m[8]), DYN=bool(m[9]), SW=bool(m[10]), TM=int(m[11] or CFG["TM"]),
+                FIFO=False)
 
 
 def config_name(c: dict) -> str:
@@ -827,7 +943,7 @@ def config_name(c: dict) -> str:
     tm = "" if c["TM"] == CFG["TM"] else f"t{c['TM']}"
     return (f"one-launch-{c['SLOTS']}x{c['NB']}{'L' if c['LATE'] else ''}{'W8' if c['W'] == 8 else ''}{r}"
             f"{'M' if c['MMA'] else ''}{'H' if c['LOWP'] else ''}{'B' if c['BAR'] else ''}"
-            f"{'D' if c['DYN'] else ''}{tm}")
+            f"{'D' if c['DYN'] else ''}{'S' if c['SW'] else ''}{tm}")
 
 
 def config_fn(c: dict):

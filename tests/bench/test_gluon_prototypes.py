@@ -47,7 +47,8 @@ SMALL_T = r'''
 import proto_small_t as S
 assert ptxas_spills(S.compile_sm90(LATE=True)[1]) == 0  # the down loop's once-per-token sums
 assert ptxas_spills(S.compile_sm90(LATE=True, W=8)[1]) == 0  # eight consumer warps
-base = dict(LATE=False, W=4, IDREG=False, MMA=False, LOWP=False, BAR=False, DYN=False, TM=2, FIFO=False)
+base = dict(LATE=False, W=4, IDREG=False, MMA=False, LOWP=False, BAR=False, DYN=False, SW=False, TM=2,
+            FIFO=False)
 assert S.parse_config("8x12LW8") == dict(base, SLOTS=8, NB=12, LATE=True, W=8)
 assert S.parse_config("8x16RMHBt1") == dict(base, SLOTS=8, NB=16, IDREG=True, MMA=True, LOWP=True, BAR=True, TM=1)
 assert S.parse_config("24FR") == dict(SLOTS=24, IDREG=True, FIFO=True)
