@@ -246,10 +246,13 @@ def _down_mma(out_ptr, ts_ptr, ring, ready, dbuf, dready, dempty, hs, nbox, d0, 
 
 
 @gluon.jit
-def _mma4(src, base, hsw, g, acc, AL: gl.constexpr, BL: gl.constexpr):
-    for kc in gl.static_range(4):
-        acc = mma_v2(src.index(base + kc).load(AL), hsw.index(g * 4 + kc).permute((1, 0)).load(BL), acc)
-    return acc
+def _mma4(src, base, hsw, g, a0, a1, a2, a3, AL: gl.constexpr, BL: gl.constexpr):
+    """The four K chunks of a group, one accumulator each (four independent mma.sync chains instead of one)."""
+    a0 = mma_v2(src.index(base + 0).load(AL), hsw.index(g * 4 + 0).permute((1, 0)).load(BL), a0)
+    a1 = mma_v2(src.index(base + 1).load(AL), hsw.index(g * 4 + 1).permute((1, 0)).load(BL), a1)
+    a2 = mma_v2(src.index(base + 2).load(AL), hsw.index(g * 4 + 2).permute((1, 0)).load(BL), a2)
+    a3 = mma_v2(src.index(base + 3).load(AL), hsw.index(g * 4 + 3).permute((1, 0)).load(BL), a3)
+    return a0, a1, a2, a3
 
 
 @gluon.jit
@@ -274,18 +277,27 @@ def _down_mma_sw(out_ptr, ts_ptr, ring_sw, ready, dbuf, dready, dempty, hsw, nbo
     r2 = gl.arange(0, 8 * DR, layout=gl.SliceLayout(1, RL))
     dd = gl.arange(0, DR, layout=gl.SliceLayout(0, RL))
     fold = (r2 % DR)[:, None] == dd[None, :]  # [8·DR, DR]: row j·DR + d → column d
-    acc = gl.zeros([8 * DR, 8], gl.float32, ML)
+    a0 = gl.zeros([8 * DR, 8], gl.float32, ML)
+    a1 = a0
+    a2 = a0
+    a3 = a0
     for g in range(nbox // 8):
         b0 = g * 8
         if b0 == NB:
             _stamp(ts_ptr, 5, TS)  # the boxes of the down buffers done
         if b0 == NB + SLOTS:
             _stamp(ts_ptr, 6, TS)  # the boxes of the ring done
-        acc = acc * (b0 % (K_TOP * NC) != 0).to(gl.float32)  # a token's first group starts anew
+        keep = (b0 % (K_TOP * NC) != 0).to(gl.float32)  # a token's first group starts anew
+        a0 = a0 * keep
+        a1 = a1 * keep
+        a2 = a2 * keep
+        a3 = a3 * keep
         if b0 < NB:  # boxes b0..b0+7 in down buffers b0..b0+7
             for j in gl.static_range(8):
                 mbarrier.wait(dready.index(b0 + j), 0)
-            acc = _mma4(dmma, (b0 // 8) * 4, hsw, g, acc, AL, BL)
+            if g == 0:
+                _stamp(ts_ptr, 7, TS)  # the first group's boxes waited for
+            a0, a1, a2, a3 = _mma4(dmma, (b0 // 8) * 4, hsw, g, a0, a1, a2, a3, AL, BL)
             if not BAR or b0 + NB + SLOTS < nbox:
                 fence_async_shared()
                 for j in gl.static_range(8):
@@ -293,18 +305,18 @@ def _down_mma_sw(out_ptr, ts_ptr, ring_sw, ready, dbuf, dready, dempty, hsw, nbo
         elif b0 < NB + SLOTS:  # in the gate/up ring
             for j in gl.static_range(8):
                 mbarrier.wait(ready.index(j), ring_phase)
-            acc = _mma4(rmma, 0, hsw, g, acc, AL, BL)
+            a0, a1, a2, a3 = _mma4(rmma, 0, hsw, g, a0, a1, a2, a3, AL, BL)
         else:  # streamed into released down buffers
             q0 = b0 - SLOTS
             for j in gl.static_range(8):
                 mbarrier.wait(dready.index(q0 % NB + j), (q0 // NB) & 1)
-            acc = _mma4(dmma, ((q0 % NB) // 8) * 4, hsw, g, acc, AL, BL)
+            a0, a1, a2, a3 = _mma4(dmma, ((q0 % NB) // 8) * 4, hsw, g, a0, a1, a2, a3, AL, BL)
             if not BAR or b0 + NB < nbox:
                 fence_async_shared()
                 for j in gl.static_range(8):
                     mbarrier.arrive(dempty.index(q0 % NB + j), count=1)
         if (b0 + 8) % (K_TOP * NC) == 0:  # this token's boxes done: the block diagonal, then the eight boxes
-            v = gl.convert_layout(gl.sum(gl.where(diag, acc, 0.0), axis=1), gl.SliceLayout(1, RL))
+            v = gl.convert_layout(gl.sum(gl.where(diag, (a0 + a1) + (a2 + a3), 0.0), axis=1), gl.SliceLayout(1, RL))
             tot = gl.sum(gl.where(fold, v[:, None], 0.0), axis=0)  # [DR]
             gl.store(out_ptr + (b0 // (K_TOP * NC)) * D + d0 + dd, tot.to(gl.bfloat16))
 
@@ -952,7 +964,8 @@ def config_fn(c: dict):
     return partial(small_t, **{k: v for k, v in c.items() if k != "FIFO"})
 
 
-STAMPS = ("start", "gate_up_done", "barrier_passed", "end", "h_in_smem", "dbuf_boxes_done", "ring_boxes_done")
+STAMPS = ("start", "gate_up_done", "barrier_passed", "end", "h_in_smem", "dbuf_boxes_done", "ring_boxes_done",
+          "group0_waited")
 STAMPS_FIFO = ("start", "gate_up_done", "last_flags_passed", "end", "rounds_done")
 
 
