@@ -47,16 +47,18 @@ SMALL_T = r'''
 import proto_small_t as S
 assert ptxas_spills(S.compile_sm90(LATE=True)[1]) == 0  # the down loop's once-per-token sums
 assert ptxas_spills(S.compile_sm90(LATE=True, W=8)[1]) == 0  # eight consumer warps
-base = dict(LATE=False, W=4, IDREG=False, MMA=False, LOWP=False, BAR=False, DYN=False, SW=False, TM=2,
-            FIFO=False)
+base = dict(LATE=False, W=4, IDREG=False, LOWP=False, BAR=False, DYN=False, TM=2)
 assert S.parse_config("8x12LW8") == dict(base, SLOTS=8, NB=12, LATE=True, W=8)
-assert S.parse_config("8x16RMHBt1") == dict(base, SLOTS=8, NB=16, IDREG=True, MMA=True, LOWP=True, BAR=True, TM=1)
-assert S.parse_config("24FR") == dict(SLOTS=24, IDREG=True, FIFO=True)
-shared, ptx = S.compile_sm90()
-print(json.dumps(dict(shared=shared, tma=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
-                      bars=sorted(set(re.findall(r"bar\.sync\s+[^;]*;", ptx))),
-                      release=len(re.findall(r"atom\.global\.gpu\.release\.add", ptx)),
-                      acquire=len(re.findall(r"ld\.global\.gpu\.acquire", ptx)), spill=ptxas_spills(ptx))))
+best = S.parse_config("8x12LRHBD")
+assert best == dict(base, SLOTS=8, NB=12, LATE=True, IDREG=True, LOWP=True, BAR=True, DYN=True), best
+assert S.parse_config("8x16Lt1")["TM"] == 1 and S.config_name(best) == "one-launch-8x12LRHBD"
+for cfg in ({}, best):
+    shared, ptx = S.compile_sm90(**cfg)
+    print(json.dumps(dict(best=bool(cfg), shared=shared, tma=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+                          bars=sorted(set(re.findall(r"bar\.sync\s+[^;]*;", ptx))),
+                          release=len(re.findall(r"atom\.global\.gpu\.release\.add", ptx)),
+                          acquire=len(re.findall(r"ld\.global\.gpu\.acquire", ptx)),
+                          bf16x2=len(re.findall(r"\.bf16x2", ptx)), spill=ptxas_spills(ptx))))
 '''
 
 
@@ -78,7 +80,10 @@ def test_gluon_gate_up_kernels_compile_for_sm90():
 
 
 def test_one_launch_small_t_kernel_compiles_for_sm90():
-    (r,) = _compile(SMALL_T)
-    assert r["tma"] > 0 and r["release"] == 1 and r["acquire"] == 1 and r["spill"] == 0, r
-    assert r["bars"] and all(b.replace(" ", "").replace("\t", "").endswith(",128;") for b in r["bars"]), r
-    assert r["shared"] <= H200_SMEM_LIMIT, r
+    rows = _compile(SMALL_T)
+    assert [r["best"] for r in rows] == [False, True]
+    for r in rows:  # the grid barrier: one release add and one acquire spin per program, in both barrier forms
+        assert r["tma"] > 0 and r["release"] == 1 and r["acquire"] == 1 and r["spill"] == 0, r
+        assert r["bars"] and all(b.replace(" ", "").replace("\t", "").endswith(",128;") for b in r["bars"]), r
+        assert r["shared"] <= H200_SMEM_LIMIT, r
+    assert rows[0]["bf16x2"] == 0 < rows[1]["bf16x2"], rows  # H: the down loop's packed bf16 products
