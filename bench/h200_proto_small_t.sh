@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One H200 call (~2 minutes): bench/proto_small_t.py, the whole block at qwen3-30b-a3b T = 1-4 in one
+# One H200 call (~2 minutes): bench/proto_small_t.py, the whole block at qwen3-30b-a3b T = $TOKENS (1,2) in one
 # persistent Gluon launch (down weights streamed into shared memory during gate/up, a grid barrier between),
 # checked against the float32 reference on 8 fresh routings and in graph replay, timed with the bench's method
-# beside the shipped table's schedule. A hang of the grid barrier is cut by timeout. Results in $OUT/s.tgz.
+# beside the shipped table's schedule, for each of $CONFIGS (parse_config). A hang of the grid barrier is cut by
+# timeout. Results in $OUT/s.tgz.
 export PYTHONUNBUFFERED=1
 R=/tmp/s; rm -rf $R; mkdir -p $R
 timeout -k 5 ${PROTO_S:-200} python3 bench/proto_small_t.py --out $R --tokens ${TOKENS:-1,2} --configs ${CONFIGS:-8x12LRHBD,8x12LR} > $R/run.log 2>&1

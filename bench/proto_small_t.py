@@ -61,6 +61,8 @@ def _stamp(ts_ptr, i, TS: gl.constexpr):
         t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [i], dtype=gl.int64, is_pure=False,
                                       pack=1)
         gl.store(ts_ptr + i, t)
+
+
 @gluon.jit
 def _ids_vec(ids_ptr, P, IDREG: gl.constexpr):
     """With IDREG: the ids of every pair (at most 32) in the producer warp's registers, one load; else nothing."""
@@ -306,7 +308,6 @@ def _consumer(x_ptr, wts_ptr, h_ptr, out_ptr, sync_ptr, ts_ptr, ring, halves, re
         if LOWP:  # bf16 products summed in bf16 inside each thread (packed bf16x2 math), then fp32
             part = gl.reduce(gl.reshape(w * hgroups.index(g).load(L3), [4, DR, 32, BKD // 32]), 3,
                              _add).to(gl.float32)  # [4, DR, 32]
-            prod = part  # (unused)
         else:
             prod = w.to(gl.float32) * hgroups.index(g).load(L3).to(gl.float32)  # [4, DR, BKD]
             part = gl.sum(gl.reshape(prod, [4, DR, 32, BKD // 32]), axis=3)  # [4, DR, 32]
@@ -425,14 +426,14 @@ def small_t(x, ids, wt, w, ts=None, **cfg):
     sync = _SYNC.get(x.device)
     if sync is None:
         sync = _SYNC[x.device] = torch.zeros(4, dtype=torch.int32, device=x.device)
-    h = torch.empty(P, F, dtype=torch.bfloat16, device=x.device)
-    out = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
     if c.get("BAR") and G & (G - 1):
         raise ValueError(f"small_t: the epoch barrier needs a power-of-2 grid, G = {G}")
     if T > c["TM"] or T * k > 32:
         raise ValueError(f"small_t: T = {T} > TM = {c['TM']} (the shared-memory copies of x and h)")
     if c.get("DYN") and not c.get("BAR"):
         raise ValueError("small_t: dynamic items (D) need the epoch barrier (B), whose last arrival resets them")
+    h = torch.empty(P, F, dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
     small_t_kernel[(G,)](gu, dn, x, ids, wt, h, out, sync, sync if ts is None else ts, D, F, P, n_items, nbox,
                          min(nbox, c["NB"]), G, TS=ts is not None, **_constexprs(k, D, F, c))
     return out
