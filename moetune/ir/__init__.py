@@ -15,7 +15,6 @@ from .schedule import (
     SCHEDULE_KINDS,
     Bucket,
     CandidateSpace,
-    Fusion,
     Refusal,
     Roofline,
     RoutingStats,
@@ -28,6 +27,6 @@ from .symbolic import ExpertRows, SymInt
 __all__ = [
     "DTYPES", "DTYPE_BYTES", "Activation", "MoEBlock", "Router", "SharedExperts", "WeightLayout", "verify",
     "CacheError", "CaptureError", "IRError", "MoetuneError", "UnsupportedSchedule",
-    "SCHEDULE_KINDS", "Bucket", "CandidateSpace", "Fusion", "Refusal", "Roofline", "RoutingStats",
+    "SCHEDULE_KINDS", "Bucket", "CandidateSpace", "Refusal", "Roofline", "RoutingStats",
     "Schedule", "ScheduledBlock", "verify_scheduled", "ExpertRows", "SymInt",
 ]

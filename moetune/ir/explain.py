@@ -48,12 +48,6 @@ def explain(model: torch.nn.Module, *, print_: bool = True, check: bool = True) 
     return found
 
 
-def _fusion(f) -> str:
-    on = [n for n in ("act_in_gate_up", "weight_in_down", "combine_in_down", "shared_alongside")
-          if getattr(f, n, False)]
-    return "+".join(on) or "none"
-
-
 def format_ir(ir: object) -> str:
     """Readable text of an IR a pass returns: a MoEBlock as itself, a ScheduledBlock bucket by bucket."""
     if not isinstance(ir, ScheduledBlock) or type(ir).__str__ is not object.__str__:
@@ -77,7 +71,7 @@ def format_ir(ir: object) -> str:
         for r in bk.refusals:
             lines.append(f"      refused {r.kind}: {r.reason}")
         if bk.schedule is not None:
-            lines.append(f"      schedule: {bk.schedule.describe()}  fusion {_fusion(bk.schedule.fusion)}")
+            lines.append(f"      schedule: {bk.schedule.describe()}")
     return "\n".join(lines)
 
 

@@ -14,7 +14,7 @@ backend declares; the IR only checks that it is one.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from .block import MoEBlock, verify
@@ -25,20 +25,9 @@ SCHEDULE_KINDS: tuple[ScheduleKind, ...] = ("grouped_gemm", "stream_gemv", "hybr
 
 
 @dataclass(frozen=True)
-class Fusion:
-    """Which steps share a kernel."""
-
-    act_in_gate_up: bool = True  # activation in the gate/up GEMM's epilogue
-    weight_in_down: bool = True  # routing weight applied in the down GEMM's epilogue
-    combine_in_down: bool = True  # sum over k back to token order in the down epilogue (else a reduction)
-    shared_alongside: bool = False  # the shared expert runs in the same launch as the routed ones
-
-
-@dataclass(frozen=True)
 class Schedule:
     kind: ScheduleKind
     row_threshold: int | None = None  # hybrid: experts with ≥ this many rows take GEMM tiles
-    fusion: Fusion = field(default_factory=Fusion)
     backend: str | None = None  # "torch" | "triton" | "pallas"; None while backend-neutral
     params: Any = None  # the backend's frozen parameter dataclass, or None
 
@@ -108,7 +97,6 @@ class CandidateSpace:
 
     kind: ScheduleKind
     row_thresholds: tuple[int, ...] = ()  # hybrid only
-    fusion: Fusion = field(default_factory=Fusion)
     rule: str = ""  # the specialisation rule that proposed it
 
 

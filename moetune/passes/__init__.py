@@ -3,11 +3,11 @@
     stats.py       routing statistics model (uniform closed forms; measured per-expert probabilities)
     trace.py       routing traces: record from a model, the .npz file format, synthetic Zipf traces
     targets.py     the target description table and `floor(block, target, tokens, stats)`
-    context.py     PassContext (target, routing model, regime Policy) and the regimes
+    policy.py      the schedule policy: regimes, default kind, representative T, hybrid threshold
+    context.py     PassContext (target, routing model, policy, optional backend)
     bucketing.py   token buckets by regime and routing statistics
     rules/         specialisation rules, one file per regime: stream_gemv, hybrid, grouped_gemm
     specialise.py  runs the rules per bucket
-    fusion.py      which steps share a kernel
     roofline.py    each bucket's floor
     default_schedule.py  one Schedule per bucket (the fallback heuristic)
     pipeline.py    the ordered pass list, `run_pipeline`, `schedule_block`, `describe`

@@ -8,15 +8,14 @@ A bucket is a run of token counts with
 Token counts are examined at every T ≤ 64 and on a geometric grid (5 % steps) above; a ratio
 boundary falls on a grid point, and a sliver (hi < 1.1·lo above the dense grid) is folded into a
 same-regime neighbour. Each bucket carries the routing statistics at its representative
-token count, the geometric mean of its ends (rounded, so [1, 1] → 1 and [64, 256] → 128).
+token count (`policy.representative_tokens`).
 """
 
 from __future__ import annotations
 
-import math
-
 from ..ir import Bucket, MoEBlock, ScheduledBlock
 from .context import PassContext
+from .policy import representative_tokens
 
 DENSE_UP_TO = 64
 GRID_STEP = 1.05
@@ -31,10 +30,6 @@ def grid(T_max: int) -> list[int]:
         nxt = min(T_max, max(pts[-1] + 1, round(t)))
         pts.append(nxt)
     return pts
-
-
-def representative(lo: int, hi: int) -> int:
-    return min(hi, max(lo, round(math.sqrt(lo * hi))))
 
 
 def _regime_change(ctx: PassContext, a: int, b: int) -> int:
@@ -94,6 +89,6 @@ def _merge_slivers(ctx: PassContext, ranges: list[tuple[int, int]]) -> list[tupl
 def bucketing(block: MoEBlock, ctx: PassContext) -> ScheduledBlock:
     buckets = []
     for lo, hi in split(block, ctx):
-        rep = representative(lo, hi)
+        rep = representative_tokens(lo, hi)
         buckets.append(Bucket(lo=lo, hi=hi, stats=ctx.routing.stats(rep)))
     return ScheduledBlock(block=block, buckets=tuple(buckets))

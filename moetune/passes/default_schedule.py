@@ -1,38 +1,54 @@
-"""Default-schedule pass: one backend-neutral Schedule per bucket from its candidates, by the regime
-at its representative T, so that the final IR passes `verify_scheduled(final=True)` and `explain`
-shows a complete plan. The runtime's default with a backend's parameters is
-`moetune.runtime.default.default_schedule`, which follows the same preference.
+"""Default-schedule pass: one Schedule per bucket, the one a compiled model runs where its dispatch
+table has no entry (the runtime's defaults are this pass's output).
 
-    one_row    stream_gemv          mixed    grouped_gemm, else hybrid with the smallest kept R
-    many_rows  grouped_gemm         (each falls back to the first candidate the rules proposed)
-
-Hybrid is never preferred on the expected statistics alone: on the H200 it won none of the 48 cells
-of bench/results/nvidia-h200-kernels.md; the search tries it wherever the rules propose it.
+The kind is `policy.default_kind` at the bucket's representative T among the kinds the rules propose.
+With a backend in the context, the kinds it refuses are left out, its cost model can veto a
+memory-bound kind, and the Schedule carries the backend's own parameters (`backend.default`); without
+one the Schedule is backend-neutral. A hybrid's row threshold is `policy.hybrid_threshold` over the
+thresholds the hybrid rule kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from ..ir import Schedule, ScheduledBlock
+from ..ir import Bucket, IRError, MoEBlock, MoetuneError, Schedule, ScheduledBlock
 from .context import PassContext
+from .policy import POLICY, SCHEDULE_ORDER, default_kind, hybrid_threshold, representative_tokens
 
-PREFERENCE = {"one_row": ("stream_gemv", "hybrid", "grouped_gemm"),
-              "mixed": ("grouped_gemm", "hybrid", "stream_gemv"),
-              "many_rows": ("grouped_gemm", "hybrid", "stream_gemv")}
+
+def bucket_default(block: MoEBlock, b: Bucket, ctx: PassContext) -> Schedule:
+    """The default Schedule of bucket `b` (module doc)."""
+    T = representative_tokens(b.lo, b.hi)
+    rows = ctx.routing.rows_per_active(T)
+    proposed = {c.kind: c for c in b.candidates}
+    hybrid = proposed.get("hybrid")
+    R = hybrid_threshold(rows, hybrid.row_thresholds if hybrid else ctx.policy.hybrid_thresholds or POLICY.hybrid_thresholds)
+    be = ctx.backend
+    if be is None:
+        kind = default_kind(ctx.regime(T), list(proposed), list(proposed))
+        return Schedule(kind, row_threshold=R if kind == "hybrid" else None)
+    refused = be.kinds(block)
+    offers, reasons = {}, []
+    for kind in SCHEDULE_ORDER:
+        why = refused.get(kind, f"kind {kind} not offered")
+        if why is None:
+            try:
+                s = be.default(block, kind, T)
+                offers[kind] = dataclasses.replace(s, row_threshold=R) if kind == "hybrid" else s
+                continue
+            except MoetuneError as e:
+                why = str(e)
+        reasons.append(f"{kind}: {why}")
+    if not offers:
+        raise IRError(f"bucket {b.label} of {block.name or block.signature_hash()}", "schedule", None,
+                      f"backend {be.name} refuses every kind ({'; '.join(reasons)})")
+    moved = {k: be.cost(block, s, T)[1] for k, s in offers.items()}
+    return offers[default_kind(ctx.regime(T), list(proposed), list(offers), moved)]
 
 
 def default_schedule(sb: ScheduledBlock, ctx: PassContext) -> ScheduledBlock:
-    buckets = []
-    for b in sb.buckets:
-        if b.schedule is not None or not b.candidates:
-            buckets.append(b)
-            continue
-        T = b.stats.tokens if b.stats is not None else b.lo
-        by_kind = {c.kind: c for c in b.candidates}
-        kind = next((k for k in PREFERENCE[ctx.regime(T)] if k in by_kind), b.candidates[0].kind)
-        c = by_kind[kind]
-        R = min(c.row_thresholds) if kind == "hybrid" else None
-        buckets.append(dataclasses.replace(b, schedule=Schedule(kind, row_threshold=R, fusion=c.fusion)))
-    new = sb.replace(buckets=tuple(buckets))
+    buckets = tuple(b if b.schedule is not None else dataclasses.replace(b, schedule=bucket_default(sb.block, b, ctx))
+                    for b in sb.buckets)
+    new = sb.replace(buckets=buckets)
     return sb if new == sb else new

@@ -3,9 +3,9 @@
     capture            the MoEBlock as captured (not a pass: the pipeline's input)
     bucketing          MoEBlock → ScheduledBlock: token buckets with their routing statistics
     specialise         candidate schedule kinds (and hybrid thresholds) or refusals per bucket
-    fusion             which steps share a kernel, per candidate
     roofline           each bucket's floor on the target
-    default_schedule   one Schedule per bucket: the fallback where no tuned entry exists
+    default_schedule   one Schedule per bucket: what runs where no tuned entry exists (with a backend
+                       in the context, that backend's choice and parameters)
 
 A pass is `pass(ir, ctx) -> ir`, pure, returning its input object when it changes nothing. A pass
 that raises is reported as a `PassError` naming it and the passes that ran before it.
@@ -18,9 +18,9 @@ from pathlib import Path
 
 from ..ir import IRError, MoEBlock, MoetuneError, ScheduledBlock, verify, verify_scheduled
 from .bucketing import bucketing
-from .context import PassContext, Policy
+from .context import PassContext
+from .policy import Policy
 from .default_schedule import default_schedule
-from .fusion import fusion
 from .roofline import roofline
 from .specialise import specialise
 from .stats import RoutingModel, from_trace, uniform
@@ -30,7 +30,6 @@ from .trace import Trace
 PASSES: tuple[tuple[str, Callable], ...] = (
     ("bucketing", bucketing),
     ("specialise", specialise),
-    ("fusion", fusion),
     ("roofline", roofline),
     ("default_schedule", default_schedule),
 )
@@ -59,8 +58,8 @@ def routing_for(block: MoEBlock, trace: Trace | RoutingModel | str | Path | None
 
 
 def context(block: MoEBlock, target: str | Target = "h200", trace=None,
-            policy: Policy | None = None) -> PassContext:
-    return PassContext(get_target(target), routing_for(block, trace), policy or Policy())
+            policy: Policy | None = None, backend=None) -> PassContext:
+    return PassContext(get_target(target), routing_for(block, trace), policy or Policy(), backend)
 
 
 def _with_range(block: MoEBlock, tokens: tuple[int, int] | None) -> MoEBlock:
@@ -74,15 +73,17 @@ def _with_range(block: MoEBlock, tokens: tuple[int, int] | None) -> MoEBlock:
 
 def run_pipeline(block: MoEBlock, target: str | Target = "h200", trace=None,
                  tokens: tuple[int, int] | None = None, *, policy: Policy | None = None,
-                 check: bool = True) -> list[tuple[str, object]]:
+                 backend=None, check: bool = True) -> list[tuple[str, object]]:
     """The IR after each pass, first ("capture", block). `tokens=(lo, hi)` sets T_max = hi; the
     buckets always cover [1, hi] (verify_scheduled demands it), `lo` only has to be valid.
 
+    `backend`: the backend whose kernels will run (its refusals, costs and parameters decide the
+    default schedules); None: backend-neutral defaults.
     `check`: verify the IR after every pass (verify / verify_scheduled); a failure is that pass's.
     """
     block = _with_range(block, tokens)
     verify(block)
-    ctx = context(block, target, trace, policy)
+    ctx = context(block, target, trace, policy, backend)
     out: list[tuple[str, object]] = [("capture", block)]
     ir: object = block
     for name, fn in PASSES:
@@ -97,9 +98,10 @@ def run_pipeline(block: MoEBlock, target: str | Target = "h200", trace=None,
 
 
 def schedule_block(block: MoEBlock, target: str | Target = "h200", trace=None,
-                   tokens: tuple[int, int] | None = None, *, policy: Policy | None = None) -> ScheduledBlock:
+                   tokens: tuple[int, int] | None = None, *, policy: Policy | None = None,
+                   backend=None) -> ScheduledBlock:
     """The final IR of `run_pipeline`."""
-    return run_pipeline(block, target, trace, tokens, policy=policy)[-1][1]
+    return run_pipeline(block, target, trace, tokens, policy=policy, backend=backend)[-1][1]
 
 
 # ---------------------------------------------------------------- printing
@@ -134,17 +136,11 @@ def describe(ir: object, ctx: PassContext | None = None) -> str:
             row += " " * 19
         cands = []
         for c in b.candidates:
-            t = c.kind + (f"(R∈{{{','.join(map(str, c.row_thresholds))}}})" if c.row_thresholds else "")
-            f = c.fusion
-            flags = "".join(ch for ch, on in (("a", f.act_in_gate_up), ("w", f.weight_in_down),
-                                                ("c", f.combine_in_down), ("s", f.shared_alongside)) if on)
-            cands.append(f"{t}[{flags}]")
+            cands.append(c.kind + (f"(R∈{{{','.join(map(str, c.row_thresholds))}}})" if c.row_thresholds else ""))
         row += " ".join(cands)
         if b.schedule is not None:
             row += f"  → {b.schedule.describe()}"
         lines.append(row.rstrip())
         for r in b.refusals:
             lines.append(f"      ✗ {r.kind}: {r.reason}")
-    lines.append("  fusion flags: a act in gate/up, w routing weight in down, c combine in down, "
-                 "s shared expert alongside")
     return "\n".join(lines)

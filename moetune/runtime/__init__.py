@@ -16,8 +16,8 @@ import sys
 
 _LAZY = {
     "compiled": ("PLANS", "Plan", "compile", "describe", "experts_forward", "plans", "uncompile"),
-    "default": ("default_kind", "default_schedule", "rows_per_active"),
-    "dispatch": ("Dispatcher", "DispatchWarning", "Route", "default_buckets", "regime_buckets"),
+    "default": ("default_at", "default_buckets", "default_for", "default_plan"),
+    "dispatch": ("Dispatcher", "DispatchWarning", "Route"),
 }
 _WHERE = {name: mod for mod, names in _LAZY.items() for name in names}
 _TRANSFORMERS_MOE = "transformers.integrations.moe"

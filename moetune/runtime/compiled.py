@@ -250,17 +250,16 @@ def compile(
             state.backend = be.name
             key = (c.block.signature(), be.name)
             if key not in dispatchers:
+                tgt = target or _target(device)
                 if cache is None:
-                    dispatchers[key] = Dispatcher.default(c.block, be)
+                    dispatchers[key] = Dispatcher.default(c.block, be, target=tgt)
                 else:
                     from .table import load_entries
 
                     notes: list[str] = []  # folded into the dispatcher's one warning
-                    entries = load_entries(
-                        cache, c.block, target or _target(device), be.name, device=str(device), notes=notes
-                    )
+                    entries = load_entries(cache, c.block, tgt, be.name, device=str(device), notes=notes)
                     dispatchers[key] = Dispatcher.from_entries(
-                        c.block, be, entries, where=f"dispatch table {cache}", table_notes=notes
+                        c.block, be, entries, target=tgt, where=f"dispatch table {cache}", table_notes=notes
                     )
             plan = Plan(next(_ids), c.path, c.block, dispatchers[key])
             PLANS[plan.id] = plan

@@ -8,10 +8,9 @@ A call reads only the host-side T (a shape, never a device value) and bisects pr
 ends: no device sync, no table lookup, no Python object built per call. T above the last bucket
 uses the last bucket's kernel; T = 0 returns an empty [0, D] result without calling a kernel.
 
-Default buckets (no table, or gaps between a table's entries) follow the rows-per-expert regime:
-the bucketing pass of `moetune.passes` (uniform routing; the same ranges the search tunes) when it
-is importable, else `regime_buckets` here: T ranges cut where the expected rows per active expert
-(uniform routing) crosses REGIME_CUTS, so that no bucket spans the one-row and the many-rows regime.
+Default buckets and their schedules (no table, or the gaps between a table's entries) are the pass
+pipeline's (`moetune.runtime.default`): the same buckets the search tunes, the same schedules
+`moetune explain --passes` prints.
 """
 
 from __future__ import annotations
@@ -26,9 +25,7 @@ import torch
 from ..codegen.backend import Backend, get
 from ..codegen.common import ExpertsFn, ExpertTensors
 from ..ir import IRError, MoEBlock, MoetuneError, Schedule, UnsupportedSchedule
-from .default import default_schedule, representative_tokens, rows_per_active
-
-REGIME_CUTS = (1.5, 4.0, 16.0)  # rows per active expert where a default bucket ends
+from .default import default_buckets, default_for
 
 DefaultFactory = Callable[[int, int], Schedule]  # (lo, hi) → the bucket's default Schedule
 
@@ -52,41 +49,10 @@ class Route:
         return f"[{self.lo},{self.hi}]"
 
 
-def regime_buckets(block: MoEBlock, cuts: Sequence[float] = REGIME_CUTS) -> list[tuple[int, int]]:
-    """[1, T_max] cut where rows per active expert first reaches each of `cuts` (it grows with T)."""
-    ends, lo = [], 1
-    for c in cuts:
-        if lo > block.T_max or rows_per_active(block, block.T_max) < c:
-            break
-        a, b = lo, block.T_max  # smallest T in [lo, T_max] with rows(T) ≥ c
-        while a < b:
-            m = (a + b) // 2
-            if rows_per_active(block, m) >= c:
-                b = m
-            else:
-                a = m + 1
-        if a > lo:
-            ends.append((lo, a - 1))
-            lo = a
-    ends.append((lo, block.T_max))
-    return ends
-
-
-def default_buckets(block: MoEBlock) -> list[tuple[int, int]]:
-    """The bucketing pass's ranges (`moetune.passes.bucketing.split`, uniform routing) when the
-    passes are importable, else `regime_buckets`."""
-    try:
-        from ..passes.bucketing import split
-        from ..passes.pipeline import context
-    except ImportError:  # a deployment may ship without the passes
-        return regime_buckets(block)
-    return [(int(lo), int(hi)) for lo, hi in split(block, context(block, "cpu"))]
-
-
 class Dispatcher:
     """Sorted, non-overlapping routes covering [1, hi of the last]; `__call__` bisects on T."""
 
-    def __init__(self, block: MoEBlock, backend: Backend, routes: Sequence[Route]):
+    def __init__(self, block: MoEBlock, backend: Backend, routes: Sequence[Route], target: str = "cpu"):
         routes = sorted(routes, key=lambda r: r.lo)
         node = f"Dispatcher({block.name or block.signature_hash()})"
         if not routes:
@@ -101,7 +67,7 @@ class Dispatcher:
                     f"{'gap' if r.lo > expect else 'overlap'}: the previous bucket ends at {expect - 1}",
                 )
             expect = r.hi + 1
-        self.block, self.backend, self.routes = block, backend, tuple(routes)
+        self.block, self.backend, self.target, self.routes = block, backend, target, tuple(routes)
         self._his = [r.hi for r in self.routes]
         self._fns = [r.fn for r in self.routes]
         self._last = len(self._fns) - 1
@@ -140,10 +106,11 @@ class Dispatcher:
         why = f"{r.schedule.describe()} refused a call: {err}"
         if r.source.startswith("default"):  # every default route's source, torch fallbacks included
             torch_be = get("torch")
-            sch = default_schedule(self.block, torch_be, representative_tokens(r.lo, r.hi))
+            sch = default_for(self.block, torch_be, self.target, r.lo, r.hi)
             new = _build(self.block, torch_be, r.lo, r.hi, sch, f"default ({why}), torch fallback")
         else:
-            new = _build_default(self.block, self.backend, r.lo, r.hi, _default_factory(self.block, self.backend),
+            new = _build_default(self.block, self.backend, self.target, r.lo, r.hi,
+                                 _default_factory(self.block, self.backend, self.target),
                                  f"default ({why})", [])  # a torch fallback shows in the route's source
         warnings.warn(f"{self.block.name or self.block.signature_hash()}: bucket {r.label}: {why}; it runs "
                       f"{new.schedule.describe()} from now on", DispatchWarning, stacklevel=4)
@@ -164,17 +131,19 @@ class Dispatcher:
         backend: Backend,
         buckets: Sequence[tuple[int, int]] | None = None,
         default_factory: DefaultFactory | None = None,
+        *,
+        target: str = "cpu",
     ) -> Dispatcher:
-        """Every bucket on the default heuristic (no table). A default the backend cannot build runs
+        """Every bucket on its default schedule (no table). A default the backend cannot build runs
         the torch backend's default instead, with one DispatchWarning naming the buckets."""
-        factory = default_factory or _default_factory(block, backend)
+        factory = default_factory or _default_factory(block, backend, target)
         notes: list[str] = []
         routes = [
-            _build_default(block, backend, lo, hi, factory, "default", notes)
-            for lo, hi in (buckets or default_buckets(block))
+            _build_default(block, backend, target, lo, hi, factory, "default", notes)
+            for lo, hi in (buckets or default_buckets(block, backend, target))
         ]
         _warn_fallbacks(block, backend, notes)
-        return cls(block, backend, routes)
+        return cls(block, backend, routes, target)
 
     @classmethod
     def from_entries(
@@ -184,15 +153,16 @@ class Dispatcher:
         entries: Sequence[tuple[int, int, Schedule]],
         default_factory: DefaultFactory | None = None,
         *,
+        target: str = "cpu",
         where: str = "dispatch table",
         table_notes: Sequence[str] = (),
     ) -> Dispatcher:
         """Routes from a table's (lo, hi, Schedule) entries; the token ranges they leave uncovered in
-        [1, T_max] are split by the default buckets and run the default, with ONE DispatchWarning
+        [1, T_max] are split by the default buckets and run their defaults, with ONE DispatchWarning
         naming those buckets (and any entry the backend refused to build, with its reason), led by
         `table_notes` (why the table's other entries were not usable).
         Overlapping entries raise IRError: a table never borrows a schedule across buckets."""
-        factory = default_factory or _default_factory(block, backend)
+        factory = default_factory or _default_factory(block, backend, target)
         node = f"{where} for {block.name or block.signature_hash()}"
         entries = sorted(entries, key=lambda e: e[0])
         for (lo1, hi1, _), (lo2, hi2, _) in zip(entries, entries[1:], strict=False):
@@ -208,16 +178,18 @@ class Dispatcher:
                 routes.append(_build(block, backend, lo, hi, sch, "table"))
             except MoetuneError as e:
                 why = f"entry {sch.describe()} refused: {e}"
-                routes.append(_build_default(block, backend, lo, hi, factory, f"default ({why})", notes))
+                routes.append(_build_default(block, backend, target, lo, hi, factory, f"default ({why})", notes))
                 missing.append(f"[{lo},{hi}] ({why})")
         end = max(block.T_max, entries[-1][1] if entries else 0)
         gaps = _gaps([(r.lo, r.hi) for r in routes], end)
-        defaults = default_buckets(block if end == block.T_max else block.replace(T_max=end)) if gaps else []
+        wide = block if end == block.T_max else block.replace(T_max=end)
+        defaults = default_buckets(wide, backend, target) if gaps else []
         for lo, hi in gaps:
             for blo, bhi in defaults:
                 a, b = max(lo, blo), min(hi, bhi)
-                if a <= b:
-                    routes.append(_build_default(block, backend, a, b, factory, "default (no entry)", notes))
+                if a <= b:  # a piece of a default bucket runs that bucket's default
+                    routes.append(_build_default(block, backend, target, a, b, factory, "default (no entry)",
+                                                 notes, judged_at=(blo, bhi)))
                     missing.append(f"[{a},{b}]")
         _warn_fallbacks(block, backend, notes)
         if missing or table_notes:
@@ -226,11 +198,11 @@ class Dispatcher:
                 said.append(f"{node}, backend {backend.name}: no usable entry for bucket(s) "
                             f"{', '.join(missing)}; they run the default schedule")
             warnings.warn("; ".join(said), DispatchWarning, stacklevel=2)
-        return cls(block, backend, routes)
+        return cls(block, backend, routes, target)
 
 
-def _default_factory(block: MoEBlock, backend: Backend) -> DefaultFactory:
-    return lambda lo, hi: default_schedule(block, backend, representative_tokens(lo, hi))
+def _default_factory(block: MoEBlock, backend: Backend, target: str) -> DefaultFactory:
+    return lambda lo, hi: default_for(block, backend, target, lo, hi)
 
 
 def _build(block: MoEBlock, backend: Backend, lo: int, hi: int, sch: Schedule, source: str) -> Route:
@@ -240,22 +212,26 @@ def _build(block: MoEBlock, backend: Backend, lo: int, hi: int, sch: Schedule, s
 def _build_default(
     block: MoEBlock,
     backend: Backend,
+    target: str,
     lo: int,
     hi: int,
     factory: DefaultFactory,
     source: str,
     notes: list[str],
+    judged_at: tuple[int, int] | None = None,
 ) -> Route:
-    """The bucket's default on `backend`; if that backend cannot build it, torch's default (which runs
-    wherever torch does), noted in `notes` for the one warning."""
+    """The default of [lo, hi] on `backend` (that of the range `judged_at` when given: a gap's piece of a
+    default bucket runs the whole bucket's default); if that backend cannot build it, torch's default
+    (which runs wherever torch does), noted in `notes` for the one warning."""
+    jlo, jhi = judged_at or (lo, hi)
     try:
-        sch = factory(lo, hi)
+        sch = factory(jlo, jhi)
         return _build(block, backend, lo, hi, sch, source)
     except MoetuneError as e:
         if backend.name == "torch":
             raise
         torch_be = get("torch")
-        alt = default_schedule(block, torch_be, representative_tokens(lo, hi))
+        alt = default_for(block, torch_be, target, jlo, jhi)
         notes.append(f"[{lo},{hi}] ({e}; runs {alt.describe()})")
         return _build(block, torch_be, lo, hi, alt, f"{source}, torch fallback")
 

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from pass_shapes import GPU_SHAPES, gpu_block
 
 from moetune.ir import MoEBlock, ScheduledBlock, verify_scheduled
-from moetune.passes.bucketing import bucketing, grid, representative
+from moetune.passes.bucketing import bucketing, grid
+from moetune.passes.policy import representative_tokens as representative
 from moetune.passes.pipeline import context
 from moetune.passes.trace import synthetic_trace
 

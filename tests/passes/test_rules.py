@@ -8,7 +8,7 @@ from pass_shapes import GPU_SHAPES, gpu_block
 
 from moetune.ir import Bucket, CandidateSpace, MoEBlock, Refusal, ScheduledBlock, verify_scheduled
 from moetune.passes.bucketing import bucketing
-from moetune.passes.context import Policy
+from moetune.passes.policy import Policy
 from moetune.passes.pipeline import context, schedule_block
 from moetune.passes.rules import RULES, grouped_gemm, hybrid, stream_gemv
 from moetune.passes.specialise import specialise

@@ -66,9 +66,9 @@ def test_target_table():
 def test_roofline_pass_before_expected():
     block = gpu_block("deepseek-v3", T_max=64)
     ctx = context(block, "tpu-v6e")
-    st = ctx.routing.stats(8)
-    before = ScheduledBlock(block, (Bucket(1, 7, ctx.routing.stats(2)), Bucket(8, 64, st)))
+    st = ctx.routing.stats(23)  # [8, 64]'s representative count
+    before = ScheduledBlock(block, (Bucket(1, 7, ctx.routing.stats(3)), Bucket(8, 64, st)))
     after = roofline(before, ctx)
-    assert after.buckets[1].floor == floor(block, "tpu-v6e", 8, st)
+    assert after.buckets[1].floor == floor(block, "tpu-v6e", 23, st)
     assert after.buckets[1].floor.bandwidth == 1640e9
     assert roofline(after, ctx) is after

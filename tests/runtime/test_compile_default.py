@@ -1,23 +1,23 @@
-"""The default heuristic: rows per active expert → schedule kind, guarded by the backend's cost."""
+"""The runtime's defaults are the pass pipeline's schedules with the backend's refusals, costs and
+parameters; `explain --passes` prints what a compiled model runs at every T."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
-import torch
 
 from moetune.codegen.backend import get
 from moetune.codegen.torch.backend import TorchBackend
-from moetune.ir import MoEBlock, Schedule, UnsupportedSchedule
-from moetune.runtime.default import (
-    GEMV_MAX_ROWS,
-    default_kind,
-    default_schedule,
-    representative_tokens,
-    rows_per_active,
-    uniform_distinct,
-)
+from moetune.ir import IRError, MoEBlock, Schedule
+from moetune.ir.explain import format_ir
+from moetune.ir.presets import PRESETS, preset
+from moetune.passes.pipeline import run_pipeline
+from moetune.passes.policy import representative_tokens
+from moetune.passes.stats import uniform_distinct
+from moetune.runtime.default import default_at, default_buckets, default_plan
+from moetune.runtime.dispatch import Dispatcher
 
 TORCH = get("torch")
 
@@ -40,58 +40,6 @@ class StreamingBackend(TorchBackend):
         return flops, moved
 
 
-class RefusingBackend(TorchBackend):
-    name = "refusing-test"
-
-    def kinds(self, blk):
-        return {k: f"{k} not built for this test" for k in ("grouped_gemm", "stream_gemv", "hybrid")}
-
-
-def test_uniform_distinct_matches_simulation():
-    E, k, T = 16, 4, 9
-    g = torch.Generator().manual_seed(0)
-    sims = [len({int(e) for _ in range(T) for e in torch.randperm(E, generator=g)[:k]}) for _ in range(400)]
-    assert uniform_distinct(E, k, T) == pytest.approx(sum(sims) / len(sims), rel=0.03)
-    assert uniform_distinct(E, k, 0) == 0
-
-
-@pytest.mark.parametrize("E,k", [(8, 2), (16, 4), (128, 8), (512, 10)])
-def test_rows_per_active_grows_from_one_to_Tk_over_E(E, k):
-    b = block(E=E, k=k)
-    assert rows_per_active(b, 1) == pytest.approx(1.0)
-    rows = [rows_per_active(b, T) for T in (1, 2, 4, 16, 64, 256, 4096)]
-    assert rows == sorted(rows)
-    assert rows[-1] == pytest.approx(4096 * k / E, rel=1e-3)
-    with pytest.raises(ValueError):
-        rows_per_active(b, 0)
-
-
-@pytest.mark.parametrize("E,k", [(8, 2), (16, 4), (128, 8), (512, 10)])
-def test_regime_kinds_progress_with_T(E, k):
-    """stream_gemv where rows ≤ 1.5, grouped_gemm beyond; never backwards, no hybrid under uniform routing."""
-    b = block(E=E, k=k)
-    order = {"stream_gemv": 0, "grouped_gemm": 2}
-    last = 0
-    for T in [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256, 1024, 4096]:
-        kind, R = default_kind(b, T)
-        rows = rows_per_active(b, T)
-        assert kind == ("stream_gemv" if rows <= GEMV_MAX_ROWS else "grouped_gemm"), (T, rows)
-        assert R is None
-        assert order[kind] >= last
-        last = order[kind]
-    assert default_kind(b, 1)[0] == "stream_gemv" and default_kind(b, 4096)[0] == "grouped_gemm"
-
-
-def test_device_style_backend_follows_the_regime():
-    be = StreamingBackend()
-    b = block()
-    assert default_schedule(b, be, 1).kind == "stream_gemv"
-    last_gemv = max(T for T in range(1, 4096) if rows_per_active(b, T) <= GEMV_MAX_ROWS)
-    assert default_schedule(b, be, last_gemv).kind == "stream_gemv"
-    assert default_schedule(b, be, last_gemv + 1).kind == "grouped_gemm"
-    assert default_schedule(b, be, 4096).kind == "grouped_gemm"
-
-
 class NoGemvBackend(StreamingBackend):
     name = "no-gemv-test"
 
@@ -99,43 +47,95 @@ class NoGemvBackend(StreamingBackend):
         return {**super().kinds(blk), "stream_gemv": "no GEMV kernel in this test"}
 
 
-def test_refused_gemv_falls_back_to_hybrid_with_a_threshold():
-    sch = default_schedule(block(), NoGemvBackend(), 1)
-    assert sch.kind == "hybrid" and sch.row_threshold >= 2
+class RefusingBackend(TorchBackend):
+    name = "refusing-test"
+
+    def kinds(self, blk):
+        return {k: f"{k} not built for this test" for k in ("grouped_gemm", "stream_gemv", "hybrid")}
+
+
+def test_device_style_backend_streams_in_the_one_row_regime_and_tiles_beyond():
+    be, b = StreamingBackend(), block()
+    plan = default_plan(b, be, "h200")
+    assert default_at(b, be, "h200", 1).kind == "stream_gemv"
+    assert default_at(b, be, "h200", 4096).kind == "grouped_gemm"
+    from moetune.passes.pipeline import context
+
+    ctx = context(b, "h200")
+    for bk in plan.buckets:  # the regime at the bucket's representative T decides
+        want = "stream_gemv" if ctx.regime(representative_tokens(bk.lo, bk.hi)) == "one_row" else "grouped_gemm"
+        assert bk.schedule.kind == want, bk.label
+
+
+def test_refused_gemv_falls_back_to_hybrid_with_the_policys_threshold():
+    sch = default_at(block(), NoGemvBackend(), "h200", 1)
+    assert sch.kind in ("hybrid", "grouped_gemm")
+    if sch.kind == "hybrid":
+        assert sch.row_threshold >= 2
 
 
 @pytest.mark.parametrize("T", [1, 3, 16, 4096])
 def test_torch_backend_stays_on_gemm_since_its_gather_copies_weights(T):
-    """The torch GEMV gathers T·k copies: its cost is 3× the loop's at one row per expert."""
-    sch = default_schedule(block(), TORCH, T)
+    sch = default_at(block(), TORCH, "cpu", T)
     assert sch.kind == "grouped_gemm" and sch.backend == "torch"
     assert sch.params.impl == "grouped_mm"
     assert TORCH.build(block(), sch) is not None
 
 
 def test_torch_default_on_misaligned_block_uses_the_loop():
-    sch = default_schedule(block(D=200, F=37, dtype="float16"), TORCH, 64)
+    sch = default_at(block(D=200, F=37, dtype="float16"), TORCH, "cpu", 64)
     assert sch.kind == "grouped_gemm" and sch.params.impl == "sorted_gemm"
 
 
-def test_refused_kinds_fall_back_and_all_refused_is_an_error():
-    huge = block(D=8192, F=16384)  # 768 MiB per expert: no gathered copy fits
-    assert TORCH.kinds(huge)["stream_gemv"]
-    assert default_schedule(huge, StreamingBackend(), 1).kind == "grouped_gemm"
-    with pytest.raises(UnsupportedSchedule, match="refuses every kind.*not built for this test"):
-        default_schedule(block(), RefusingBackend(), 1)
+def test_all_refused_is_an_error_naming_the_reasons():
+    with pytest.raises(Exception, match="refuses every kind.*not built for this test"):
+        default_plan(block(), RefusingBackend(), "cpu")
 
 
 def test_default_schedules_verify_and_build_in_every_bucket():
-    from moetune.runtime.dispatch import default_buckets
-
     be = StreamingBackend()
     for b in (block(E=16, k=4, D=64, F=40, dtype="float32"), block(E=512, k=10, D=64, F=40)):
-        for lo, hi in default_buckets(b):
-            T = representative_tokens(lo, hi)
-            assert lo <= T <= hi
-            sch = default_schedule(b, be, T)
+        for lo, hi in default_buckets(b, be, "h200"):
+            sch = default_at(b, be, "h200", representative_tokens(lo, hi))
             assert isinstance(sch, Schedule) and dataclasses.is_dataclass(sch.params)
             if sch.kind == "hybrid":
                 assert sch.row_threshold <= hi
             be.build(b, sch)
+
+
+def _explained(text: str) -> list[tuple[int, int, str]]:
+    """(lo, hi, schedule text) of every bucket `format_ir` prints."""
+    out, cur = [], None
+    for line in text.splitlines():
+        m = re.match(r"\s+\[(\d+),(\d+)\]", line)
+        if m:
+            cur = (int(m.group(1)), int(m.group(2)))
+        m = re.match(r"\s+schedule: (.*)$", line)
+        if m:
+            out.append((*cur, m.group(1)))
+    return out
+
+
+@pytest.mark.parametrize("target,backend", [("h200", "triton"), ("cpu", "torch")])
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_what_explain_prints_is_what_a_compiled_model_runs(name, target, backend):
+    """For every preset and T = 1 … 4096: the schedule `explain --passes` prints for T's bucket is the
+    schedule the compiled model's dispatcher runs at T (no table)."""
+    be = get(backend)
+    b = preset(name)
+    final = run_pipeline(b, target, backend=be)[-1][1]
+    printed = _explained(format_ir(final))
+    assert [(lo, hi) for lo, hi, _ in printed] == [(bk.lo, bk.hi) for bk in final.buckets]
+    d = Dispatcher.default(b, be, target=target)
+    runs = {r.label: r.schedule.describe() for r in d.routes}
+    for T in range(1, 4097):
+        lo, hi, text = next(p for p in printed if p[0] <= T <= p[1])
+        assert d.route(T).label == f"[{lo},{hi}]", T
+        assert runs[f"[{lo},{hi}]"] == text, (T, text)
+
+
+def test_default_at_outside_the_range_uses_the_last_bucket():
+    b = block(T_max=64)
+    assert default_at(b, TORCH, "cpu", 10_000) == default_plan(b, TORCH, "cpu").buckets[-1].schedule
+    with pytest.raises(IRError):
+        representative_tokens(0, 3)

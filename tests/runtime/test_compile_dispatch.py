@@ -13,14 +13,9 @@ from moetune.codegen.torch._common import GroupedGemmParams
 from moetune.codegen.torch.gathered import GatheredParams
 from moetune.codegen.torch.hybrid import HybridParams
 from moetune.ir import IRError, MoEBlock, Schedule
-from moetune.runtime.default import GEMV_MAX_ROWS, rows_per_active
-from moetune.runtime.dispatch import (
-    REGIME_CUTS,
-    Dispatcher,
-    DispatchWarning,
-    default_buckets,
-    regime_buckets,
-)
+from moetune.passes.pipeline import context
+from moetune.runtime.default import default_buckets
+from moetune.runtime.dispatch import Dispatcher, DispatchWarning
 
 TORCH = get("torch")
 GEMM = Schedule("grouped_gemm", backend="torch", params=GroupedGemmParams("sorted_gemm", "unsort_sum"))
@@ -42,25 +37,13 @@ def covers(ranges, T_max):
     )
 
 
-@pytest.mark.parametrize(
-    "E,k,T_max", [(8, 2, 4096), (16, 4, 256), (128, 8, 4096), (512, 10, 1024), (4, 1, 7)]
-)
-def test_regime_buckets_never_span_a_cut(E, k, T_max):
-    b = block(E=E, k=k, T_max=T_max)
-    ranges = regime_buckets(b)
-    assert covers(ranges, T_max)
-    assert len(ranges) <= len(REGIME_CUTS) + 1
-    for lo, hi in ranges:
-        for c in REGIME_CUTS:
-            assert (rows_per_active(b, lo) >= c) == (rows_per_active(b, hi) >= c), (lo, hi, c)
-
-
-def test_default_buckets_cover_and_separate_one_row_from_many_rows():
+def test_default_buckets_cover_and_never_span_two_regimes():
     b = block(E=128, k=8, T_max=4096)
-    ranges = default_buckets(b)
+    ranges = default_buckets(b, TORCH, "cpu")
     assert covers(ranges, 4096)
+    ctx = context(b, "cpu")
     for lo, hi in ranges:
-        assert not (rows_per_active(b, lo) <= GEMV_MAX_ROWS and rows_per_active(b, hi) >= 16), (lo, hi)
+        assert ctx.regime(lo) == ctx.regime(hi), (lo, hi)
 
 
 def test_route_by_bisect_and_edges():
