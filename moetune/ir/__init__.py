@@ -3,10 +3,12 @@
 from .block import (
     DTYPE_BYTES,
     DTYPES,
+    QUANT_SCHEMES,
     Activation,
     MoEBlock,
     Router,
     SharedExperts,
+    WeightFormat,
     WeightLayout,
     verify,
 )
@@ -25,7 +27,7 @@ from .schedule import (
 from .symbolic import ExpertRows, SymInt
 
 __all__ = [
-    "DTYPES", "DTYPE_BYTES", "Activation", "MoEBlock", "Router", "SharedExperts", "WeightLayout", "verify",
+    "DTYPES", "DTYPE_BYTES", "QUANT_SCHEMES", "WeightFormat", "Activation", "MoEBlock", "Router", "SharedExperts", "WeightLayout", "verify",
     "CacheError", "CaptureError", "IRError", "MoetuneError", "UnsupportedSchedule",
     "SCHEDULE_KINDS", "Bucket", "CandidateSpace", "Refusal", "Roofline", "RoutingStats",
     "Schedule", "ScheduledBlock", "verify_scheduled", "ExpertRows", "SymInt",

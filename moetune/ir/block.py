@@ -18,8 +18,10 @@ from typing import Literal
 from .errors import IRError
 from .symbolic import ExpertRows, SymInt
 
-DTYPES = ("float32", "bfloat16", "float16")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPES = ("float32", "bfloat16", "float16")  # activations, routing weights and unquantised expert weights
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+QUANT_SCHEMES = ("none", "fp8_block")
+SCALE_DTYPES = ("float32", "ue8m0")
 
 ActivationKind = Literal["swiglu", "clamped_swiglu"]
 RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_grouped_topk"]
@@ -133,6 +135,71 @@ class WeightLayout:
 
 
 @dataclass(frozen=True)
+class WeightFormat:
+    """How the expert weights are stored: element dtype, quantisation scheme, and the scale tensors.
+
+    none       gate_up_proj / down_proj hold `dtype` values (float32, bfloat16, float16); no scales
+    fp8_block  they hold float8_e4m3fn values; each expert matrix has one scale per `block` = (rows, cols)
+               tile, stored beside it as `<name>_scale_inv` [E, ⌈out/rows⌉, ⌈in/cols⌉] in `scale_dtype`
+               (float32, or ue8m0: powers of two); weight = value · scale
+
+    `compute_dtype` is what activations and outputs are in (the model's dtype); for unquantised weights
+    it is `dtype`. The signature text of an unquantised format is its dtype alone.
+    """
+
+    dtype: str = "bfloat16"
+    scheme: str = "none"
+    block: tuple[int, int] | None = None
+    scale_dtype: str | None = None
+    compute_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        node = "WeightFormat"
+        if self.scheme not in QUANT_SCHEMES:
+            raise IRError(node, "scheme", self.scheme, f"supported: {', '.join(QUANT_SCHEMES)}")
+        if self.scheme == "none":
+            if self.dtype not in DTYPES:
+                raise IRError(node, "dtype", self.dtype, f"unquantised weights: {', '.join(DTYPES)}")
+            if self.block is not None or self.scale_dtype is not None:
+                raise IRError(node, "block/scale_dtype", (self.block, self.scale_dtype), "unquantised: no scales")
+            if self.compute_dtype not in (None, self.dtype):
+                raise IRError(node, "compute_dtype", self.compute_dtype, f"unquantised: the weights' {self.dtype}")
+            object.__setattr__(self, "compute_dtype", self.dtype)
+            return
+        if self.dtype != "float8_e4m3fn":
+            raise IRError(node, "dtype", self.dtype, "fp8_block weights are float8_e4m3fn")
+        if not (isinstance(self.block, tuple) and len(self.block) == 2 and all(
+                isinstance(b, int) and b > 0 for b in self.block)):
+            raise IRError(node, "block", self.block, "need (rows, cols), positive ints")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise IRError(node, "scale_dtype", self.scale_dtype, f"supported: {', '.join(SCALE_DTYPES)}")
+        if self.compute_dtype is None:
+            object.__setattr__(self, "compute_dtype", "bfloat16")
+        if self.compute_dtype not in DTYPES:
+            raise IRError(node, "compute_dtype", self.compute_dtype, f"supported: {', '.join(DTYPES)}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.scheme != "none"
+
+    def matrix_bytes(self, rows: int, cols: int) -> float:
+        """Bytes of one expert's [rows, cols] weight matrix, its scales included."""
+        b = rows * cols * DTYPE_BYTES[self.dtype]
+        if self.block is not None:
+            br, bc = self.block
+            b += -(-rows // br) * -(-cols // bc) * (4 if self.scale_dtype == "float32" else 1)
+        return b
+
+    def signature(self) -> str:
+        if not self.quantized:
+            return self.dtype
+        return f"{self.dtype}/{self.scheme}{self.block[0]}x{self.block[1]}/{self.scale_dtype}/{self.compute_dtype}"
+
+    def __str__(self) -> str:
+        return self.signature()
+
+
+@dataclass(frozen=True)
 class SharedExperts:
     """Dense experts every token goes through, added to the routed output.
 
@@ -162,12 +229,16 @@ class MoEBlock:
     weight_application: WeightApplication = "output"
     shared: SharedExperts | None = None
     layout: WeightLayout = field(default_factory=WeightLayout)
-    weight_dtype: str = "bfloat16"
+    weight_dtype: str = "bfloat16"  # the stored element dtype (weight_format.dtype)
     routing_weight_dtype: str = "bfloat16"
     T_max: int = 4096
     name: str = ""  # where it came from (a preset name or a module path); not part of the signature
+    weight_format: WeightFormat | None = None  # None: unquantised `weight_dtype` weights
 
     def __post_init__(self) -> None:
+        fmt = self.weight_format
+        if (fmt is None or not fmt.quantized) and self.weight_dtype in DTYPES:  # derived from weight_dtype
+            object.__setattr__(self, "weight_format", WeightFormat(self.weight_dtype))
         verify(self)
 
     # symbolic shapes
@@ -184,10 +255,11 @@ class MoEBlock:
 
     # sizes
     @property
-    def weight_bytes_per_expert(self) -> int:
-        b = 3 * self.D * self.F * DTYPE_BYTES[self.weight_dtype]
+    def weight_bytes_per_expert(self) -> float:
+        fmt = self.weight_format
+        b = fmt.matrix_bytes(2 * self.F, self.D) + fmt.matrix_bytes(self.D, self.F)
         if self.layout.has_bias:
-            b += (2 * self.F + self.D) * DTYPE_BYTES[self.weight_dtype]
+            b += (2 * self.F + self.D) * DTYPE_BYTES[fmt.compute_dtype]
         return b
 
     def signature(self) -> str:
@@ -196,7 +268,7 @@ class MoEBlock:
         act_s = act.kind if act.kind == "swiglu" else f"{act.kind}:{act.alpha!r}:{act.limit!r}"
         return (f"moe/v1 E={self.E} k={self.k} D={self.D} F={self.F} act={act_s} "
                 f"apply={self.weight_application} layout={self.layout} "
-                f"w={self.weight_dtype} rw={self.routing_weight_dtype}")
+                f"w={self.weight_format.signature()} rw={self.routing_weight_dtype}")
 
     def signature_hash(self) -> str:
         return hashlib.sha256(self.signature().encode()).hexdigest()[:16]
@@ -208,7 +280,7 @@ class MoEBlock:
             f"  activation: {self.activation}",
             f"  router: {self.router}  (routing weights {self.routing_weight_dtype}, "
             f"applied to the expert {self.weight_application})",
-            f"  weights: {self.weight_dtype}, layout {self.layout}  "
+            f"  weights: {self.weight_format}, layout {self.layout}  "
             f"gate_up {list(self.layout.gate_up_shape(self.E, self.D, self.F))} "
             f"down {list(self.layout.down_shape(self.E, self.D, self.F))}",
         ]
@@ -234,10 +306,14 @@ def verify(block: MoEBlock) -> MoEBlock:
         if block.k > r.topk_group * (block.E // r.n_group):
             raise IRError(node, "router.topk_group", r.topk_group,
                           f"keeps {r.topk_group * (block.E // r.n_group)} experts, fewer than k = {block.k}")
-    for f_name in ("weight_dtype", "routing_weight_dtype"):
-        v = getattr(block, f_name)
-        if v not in DTYPES:
-            raise IRError(node, f_name, v, f"supported: {', '.join(DTYPES)}")
+    if block.routing_weight_dtype not in DTYPES:
+        raise IRError(node, "routing_weight_dtype", block.routing_weight_dtype, f"supported: {', '.join(DTYPES)}")
+    fmt = block.weight_format
+    if not isinstance(fmt, WeightFormat):
+        raise IRError(node, "weight_dtype", block.weight_dtype,
+                      f"unquantised weights: {', '.join(DTYPES)}; other formats need a WeightFormat")
+    if fmt.dtype != block.weight_dtype:
+        raise IRError(node, "weight_dtype", block.weight_dtype, f"weight_format stores {fmt.dtype}")
     if block.weight_application not in ("output", "input"):
         raise IRError(node, "weight_application", block.weight_application, "must be 'output' or 'input'")
     if not isinstance(block.activation, Activation):

@@ -9,7 +9,7 @@ streaming GEMV, which does its multiply-adds there.
 Floor of one call of the routed experts at T tokens (the router and the shared experts are not part
 of it: they run outside transformers' experts hook, and gpu.md times the routed experts alone):
 
-    bytes = distinct_experts · 3·D·F · bytes_per_weight        (every selected expert read once)
+    bytes = distinct_experts · weight_bytes_per_expert         (every selected expert read once, scales too)
           + 2 · T·D · bytes_per_activation                     (x in, y out)
           + T·k · (8 + bytes_per_routing_weight)               (int64 ids, routing weights)
     flops = 2 · 3 · T·k · D·F
@@ -118,7 +118,7 @@ def floor(block: MoEBlock, target: str | Target, tokens: int, stats: RoutingStat
     elif stats.tokens != tokens:
         raise IRError("floor", "stats.tokens", stats.tokens,
                       f"stats are for another token count than {tokens}")
-    act = DTYPE_BYTES[block.weight_dtype]
+    act = DTYPE_BYTES[block.weight_format.compute_dtype]
     nbytes = (stats.distinct_experts * block.weight_bytes_per_expert
               + 2 * tokens * block.D * act
               + tokens * block.k * (ROUTING_ID_BYTES + DTYPE_BYTES[block.routing_weight_dtype]))

@@ -172,3 +172,28 @@ def test_expert_tensors_shape_check_names_tensor():
     w = ExpertTensors(torch.zeros(8, 64, 80), torch.zeros(8, 64, 40))
     with pytest.raises(IRError, match="gate_up"):
         w.check(b)
+
+
+def test_weight_format_seam():
+    """The block names its weight format; unquantised formats keep the signature they always had and a
+    quantised one is a different dispatch key with its scales counted in the bytes."""
+    from moetune.ir import WeightFormat
+
+    b = MoEBlock(E=8, k=2, D=256, F=128)
+    assert b.weight_format == WeightFormat("bfloat16") and not b.weight_format.quantized
+    assert "w=bfloat16 " in b.signature()
+    assert b.replace(weight_dtype="float32").weight_format.dtype == "float32"
+    fmt = WeightFormat("float8_e4m3fn", "fp8_block", (128, 128), "float32")
+    q = MoEBlock(E=8, k=2, D=256, F=128, weight_dtype="float8_e4m3fn", weight_format=fmt)
+    assert q.signature_hash() != b.signature_hash()
+    assert fmt.compute_dtype == "bfloat16"
+    scales = 4 * (2 * 1 * 2 + 2 * 1)  # gate_up [256, 256] → 2×2 blocks, down [256, 128] → 2×1, fp32 each
+    assert q.weight_bytes_per_expert == 3 * 256 * 128 + scales
+    with pytest.raises(IRError, match="weight_format stores float8_e4m3fn"):
+        MoEBlock(E=8, k=2, D=256, F=128, weight_format=fmt)
+    with pytest.raises(IRError, match="fp8_block weights are float8_e4m3fn"):
+        WeightFormat("bfloat16", "fp8_block", (128, 128), "float32")
+    with pytest.raises(IRError, match="need \\(rows, cols\\)"):
+        WeightFormat("float8_e4m3fn", "fp8_block", (128,), "float32")
+    with pytest.raises(IRError, match="supported: float32, ue8m0"):
+        WeightFormat("float8_e4m3fn", "fp8_block", (128, 128), "float16")
