@@ -1,9 +1,8 @@
 """The target description table and the roofline floor of an MoE expert block.
 
 One row per hardware target. `bandwidth` and `peak_flops` are the figures floors are quoted at
-(the datasheet where there is one, ../shared/notes/gpu.md: "quote the floor at the datasheet
-figures"); `measured_*` are the ceilings measured on the machine, kept beside them and never mixed
-in. `vector_flops` is the non-matrix-unit rate (fp32 CUDA cores on a GPU): the limit of a
+(the datasheet where there is one); `measured_*` are the ceilings measured on the machine
+(bench/README.md says how), kept beside them and never mixed in. `vector_flops` is the non-matrix-unit rate (fp32 CUDA cores on a GPU): the limit of a
 streaming GEMV, which does its multiply-adds there.
 
 Floor of one call of the routed experts at T tokens (the router and the shared experts are not part
@@ -71,9 +70,8 @@ TARGETS: dict[str, Target] = {
     for t in (
         Target("h200", "gpu", bandwidth=4.8e12, peak_flops=989e12, vector_flops=67e12,
                measured_bandwidth=4.28e12, measured_flops=750e12, memory_bytes=141e9,
-               source="NVIDIA H200 SXM datasheet (bf16 dense, fp32 67 TFLOP/s as H100 SXM); measured "
-                      "2026-11-29: HBM read 4.28-4.44 TB/s (Triton, 4 GiB), bf16 matmul 8192^3 "
-                      "750-800 TFLOP/s (../shared/notes/gpu.md, low ends kept)"),
+               source="NVIDIA H200 SXM datasheet (bf16 dense; fp32 as H100 SXM); measured: HBM read with "
+                      "Triton over 4 GiB, bf16 matmul 8192^3 (the low ends of repeated runs)"),
         Target("tpu-v5e", "tpu", bandwidth=819e9, peak_flops=197e12, memory_bytes=16 * 2**30,
                source="Google Cloud TPU v5e docs: 197 TFLOP/s bf16, 819 GB/s HBM, 16 GiB; not measured"),
         Target("tpu-v6e", "tpu", bandwidth=1640e9, peak_flops=918e12, memory_bytes=32 * 2**30,
@@ -82,12 +80,11 @@ TARGETS: dict[str, Target] = {
         Target("tpu-v7", "tpu", bandwidth=7.37e12, peak_flops=2307e12, memory_bytes=192 * 2**30,
                source="Google Cloud TPU7x (Ironwood) docs: 2307 TFLOP/s bf16 (4614 fp8), 7.37 TB/s "
                       "HBM, 192 GiB; not measured"),
-        # No datasheet figures: the floor uses the measured ones (python -m moetune.passes.measure_cpu,
-        # 2026-11-29, 2-core Intel Xeon CI machine, best of three runs: stream add 6.3 / 7.2 / 9.3 GB/s,
-        # fp32 mm 2048^3 179 / 245 / 225 GFLOP/s with 2 threads; shared machine, noisy).
+        # No datasheet figures: the floor uses the measured ones (python -m moetune.passes.measure_cpu on
+        # the 2-core CI machine, best of three runs; a shared machine, noisy).
         Target("cpu", "cpu", bandwidth=9.28e9, peak_flops=244.5e9, measured_bandwidth=9.28e9,
                measured_flops=244.5e9,
-               source="measured 2026-11-29 on the 2-core CI machine by moetune.passes.measure_cpu "
+               source="measured on the 2-core CI machine by moetune.passes.measure_cpu "
                       "(numpy stream add, torch fp32 mm); no datasheet"),
     )
 }

@@ -3,10 +3,9 @@
 Worth trying everywhere on a GPU target; elsewhere (CPU, TPU) unless the whole bucket lies in the
 one-row regime, where a tile of ≥ 16 rows holds one real row per expert and the padding rows cost
 real matrix-unit (or core) time. On a GPU the one-row regime is bandwidth-bound and a 16-row
-tensor-core tile streams the weights as fast as a GEMV: measured on the H200 (bench/results, session
-5), the 16-row grouped GEMM beat the best GEMV by 1–5 % at deepseek-v3 T = 8 and 16 and
-qwen3.5-397b-a17b T = 8 and 16, all one-row buckets, so the tuner must be allowed to find it there.
-Judged at the bucket's largest T, so a bucket that reaches the mixed regime keeps it.
+tensor-core tile streams the weights as fast as a GEMV (on large experts it can be the faster of the
+two), so the tuner must be allowed to find it there. Judged at the bucket's largest T, so a bucket
+that reaches the mixed regime keeps it.
 """
 
 from __future__ import annotations
