@@ -109,6 +109,14 @@ def writable_file(path: str, name: str) -> Path:
     return p
 
 
+def model_folder(path: str) -> Path:
+    """The config.json of the model folder `path` (--model-dir)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"--model-dir {path!r}: does not exist; expected a model folder holding config.json")
+    return existing_file(str(folder / "config.json"), "--model-dir", "a model folder holding config.json")
+
+
 def source_config(args: argparse.Namespace) -> tuple[dict, str]:
     """(config dict, its name) for --preset, --config or --model-dir."""
     from ..ir.config import load_config
@@ -118,12 +126,8 @@ def source_config(args: argparse.Namespace) -> tuple[dict, str]:
         preset(args.preset)  # an unknown name raises, listing the presets
         return PRESETS[args.preset], args.preset
     if getattr(args, "model_dir", None):
-        folder = Path(args.model_dir)
-        if not folder.is_dir():
-            raise ConfigError(f"--model-dir {args.model_dir!r}: does not exist; "
-                              "expected a model folder holding config.json")
-        existing_file(str(folder / "config.json"), "--model-dir", "a model folder holding config.json")
-        return load_config(folder), str(folder / "config.json")
+        config = model_folder(args.model_dir)
+        return load_config(config), str(config)
     existing_file(args.config, "--config", "a HuggingFace config.json")
     return load_config(args.config), str(args.config)
 

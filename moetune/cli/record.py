@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from ..ir import ConfigError
-from .common import existing_file, tiny_model, whole, writable_file
+from .common import existing_file, model_folder, tiny_model, whole, writable_file
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -84,8 +84,7 @@ def run(args: argparse.Namespace) -> int:
         inputs = torch.randint(0, model.config.vocab_size, (4, 8), generator=g)  # [B, S]
         label = f"tiny:{args.tiny}"
     else:
-        existing_file(str(Path(args.model_dir) / "config.json"), "--model-dir",
-                      "a HuggingFace model folder holding config.json")
+        model_folder(args.model_dir)
         enc = None
         if args.prompts:
             prompts = _prompts(args.prompts)
