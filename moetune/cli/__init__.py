@@ -29,6 +29,13 @@ class Parser(argparse.ArgumentParser):
         where = f"{words[-1]}: " if len(words) > 1 else ""
         raise UsageError(f"moetune: {where}{' '.join(message.split())}")
 
+    def parse_args(self, args=None, namespace=None):
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:  # left over by a subcommand: name it
+            where = f"{ns.command}: " if getattr(ns, "command", None) else ""
+            raise UsageError(f"moetune: {where}unrecognized arguments: {' '.join(extra)}")
+        return ns
+
 
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="moetune", description=__doc__.splitlines()[0])
