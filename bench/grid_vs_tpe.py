@@ -1,4 +1,4 @@
-"""Issue 5's two remaining checks, runnable on a CPU (torch backend) and on a GPU (triton backend).
+"""TPE against an exhaustive grid, and workers sharing one study: on a CPU (torch backend) or a GPU (triton).
 
 grid mode: on three buckets, the TPE winner against an exhaustive grid over the SAME space, a
 deterministic sub-grid of ≤ --space-cap points per bucket around the default heuristic
