@@ -1,4 +1,4 @@
-"""Issue 5's two remaining checks, runnable on a CPU (torch backend) and on a GPU (triton backend).
+"""TPE against an exhaustive grid, and workers sharing one study: on a CPU (torch backend) or a GPU (triton).
 
 grid mode: on three buckets, the TPE winner against an exhaustive grid over the SAME space, a
 deterministic sub-grid of ≤ --space-cap points per bucket around the default heuristic
@@ -86,11 +86,12 @@ def _setup(a):
     """(block, backend name, device, target)."""
     import torch
 
-    from moetune.search.cli import _default_backend, _default_target, tiny_block
+    from moetune.cli.common import tiny_block
+    from moetune.cli.tune import default_backend, default_target
 
-    backend = a.backend or _default_backend()
+    backend = a.backend or default_backend()
     device = "cuda" if backend != "torch" and torch.cuda.is_available() else "cpu"  # cpu: TRITON_INTERPRET
-    target = a.target or _default_target(device)
+    target = a.target or default_target(device)
     if a.tiny:
         block = tiny_block(a.tiny)
     else:
@@ -101,7 +102,7 @@ def _setup(a):
 
 
 def _tokens(a) -> tuple[tuple[int, int], list[int]]:
-    from moetune.search.cli import parse_tokens
+    from moetune.cli.common import parse_tokens
 
     return parse_tokens(a.tokens), [int(t) for t in a.at.split(",") if t.strip()]
 
@@ -404,8 +405,8 @@ def _bucket_of(study_name: str) -> tuple[int, int]:
 def multi_worker(a) -> dict:
     import optuna
 
+    from moetune.cli.common import parse_duration
     from moetune.runtime.table import DispatchTable
-    from moetune.search.cli import parse_budget
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -445,7 +446,7 @@ def multi_worker(a) -> dict:
                     [*cmd, "--seed", str(i + 1)], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT)
                 )
             )
-    limit = a.start_s + parse_budget(a.worker_budget) + 10
+    limit = a.start_s + parse_duration(a.worker_budget, "--worker-budget") + 10
     rcs = []
     for p in procs:
         try:

@@ -12,7 +12,15 @@ from .block import (
     WeightLayout,
     verify,
 )
-from .errors import CacheError, CaptureError, IRError, MoetuneError, UnsupportedSchedule
+from .errors import (
+    CacheError,
+    CaptureError,
+    ConfigError,
+    IRError,
+    MoetuneError,
+    TunerUnavailable,
+    UnsupportedSchedule,
+)
 from .schedule import (
     SCHEDULE_KINDS,
     Bucket,
@@ -27,8 +35,10 @@ from .schedule import (
 from .symbolic import ExpertRows, SymInt
 
 __all__ = [
-    "DTYPES", "DTYPE_BYTES", "QUANT_SCHEMES", "WeightFormat", "Activation", "MoEBlock", "Router", "SharedExperts", "WeightLayout", "verify",
-    "CacheError", "CaptureError", "IRError", "MoetuneError", "UnsupportedSchedule",
+    "DTYPES", "DTYPE_BYTES", "QUANT_SCHEMES", "Activation", "MoEBlock", "Router", "SharedExperts", "WeightFormat",
+    "WeightLayout", "verify",
+    "CacheError", "CaptureError", "ConfigError", "IRError", "MoetuneError", "TunerUnavailable",
+    "UnsupportedSchedule",
     "SCHEDULE_KINDS", "Bucket", "CandidateSpace", "Refusal", "Roofline", "RoutingStats",
     "Schedule", "ScheduledBlock", "verify_scheduled", "ExpertRows", "SymInt",
 ]

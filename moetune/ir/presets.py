@@ -2,13 +2,10 @@
 
 Each preset goes through `block_from_config`, so a preset and the model's own config.json give
 the same MoEBlock. Weights are bfloat16 as published. qwen3.5-397b-a17b: E and k as published,
-D = 4096 and F = 1024 assumed (as in the GPU notes), shared expert size = F assumed, layer count
-left out.
+D = 4096 and F = 1024 assumed, shared expert size = F assumed, layer count left out.
 """
 
 from __future__ import annotations
-
-import argparse
 
 from .block import MoEBlock
 from .config import block_from_config
@@ -91,9 +88,3 @@ def table() -> list[str]:
 
     return ["  ".join(cell(i, c) for i, c in enumerate(r)).rstrip() for r in rows]
 
-
-def run(args: argparse.Namespace) -> int:
-    print("\n".join(table()))
-    print("\nexpert bytes: 3·D·F weights (+ biases) of one expert in the preset's dtype; "
-          "`moetune explain --preset NAME` prints a block")
-    return 0

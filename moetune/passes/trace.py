@@ -20,9 +20,6 @@ pre-hooks on the hooked experts modules that moetune.ir.capture finds (captured 
 routing ids are valid either way; without capture, the modules with the `has_gate`/`is_transposed`
 attributes that transformers' experts hook sets), which see
 `(hidden_states [T, D], top_k_index [T, k], top_k_weights [T, k])`.
-
-`moetune record --tiny FAMILY` builds a tiny random transformers model with `moetune.tiny` (a demo
-and test aid).
 """
 
 from __future__ import annotations
@@ -251,52 +248,3 @@ def synthetic_trace(E: int, k: int, tokens: int = 4096, layers: int = 1, zipf: f
                  ids=np.stack(out), meta={"source": "synthetic", "zipf": zipf, "seed": seed},
                  name=f"synthetic(E={E}, k={k}, zipf={zipf:g})")
 
-
-# ---------------------------------------------------------------- CLI
-
-
-def tiny_model(family: str):
-    """A tiny random model of `family` from moetune.tiny."""
-    from ..tiny import FAMILIES, build
-
-    if family not in FAMILIES:
-        raise TraceError(f"--tiny {family}: unknown family; known: {', '.join(FAMILIES)}")
-    return build(family)
-
-
-def run(args) -> int:
-    import torch
-
-    if bool(args.tiny) == bool(args.model_dir):
-        raise TraceError("moetune record: give exactly one of --model-dir or --tiny")
-    mask = None
-    if args.tiny:
-        model = tiny_model(args.tiny)
-        if args.prompts:
-            raise TraceError("--prompts needs a tokenizer: use --model-dir (a --tiny model has none)")
-        g = torch.Generator().manual_seed(0)
-        inputs = torch.randint(0, model.config.vocab_size, (4, 8), generator=g)  # [B, S]
-        label = f"tiny:{args.tiny}"
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
-        label = str(args.model_dir)
-        if args.prompts:
-            prompts = [ln.strip() for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
-            if not prompts:
-                raise TraceError(f"--prompts {args.prompts}: no non-empty line")
-            tok = AutoTokenizer.from_pretrained(args.model_dir, padding_side="left")
-            if tok.pad_token is None:
-                tok.pad_token = tok.eos_token
-            enc = tok(prompts, return_tensors="pt", padding=True)
-            inputs, mask = enc["input_ids"], enc["attention_mask"]  # [B, S]
-        else:
-            g = torch.Generator().manual_seed(0)
-            inputs = torch.randint(0, model.config.vocab_size, (4, 16), generator=g)  # [B, S]
-    trace = record(model, inputs, steps=args.steps, attention_mask=mask, name=label)
-    trace.meta["source"] = label
-    path = trace.save(args.output)
-    print(f"wrote {path}: {len(trace.layers)} MoE layers, E={trace.E} k={trace.k}, "
-          f"{trace.steps} steps, {trace.tokens} tokens")
-    return 0

@@ -25,6 +25,16 @@ def pass_target(target: str) -> str:
     return "cpu" if target == "cpu" else "h200"
 
 
+def backend_for(target: str):
+    """The backend a compiled model runs on `target` by default: triton on a GPU, torch on a CPU; None
+    for a target no backend here runs (the passes then stay backend-neutral)."""
+    from ..codegen.backend import get
+    from ..passes.targets import get_target
+
+    kind = get_target(pass_target(target)).kind
+    return get("triton") if kind == "gpu" else get("torch") if kind == "cpu" else None
+
+
 @functools.lru_cache(maxsize=256)
 def default_plan(block: MoEBlock, backend, target: str) -> ScheduledBlock:
     """The final IR of the pass pipeline for `block` on `target` with `backend`'s defaults."""

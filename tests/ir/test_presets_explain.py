@@ -1,12 +1,9 @@
-"""Presets, `moetune.explain` and the `explain` / `presets` commands."""
+"""Presets and `moetune.explain`."""
 
-import json
 
 import pytest
-import tiny_models as tm
 
 import moetune
-from moetune.cli import main
 from moetune.ir import CaptureError, verify
 from moetune.ir.presets import PRESETS, preset
 
@@ -72,53 +69,9 @@ def test_explain_prints_reasons(tiny, capsys):
     assert moetune.capture(tiny("llama4", "float32"))[0].reason == found[0].reason
 
 
-def test_cli_presets(capsys):
-    assert main(["presets"]) == 0
-    out = capsys.readouterr().out
-    for name, (E, k, D, F, kind, _) in PUBLISHED.items():
-        line = next(ln for ln in out.splitlines() if ln.startswith(name + " "))
-        assert line.split()[1:5] == [str(E), str(k), str(D), str(F)] and kind in line
-    assert "MiB" in out
 
 
-def test_cli_explain_preset(capsys):
-    assert main(["explain", "--preset", "qwen3-30b-a3b"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(str(preset("qwen3-30b-a3b")))
-    assert "MoE layers: 48 of 48 (0-47)" in out
-    assert main(["explain", "--preset", "deepseek-v3"]) == 0
-    assert "MoE layers: 58 of 61 (3-60)" in capsys.readouterr().out
-    assert main(["explain", "--preset", "nope"]) == 2
-    assert "unknown preset 'nope'" in capsys.readouterr().err
 
-
-def test_cli_explain_config_and_model_dir(tiny, tmp_path, capsys):
-    model = tiny("deepseek_v3", "bfloat16")
-    (tmp_path / "config.json").write_text(json.dumps(model.config.to_dict()))
-    assert main(["explain", "--config", str(tmp_path / "config.json"), "--tokens", "1-256"]) == 0
-    out = capsys.readouterr().out
-    assert "E=16 k=4 D=64 F=40  T∈[1,256]" in out and "sigmoid_grouped_topk" in out
-    assert main(["explain", "--model-dir", str(tmp_path)]) == 0
-    assert "E=16 k=4 D=64 F=40" in capsys.readouterr().out
-    assert main(["explain", "--model-dir", str(tmp_path / "missing")]) == 2
-    assert "does not exist" in capsys.readouterr().err
-
-
-def test_cli_explain_bad_config(tmp_path, capsys):
-    cfg = json.loads(json.dumps(tm.FAMILIES["qwen3_moe"]()[1].to_dict()))
-    cfg["hidden_act"] = "relu"
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    assert main(["explain", "--config", str(tmp_path / "config.json")]) == 2
-    err = capsys.readouterr().err
-    assert "config.json" in err and "hidden_act" in err and "relu" in err
-
-
-def test_cli_explain_passes(capsys):
-    assert main(["explain", "--preset", "olmoe-1b-7b", "--passes", "--tokens", "1-64"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(str(preset("olmoe-1b-7b").replace(T_max=64)))
-    assert "== after" in out or "not part of this build yet" in out
-    assert "ScheduledBlock(" not in out  # pass results are formatted, not dumped as reprs
 
 
 def test_format_scheduled_block():
@@ -139,13 +92,3 @@ def test_format_scheduled_block():
     assert "refused grouped_gemm: one row per expert" in text and "hybrid(R∈[4, 8])" in text
     assert "schedule: hybrid(R=4)" in text
     assert format_ir(block) == str(block)
-
-
-def test_cli_explain_notes_quantized_checkpoint(tmp_path, capsys):
-    from moetune.ir.presets import PRESETS
-
-    cfg = {**PRESETS["deepseek-v3"], "quantization_config": {"quant_method": "fp8"}}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    assert main(["explain", "--model-dir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "quantized (quant_method 'fp8')" in out and "bfloat16 block" in out

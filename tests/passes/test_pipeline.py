@@ -71,16 +71,3 @@ def test_presets_run_through_the_pipeline():
         assert (block.E, block.k, block.D, block.F) == GPU_SHAPES[name]
         sb = schedule_block(block, tokens=(1, 1024))
         assert isinstance(sb, ScheduledBlock) and verify_scheduled(sb, final=True)
-
-
-def test_explain_cli_reads_a_trace(tmp_path, capsys):
-    from moetune.cli import main
-
-    good = synthetic_trace(128, 8, tokens=3000, zipf=1.0).save(tmp_path / "z.npz")
-    assert main(["explain", "--preset", "qwen3-30b-a3b", "--passes", "--trace", str(good),
-                 "--tokens", "1-64"]) == 0
-    assert f"trace:{good}" in capsys.readouterr().out
-    bad = tmp_path / "cut.npz"
-    bad.write_bytes(good.read_bytes()[:200])
-    assert main(["explain", "--preset", "qwen3-30b-a3b", "--passes", "--trace", str(bad)]) == 2
-    assert str(bad) in capsys.readouterr().err

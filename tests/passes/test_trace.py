@@ -6,7 +6,6 @@ import zipfile
 import numpy as np
 import pytest
 
-from moetune.cli import main
 from moetune.passes.stats import from_trace
 from moetune.passes.trace import Trace, TraceError, record, synthetic_trace
 
@@ -127,23 +126,3 @@ def test_record_tiny_qwen3_moe_feeds_the_stats_model(tmp_path):
     assert 3 <= st.distinct_experts <= 12 and st.source.startswith("trace:")
     assert from_trace(back, phase="decode").distinct(3) > 0
 
-
-def test_record_cli(tmp_path, capsys):
-    pytest.importorskip("tiny_models")
-    out = tmp_path / "cli.npz"
-    assert main(["record", "--tiny", "qwen3_moe", "--steps", "2", "-o", str(out)]) == 0
-    assert "2 MoE layers, E=16 k=4, 3 steps" in capsys.readouterr().out
-    assert Trace.load(out).steps == 3
-    assert main(["record", "--tiny", "llama4", "-o", str(tmp_path / "x.npz")]) == 2
-    assert "no hooked MoE experts module" in capsys.readouterr().err
-
-
-def test_record_cli_model_dir(tmp_path, capsys):
-    tiny_models = pytest.importorskip("tiny_models")
-    tiny_models.build("mixtral").save_pretrained(tmp_path / "m")
-    out = tmp_path / "m.npz"
-    assert main(["record", "--model-dir", str(tmp_path / "m"), "--steps", "1", "-o", str(out)]) == 0
-    tr = Trace.load(out)
-    assert (tr.E, tr.k, len(tr.layers)) == (8, 2, 2) and tr.step_tokens.tolist() == [64, 4]
-    assert main(["record", "--tiny", "mixtral", "--model-dir", str(tmp_path / "m"), "-o", str(out)]) == 2
-    assert "exactly one of --model-dir or --tiny" in capsys.readouterr().err

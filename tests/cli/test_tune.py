@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
 import torch
 
 from moetune.cli import main as cli_main
+from moetune.cli.common import parse_duration, parse_tokens, tiny_block
 from moetune.runtime.table import CacheWarning, DispatchTable, load_entries
-from moetune.search.cli import parse_budget, parse_tokens, tiny_block
 
 FAMILY = "qwen3_moe"
 
@@ -89,15 +90,33 @@ def test_at_tokens_retunes_only_the_buckets_holding_them(tuned, capsys, tmp_path
     progress = [ln for ln in out.splitlines() if "] bucket [" in ln]
     assert len(progress) == 1 and f"bucket [{hit[0]},{hit[1]}]" in progress[0]  # current, yet re-tuned
     assert "kept:" not in progress[0]
-    with pytest.raises(SystemExit, match="every count must lie in"):
-        cli_main(["tune", "--tiny", FAMILY, "--tokens", "1-8", "--cache", str(copy), "--at-tokens", "9"])
 
 
-def test_show_lists_the_tuned_table(tuned, capsys):
+def test_show_lists_the_tuned_table_with_every_parameter_whole(tuned, capsys):
     _, _, path = tuned
     assert cli_main(["show", str(path)]) == 0
     out = capsys.readouterr().out
     assert "target cpu  backend torch" in out and "% floor" in out
+    with DispatchTable(path, create=False) as t:
+        entries = t.entries()
+    lines = out.splitlines()
+    for e in entries:
+        i = next(i for i, ln in enumerate(lines) if ln.strip().startswith(f"[{e.bucket_lo},{e.bucket_hi}]"))
+        assert e.kind in lines[i]
+        params = json.loads(e.params)
+        assert lines[i + 1].strip() == ", ".join(f"{k}={v}" for k, v in params.items())
+
+
+def test_the_final_table_prints_every_winner_parameter_whole(tuned):
+    _, out, _ = tuned
+    lines = out.splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.strip().startswith("bucket"))
+    rows = [i for i, ln in enumerate(lines) if i > header and ln.strip().startswith("[")]
+    winners = [ln.split(": ", 1)[1] for ln in lines if ln.strip().startswith("winner ")]
+    params = [lines[i + 1].strip() for i in rows]
+    assert all(p and "=" in p and not p.startswith("[") for p in params)
+    for w in winners:  # the progress lines' full schedules: each one's parameters appear whole in the table
+        assert w.split(" [", 1)[1].rstrip("]") in params
 
 
 def test_a_compiled_tiny_model_with_the_tuned_table_gives_the_same_logits(tuned):
@@ -175,14 +194,6 @@ def test_parse_tokens(text, want):
     assert parse_tokens(text) == want
 
 
-@pytest.mark.parametrize("text,want", [("90s", 90), ("10m", 600), ("1.5h", 5400), ("45", 45)])
-def test_parse_budget(text, want):
-    assert parse_budget(text) == want
-
-
-@pytest.mark.parametrize("argv", [["tune", "--tokens", "8-1", "--tiny", FAMILY], ["tune", "--budget", "soon",
-                                                                                  "--tiny", FAMILY],
-                                  ["tune"], ["tune", "--tiny", FAMILY, "--preset", "qwen3-30b-a3b"]])
-def test_bad_arguments_are_errors_not_tracebacks(argv, capsys):
-    assert cli_main(argv) == 2
-    assert "moetune tune:" in capsys.readouterr().err
+@pytest.mark.parametrize("text,want", [("90s", 90), ("10m", 600), ("1.5h", 5400), ("45", 45), ("2min", 120)])
+def test_parse_duration(text, want):
+    assert parse_duration(text, "--budget") == want

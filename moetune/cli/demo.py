@@ -9,38 +9,45 @@
 
 from __future__ import annotations
 
+import argparse
 import time
-from pathlib import Path
+
+from .common import parse_duration, tiny_model, writable_file
 
 
-def run(args) -> int:
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("demo", help="the main job: tune a CPU table, compile a tiny model with it, compare")
+    p.add_argument("--family", default="qwen3_moe", help="tiny transformers family (see moetune.tiny)")
+    p.add_argument("--budget", default="60s", help="tuning budget for the CPU table, e.g. 90s, 10m")
+    p.add_argument("--cache", default=None, help="dispatch table to write (default: cache/cpu-demo.sqlite)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
     import torch
 
-    from . import compile as moetune_compile
-    from . import explain, uncompile
-    from .cli import main as cli_main
-    from .runtime.compiled import describe
-    from .tiny import FAMILIES, VOCAB, build
+    from .. import compile as moetune_compile
+    from .. import explain, uncompile
+    from ..runtime.compiled import describe
+    from ..tiny import VOCAB
+    from . import main
 
-    if args.family not in FAMILIES:
-        print(f"moetune demo: unknown family {args.family!r}; families: {', '.join(FAMILIES)}")
-        return 2
-    torch.manual_seed(0)
-    cache = Path(args.cache or "cache/cpu-demo.sqlite")
-    cache.parent.mkdir(parents=True, exist_ok=True)
+    parse_duration(args.budget, "--budget")
+    cache = writable_file(args.cache or "cache/cpu-demo.sqlite", "--cache")
     t0 = time.monotonic()
+    model = tiny_model(args.family, name="--family")
+    torch.manual_seed(0)
 
     versions = f"transformers {_version('transformers')}, torch {torch.__version__}"
     print(f"== 1. capture: tiny {args.family} ({versions})")
-    model = build(args.family)
     captured = explain(model)
     if not any(c.block is not None for c in captured):
         print("no MoE block captured: nothing to tune")
         return 1
 
     print(f"\n== 2. tune the CPU dispatch table → {cache} (budget {args.budget})")
-    rc = cli_main(["tune", "--tiny", args.family, "--tokens", "1-4096", "--budget", args.budget,
-                   "--cache", str(cache), "--backend", "torch"])
+    rc = main(["tune", "--tiny", args.family, "--tokens", "1-4096", "--budget", args.budget,
+               "--cache", str(cache), "--backend", "torch"])
     if rc not in (0, 1):
         return rc
 

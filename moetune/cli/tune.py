@@ -1,0 +1,272 @@
+"""`moetune tune`: tune a block's dispatch table on this machine and print the per-bucket table.
+
+    moetune tune --preset NAME | --config FILE | --model-dir DIR | --tiny FAMILY
+                 [--tokens 1-1024] [--trace FILE] [--budget 10m] [--cache PATH] [--storage URL]
+                 [--backend torch|triton] [--target NAME] [--dtype D] [--strict] [--keep-going]
+                 [--exhaustive] [--space-cap N] [--time-limit D] [--resume | --revalidate]
+                 [--at-tokens N,N] [--no-edge-timing] [--no-split] [--no-local-search]
+
+One line per bucket while it tunes, then a table: bucket, winner, time, floor, % of floor, vs the
+default heuristic, vs transformers' baseline; the device is named. Winners go to `--cache`
+(default cache/<target>.sqlite; cache/<target>-tiny.sqlite for --tiny), replacing only slower entries.
+`--exhaustive` times every point of each bucket's space (to check the TPE winner against a grid).
+`--space-cap N` tunes each bucket over a deterministic sub-grid of at most N points around the default
+heuristic (search.space.cap_space), the same for TPE and `--exhaustive`, so that a grid stays in reach.
+
+Every flag, the backend's availability here and the table file are checked before tuning starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import time
+
+from ..ir import DTYPES, ConfigError, IRError, Schedule, TunerUnavailable, UnsupportedSchedule
+from .common import (
+    add_source,
+    existing_file,
+    parse_counts,
+    parse_duration,
+    parse_tokens,
+    source_block,
+    whole,
+    writable_file,
+)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("tune", help="tune a dispatch table for a preset or config on this machine")
+    add_source(p, tiny=True)
+    p.add_argument("--tokens", default="1-1024", help="token range LO-HI to tune")
+    p.add_argument("--trace", help="a routing trace from `moetune record` (default: uniform routing)")
+    p.add_argument("--budget", default="10m",
+                   help="search budget shared by the buckets, e.g. 90s, 10m; every bucket still times "
+                        "its default and a first batch of candidates, so a budget below ~10 s per bucket "
+                        "is exceeded")
+    p.add_argument("--cache", default=None, help="dispatch table file (default: cache/<target>.sqlite)")
+    p.add_argument("--storage", default=None, help="Optuna storage URL or journal file shared by workers")
+    p.add_argument("--backend", default=None, help="torch | triton (default: the best available here)")
+    p.add_argument("--dtype", default=None, choices=DTYPES, help="weight dtype (default: the preset's)")
+    p.add_argument("--target", default=None, help="target for the floors (default: cpu, or the GPU's)")
+    p.add_argument("--strict", action="store_true", help="re-raise every candidate failure")
+    p.add_argument("--keep-going", action="store_true",
+                   help="score unknown candidate errors inf instead of raising")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--exhaustive", action="store_true", help="time every point of each bucket's space")
+    p.add_argument("--time-limit", default=None,
+                   help="wall clock of the whole run, e.g. 5m: no bucket starts that the last one's time says "
+                        "would pass it; the rest are reported untuned (continue with --resume)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the buckets whose table entry is current here; tune only the others")
+    p.add_argument("--space-cap", type=int, default=None,
+                   help="tune a sub-grid of ≤ N points per bucket around the default (also for --exhaustive)")
+    p.add_argument("--revalidate", action="store_true",
+                   help="as --resume, but a stale bucket is not searched again: its stored winner is re-checked "
+                        "and re-timed with the current kernels beside the defaults (and its neighbours' winners), "
+                        "the best kept (after a kernel change that should not move the timings)")
+    p.add_argument("--at-tokens", default=None,
+                   help="e.g. 256,512: tune only the buckets (of the whole --tokens range) that hold these "
+                        "token counts, whatever the table holds for them (a targeted re-tune)")
+    p.add_argument("--no-edge-timing", action="store_true",
+                   help="choose each bucket's winner at its representative T only (default: the finalists "
+                        "are also timed at the bucket's first and last T, and at two between them in a bucket "
+                        "spanning ≥ 1.5×; the least total loss wins)")
+    p.add_argument("--no-split", action="store_true",
+                   help="never split a bucket (default, on a GPU: where the winner is ≥ 5 %% slower than another "
+                        "finalist at a count timed, the bucket is cut in 2 or 3 parts, each with its fastest "
+                        "finalist)")
+    p.add_argument("--no-local-search", action="store_true",
+                   help="TPE only (default: each new fastest candidate's one-knob neighbours are tried "
+                        "next, a local search from the incumbent)")
+    return p
+
+
+def default_backend() -> str:
+    """triton where a CUDA GPU is visible, torch otherwise."""
+    import torch
+
+    return "triton" if torch.cuda.is_available() else "torch"
+
+
+def default_target(device: str) -> str:
+    """The same target name `moetune.compile` looks the table up under for this device."""
+    import torch
+
+    from ..runtime.compiled import _target
+
+    return _target(torch.device(device))
+
+
+def usable_backend(name: str | None) -> tuple[str, str]:
+    """(backend, device it is timed on) for --backend `name`; TunerUnavailable when it cannot run here."""
+    import torch
+
+    from ..codegen.backend import get
+
+    name = name or default_backend()
+    try:
+        backend = get(name)
+    except UnsupportedSchedule:
+        raise ConfigError(f"--backend {name!r}: unknown; expected torch or triton") from None
+    except ImportError as e:
+        if (e.name or "").startswith("moetune"):
+            raise ConfigError(f"--backend {name!r}: unknown; expected torch or triton") from None
+        raise TunerUnavailable(f"--backend {name!r}: needs the {e.name or e} package, not installed here; "
+                               "expected --backend torch on this machine") from None
+    reason = backend.available()
+    if reason:
+        raise TunerUnavailable(f"--backend {name!r}: not usable here ({reason}); expected --backend torch "
+                               "on this machine")
+    device = "cpu" if name == "torch" else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise TunerUnavailable(f"--backend {name!r}: tuning times the kernels on a CUDA GPU and none is "
+                               "visible here (torch.cuda.is_available() is False); expected --backend torch "
+                               "on this machine")
+    return name, device
+
+
+def _target(name: str | None, device: str) -> str:
+    if name is None:
+        return default_target(device)
+    from ..passes.targets import TARGETS, get_target
+
+    try:
+        get_target(name)
+    except IRError:
+        raise ConfigError(f"--target {name!r}: unknown; expected one of {', '.join(TARGETS)}") from None
+    return name
+
+
+def _search():
+    """The search's tune_block, TuneOptions and BucketResult; TunerUnavailable without Optuna."""
+    try:
+        from ..search.study import BucketResult, TuneOptions, tune_block
+    except ModuleNotFoundError as e:
+        if e.name != "optuna":
+            raise
+        raise TunerUnavailable("Optuna is not installed here; expected `pip install 'moetune[tune]'`") from None
+    return BucketResult, TuneOptions, tune_block
+
+
+def _us(s: float | None) -> str:
+    return "–" if s is None or not math.isfinite(s) else f"{s * 1e6:.1f}"
+
+
+def _ratio(a: float | None, b: float) -> str:
+    return "–" if a is None or not math.isfinite(b) or b <= 0 else f"{a / b:.2f}×"
+
+
+def winner_text(s: Schedule | None) -> tuple[str, str]:
+    """(kind with its row threshold, every parameter as name=value) of a winner."""
+    if s is None:
+        return "(none)", "the runtime keeps its default"
+    head = s.kind + (f"(R={s.row_threshold})" if s.row_threshold is not None else "")
+    params = "" if s.params is None else ", ".join(f"{f.name}={getattr(s.params, f.name)}"
+                                                   for f in dataclasses.fields(s.params))
+    return head, params
+
+
+def table_lines(results: list, device: str) -> list[str]:
+    """The final table: one line per bucket (and per part of a split bucket), each winner's parameters
+    whole on the line below it."""
+    hdr = (f"{'bucket':>12} {'T':>5}  {'winner':<16} {'time µs':>9} {'floor µs':>9} {'% floor':>8} "
+           f"{'vs default':>10} {'vs baseline':>11}  stopped")
+    lines = [hdr, "-" * len(hdr)]
+    indent = " " * 20
+    for r in results:
+        head, params = winner_text(r.winner)
+        pct = r.pct_of_floor
+        lines.append(
+            f"{f'[{r.bucket[0]},{r.bucket[1]}]':>12} {r.tokens:>5}  {head:<16} {_us(r.time_s):>9} "
+            f"{_us(r.floor.time_s if r.floor else None):>9} {('–' if pct is None else f'{pct:.1f}%'):>8} "
+            f"{_ratio(r.default_time_s, r.time_s):>10} {_ratio(r.baseline_time_s, r.time_s):>11}  "
+            f"{r.stopped}")
+        if params:
+            lines.append(indent + params)
+        for lo_, hi_, s, t_s, T in r.parts:
+            head, params = winner_text(s)
+            lines.append(f"{f'[{lo_},{hi_}]':>14} {T:>5}  {head:<14} {_us(t_s):>9}  "
+                         f"part of the split bucket [{r.bucket[0]},{r.bucket[1]}]")
+            if params:
+                lines.append(indent + "  " + params)
+    base = next((r.baseline for r in results), "")
+    lines.append(f"device: {device}; time: at the bucket's T (GPU: each routing's median replay, averaged "
+                 f"over the routings; CPU: the median call); floor at the target's roofs; "
+                 f"vs default: the untuned heuristic's time / winner's; vs baseline: {base} / winner's")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..runtime.table import DispatchTable, device_identity
+
+    lo, hi = parse_tokens(args.tokens)
+    at_tokens = parse_counts(args.at_tokens, "--at-tokens", (lo, hi)) if args.at_tokens else None
+    budget = parse_duration(args.budget, "--budget")
+    time_limit = parse_duration(args.time_limit, "--time-limit") if args.time_limit else None
+    whole(args.space_cap, "--space-cap", 1)
+    if args.trace:
+        existing_file(args.trace, "--trace", "a routing trace from `moetune record`")
+    backend, device = usable_backend(args.backend)
+    target = _target(args.target, device)
+    cache = writable_file(args.cache or (f"cache/{target}-tiny.sqlite" if args.tiny else f"cache/{target}.sqlite"),
+                          "--cache")
+    BucketResult, TuneOptions, tune_block = _search()
+    block = source_block(args)
+    dev_name, cap = device_identity(device)
+    options = TuneOptions(storage=args.storage, strict=args.strict, keep_going=args.keep_going, device=device,
+                          seed=args.seed or 0, exhaustive=args.exhaustive, space_cap=args.space_cap or None,
+                          resume=args.resume, edge_timing=not args.no_edge_timing,
+                          split=False if args.no_split else None, local_search=not args.no_local_search,
+                          revalidate=args.revalidate, time_limit_s=time_limit)
+    print(f"moetune tune: {block.name or block.signature_hash()} [{block.signature_hash()}] "
+          f"on {dev_name} ({cap}), backend {backend}, target {target}, T ∈ [{lo},{hi}], budget {budget:.0f} s"
+          + (f", trace {args.trace}" if args.trace else "")
+          + (f", storage {args.storage}" if args.storage else "")
+          + (f", space capped at {options.space_cap} points per bucket" if options.space_cap else ""))
+    print(f"  {block.signature()}")
+    tty = sys.stdout.isatty()
+    t0 = time.monotonic()
+    state = {"i": 0, "n": 0}
+
+    def progress(ev: dict) -> None:
+        if not tty:
+            return
+        lo_, hi_ = ev["bucket"]
+        pct = f"{100 * ev['floor_s'] / ev['best_s']:.0f}% of floor" if math.isfinite(ev["best_s"]) else ""
+        sys.stdout.write(f"\r  [{state['i'] + 1}/{state['n'] or '?'}] [{lo_},{hi_}] "
+                         f"{ev['evaluated']} candidates, best {_us(ev['best_s'])} µs {pct}   ")
+        sys.stdout.flush()
+
+    def on_bucket(i: int, n: int, r: BucketResult) -> None:
+        state["i"], state["n"] = i + 1, n
+        fails = ", ".join(f"{v} {k}" for k, v in sorted(r.failures.items()))
+        pct = r.pct_of_floor
+        line = (f"  [{i + 1}/{n}] bucket [{r.bucket[0]},{r.bucket[1]}] T={r.tokens}: "
+                f"{r.evaluated} candidates ({r.trials} trials), best {_us(r.time_s)} µs"
+                + (f" ({pct:.1f}% of floor)" if pct is not None else "")
+                + f", default {_us(r.default_time_s)} µs; {r.stopped}"
+                + (f"; failed: {fails}" if fails else "")
+                + f"  [{time.monotonic() - t0:.0f} s]")
+        print(("\r" if tty else "") + line + (" " * 8 if tty else ""), flush=True)
+        for j, (s, t_s, edge) in enumerate(r.finalists if len(r.finalists) > 1 else ()):
+            at = "".join(f", {_us(v)} at T={t}" for t, v in sorted(edge.items()))
+            print(f"      {'winner ' if j == 0 else 'final  '} {_us(t_s)} µs{at}: {s.describe()}", flush=True)
+        for lo_, hi_, s, t_s, T in r.parts:
+            print(f"      split   [{lo_},{hi_}]: {_us(t_s)} µs at T={T}: {s.describe()}", flush=True)
+
+    with DispatchTable(cache) as table:
+        results = tune_block(block, backend, target, (lo, hi), trace=args.trace, table=table, options=options,
+                             budget_s=budget, progress=progress, on_bucket=on_bucket, at_tokens=at_tokens)
+    print()
+    print("\n".join(table_lines(results, f"{dev_name} ({cap})")))
+    written = sum(r.written for r in results)
+    print(f"\n{written} of {len(results)} bucket winners written to {cache} "
+          f"(an entry is replaced by a faster one, or by a winner chosen against it here); "
+          f"total {time.monotonic() - t0:.0f} s")
+    left = [r for r in results if r.stopped.startswith("not tuned: time limit")]
+    if left:
+        print(f"{len(left)} bucket(s) left untuned by the time limit: rerun with --resume to tune only those")
+    return 0 if all(r.winner is not None for r in results) else 1

@@ -1,0 +1,92 @@
+"""`moetune presets` and `moetune explain`: a preset, a config.json, a model folder, the passes, a trace."""
+
+import json
+
+import tiny_models as tm
+
+from moetune.cli import main
+from moetune.ir.presets import PRESETS, preset
+from moetune.passes.trace import synthetic_trace
+
+
+def test_presets_lists_every_preset_with_its_shape(capsys):
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    for name in PRESETS:
+        b = preset(name)
+        line = next(ln for ln in out.splitlines() if ln.startswith(name + " "))
+        assert line.split()[1:5] == [str(b.E), str(b.k), str(b.D), str(b.F)] and b.router.kind in line
+    assert "MiB" in out
+
+
+def test_explain_preset(capsys):
+    assert main(["explain", "--preset", "qwen3-30b-a3b"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(str(preset("qwen3-30b-a3b")))
+    assert "MoE layers: 48 of 48 (0-47)" in out
+    assert main(["explain", "--preset", "deepseek-v3"]) == 0
+    assert "MoE layers: 58 of 61 (3-60)" in capsys.readouterr().out
+    assert main(["explain", "--preset", "nope"]) == 2
+    assert "unknown preset 'nope'" in capsys.readouterr().err
+
+
+def test_explain_config_and_model_dir(tmp_path, capsys):
+    model = tm.build("deepseek_v3")
+    (tmp_path / "config.json").write_text(json.dumps(model.config.to_dict()))
+    assert main(["explain", "--config", str(tmp_path / "config.json"), "--tokens", "1-256"]) == 0
+    out = capsys.readouterr().out
+    assert "E=16 k=4 D=64 F=40  T∈[1,256]" in out and "sigmoid_grouped_topk" in out
+    assert main(["explain", "--model-dir", str(tmp_path)]) == 0
+    assert "E=16 k=4 D=64 F=40" in capsys.readouterr().out
+    missing = tmp_path / "missing"
+    assert main(["explain", "--model-dir", str(missing)]) == 2
+    assert capsys.readouterr().err == (f"moetune explain: --model-dir '{missing}': does not exist; "
+                                       "expected a model folder holding config.json\n")
+    assert main(["explain", "--config", str(missing / "config.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moetune explain: --config '{missing / 'config.json'}': no such file")
+
+
+def test_explain_bad_config_names_the_file_the_field_and_the_value(tmp_path, capsys):
+    cfg = tm.FAMILIES["qwen3_moe"]()[1].to_dict()
+    cfg["hidden_act"] = "relu"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["explain", "--config", str(tmp_path / "config.json")]) == 2
+    err = capsys.readouterr().err
+    assert "config.json" in err and "hidden_act" in err and "relu" in err and err.count("\n") == 1
+
+
+def test_explain_passes(capsys):
+    assert main(["explain", "--preset", "olmoe-1b-7b", "--passes", "--tokens", "1-64"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(str(preset("olmoe-1b-7b").replace(T_max=64)))
+    assert "== after bucketing" in out and "== after default_schedule" in out
+    assert "ScheduledBlock(" not in out  # pass results are formatted, not dumped as reprs
+
+
+def test_explain_notes_a_quantized_checkpoint(tmp_path, capsys):
+    cfg = {**PRESETS["deepseek-v3"], "quantization_config": {"quant_method": "fp8"}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["explain", "--model-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "quantized (quant_method 'fp8')" in out and "bfloat16 block" in out
+
+
+def test_explain_reads_a_trace_and_names_a_bad_one(tmp_path, capsys):
+    good = synthetic_trace(128, 8, tokens=3000, zipf=1.0).save(tmp_path / "z.npz")
+    assert main(["explain", "--preset", "qwen3-30b-a3b", "--passes", "--trace", str(good),
+                 "--tokens", "1-64"]) == 0
+    assert f"trace:{good}" in capsys.readouterr().out
+    bad = tmp_path / "cut.npz"
+    bad.write_bytes(good.read_bytes()[:200])
+    assert main(["explain", "--preset", "qwen3-30b-a3b", "--passes", "--trace", str(bad)]) == 2
+    assert str(bad) in capsys.readouterr().err
+    assert main(["explain", "--preset", "qwen3-30b-a3b", "--trace", str(tmp_path / "none.npz")]) == 2
+    assert "--trace" in capsys.readouterr().err
+
+
+def test_explain_bad_tokens_and_target(capsys):
+    assert main(["explain", "--preset", "olmoe-1b-7b", "--tokens", "64-1"]) == 2
+    assert capsys.readouterr().err == "moetune explain: --tokens '64-1': expected 1 ≤ LO ≤ HI\n"
+    assert main(["explain", "--preset", "olmoe-1b-7b", "--passes", "--target", "tpu9"]) == 2
+    assert "tpu9" in capsys.readouterr().err
