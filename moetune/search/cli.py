@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from ..ir import CaptureError, MoEBlock, UnsupportedSchedule
-from ..runtime.table import DispatchTable, device_identity
+from ..runtime.table import DispatchTable
+from ..runtime.versions import device_identity
 from .study import BucketResult, TuneOptions, tune_block
 
 
