@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..ir import CacheError, MoEBlock, MoetuneError, Schedule
-from .versions import Versions, judge
+from .versions import Versions, judge, serves
 
 TABLE = "dispatch_v2"
 V1 = "dispatch_v1"  # read as it is; moved to TABLE when opened for writing
@@ -186,18 +186,22 @@ class DispatchEntry:
 
 @dataclass(frozen=True)
 class Lookup:
-    """What a table holds for one (target, backend, block): usable entries and rejected ones with reasons."""
+    """What a table holds for one (target, backend, block): usable entries, rejected ones with reasons, and
+    the usable ones whose timing was measured with another version of the backend's library."""
 
     usable: tuple[tuple[int, int, Schedule], ...]
     rejected: tuple[tuple[DispatchEntry, str], ...]
     path: str
+    retime: tuple[tuple[DispatchEntry, str], ...] = ()
 
     def warning(self) -> str | None:
-        if not self.rejected:
-            return None
-        parts = [f"[{e.bucket_lo},{e.bucket_hi}] {why}" for e, why in self.rejected]
-        noun = "entry" if len(parts) == 1 else "entries"
-        return f"dispatch table {self.path}: {len(parts)} {noun} not used: " + "; ".join(parts)
+        said = []
+        for entries, what in ((self.rejected, "not used"), (self.retime, "used, to be re-timed")):
+            if entries:
+                parts = [f"[{e.bucket_lo},{e.bucket_hi}] {why}" for e, why in entries]
+                noun = "entry" if len(parts) == 1 else "entries"
+                said.append(f"{len(parts)} {noun} {what}: " + "; ".join(parts))
+        return f"dispatch table {self.path}: " + "; ".join(said) if said else None
 
 
 # -------------------------------------------------------------------------------------------- table
@@ -427,9 +431,10 @@ class DispatchTable:
     def lookup(self, block: MoEBlock, target: str, backend: str, *, versions: Versions | None = None,
                device: str = "cpu") -> Lookup:
         """The entries of this block on (target, backend) that may be used here, and those that may
-        not (foreign device, stale kernel or backend version, unbuildable schedule) with the reason."""
+        not (foreign device, stale kernel sources, unbuildable schedule) with the reason; an entry timed with
+        another version of the backend's library on the same kernel sources is used, and said."""
         current = versions or Versions.current(backend, device)
-        usable, rejected = [], []
+        usable, rejected, retime = [], [], []
         # Tuning runs over different token ranges bucket differently: where entries overlap, the most
         # recently tuned one is kept (a schedule is never borrowed across buckets).
         newest_first = sorted(self.entries(target, backend, block.signature_hash()),
@@ -437,18 +442,21 @@ class DispatchTable:
         for e in newest_first:
             why = judge(e, current)
             clash = next(((lo, hi) for lo, hi, _ in usable if lo <= e.bucket_hi and e.bucket_lo <= hi), None)
-            if why is None and clash is not None:
+            if serves(why) and clash is not None:
                 why = f"overlaps [{clash[0]},{clash[1]}], which was tuned later"
-            if why is None:
+            if serves(why):
                 try:
                     usable.append((e.bucket_lo, e.bucket_hi, e.schedule(block)))
+                    if why is not None:
+                        retime.append((e, why))
                     continue
                 except CacheError as err:
                     why = f"stale: {err}"
             rejected.append((e, why))
         usable.sort(key=lambda u: u[0])
         rejected.sort(key=lambda r: r[0].bucket_lo)
-        return Lookup(tuple(usable), tuple(rejected), str(self.path))
+        retime.sort(key=lambda r: r[0].bucket_lo)
+        return Lookup(tuple(usable), tuple(rejected), str(self.path), tuple(retime))
 
 
 def load_entries(path: str | os.PathLike, block: MoEBlock, target: str, backend: str, *,
@@ -456,10 +464,10 @@ def load_entries(path: str | os.PathLike, block: MoEBlock, target: str, backend:
                  notes: list[str] | None = None) -> list[tuple[int, int, Schedule]]:
     """The runtime's call: usable (lo, hi, Schedule) of `block` in the file at `path`.
 
-    A missing file gives no entries; foreign or stale entries are left out; either is said in one
-    CacheWarning, or appended to `notes` when the caller folds it into a warning of its own (the
-    compiled model gives one warning per block). A corrupt or unreadable file raises CacheError
-    naming it."""
+    A missing file gives no entries; foreign or stale entries are left out, entries timed with another
+    version of the backend's library are used; each is said in one CacheWarning, or appended to `notes`
+    when the caller folds it into a warning of its own (the compiled model gives one warning per block).
+    A corrupt or unreadable file raises CacheError naming it."""
     def say(msg: str) -> None:
         if notes is None:
             warnings.warn(msg, CacheWarning, stacklevel=3)

@@ -3,7 +3,7 @@ the device; and whether a stored entry still says something about this code and 
 
     current = Versions.current("triton", "cuda")     # this tree, this Triton, this GPU
     kernel_source_hash("triton")                      # "grouped_gemm=…;hybrid=…;stream_gemv=…"
-    judge(entry, current)                             # None, or "stale: …" / "foreign: …"
+    judge(entry, current)                             # None, or "stale: …" / "foreign: …" / "retime: …"
 
 A kernel hash has one part per schedule kind, over exactly the files the backend declares for that kind
 (`Backend.sources(kind)`), so editing one kind's kernel leaves the tuned entries of the other kinds current.
@@ -143,7 +143,9 @@ def device_identity(device: str = "cpu") -> tuple[str, str]:
 
 
 def judge(entry: DispatchEntry, current: Versions) -> str | None:
-    """Why `entry` must not be used here ("foreign: …" / "stale: …"), or None when it is sound."""
+    """None when `entry` is sound here; else why not: "foreign: …" (another device), "stale: …" (other
+    kernel sources), or "retime: …" (the same kernel sources compiled by another version of the backend's
+    library: still used, see `serves`, though its timing may no longer be the fastest)."""
     v = entry.versions
     if (v.device, v.capability) != (current.device, current.capability):
         return (f"foreign: tuned on {v.device} ({v.capability}), "
@@ -152,5 +154,10 @@ def judge(entry: DispatchEntry, current: Versions) -> str | None:
     if was != now:
         return f"stale: {entry.kind} kernel sources {was} changed to {now}"
     if v.backend_version != current.backend_version:
-        return f"stale: tuned with {v.backend_version}, this is {current.backend_version}"
+        return f"retime: tuned with {v.backend_version}, this is {current.backend_version}"
     return None
+
+
+def serves(why: str | None) -> bool:
+    """Whether an entry `judge` answered `why` for is used: a sound one, or one to re-time."""
+    return why is None or why.startswith("retime:")

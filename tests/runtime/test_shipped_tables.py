@@ -55,7 +55,7 @@ def recorded() -> dict:
 
 @pytest.fixture(scope="session")
 def tree(recorded) -> dict[str, str]:
-    """The digests of the shipped H200 table's winners compiled on this tree (once per session)."""
+    """The digests of the shipped H200 table's winners compiled on this tree (once per test run)."""
     return _digests_of(H200)
 
 

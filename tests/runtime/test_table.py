@@ -214,12 +214,12 @@ def test_load_entries_leaves_stale_and_foreign_out_with_one_warning(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = load_entries(path, BLOCK, "cpu", "torch")
-    assert [(lo, hi) for lo, hi, _ in got] == [(1, 1)]
+    assert [(lo, hi) for lo, hi, _ in got] == [(1, 1), (8, 16)]  # another torch, the same kernel sources: used
     assert got[0][2] == sched("stream_gemv", 1)
     msgs = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
     assert len(msgs) == 1, msgs
-    assert str(path) in msgs[0] and "[2,2] foreign" in msgs[0]
-    assert "[3,7] stale" in msgs[0] and "[8,16] stale" in msgs[0]
+    assert str(path) in msgs[0] and "2 entries not used: [2,2] foreign" in msgs[0] and "[3,7] stale" in msgs[0]
+    assert "1 entry used, to be re-timed: [8,16] retime: tuned with torch 1.0" in msgs[0]
 
 
 def test_load_entries_of_another_block_or_target_is_empty_without_warning(tmp_path):

@@ -19,6 +19,7 @@ from moetune.runtime.versions import (
     judge,
     kernel_hash_part,
     kernel_source_hash,
+    serves,
 )
 
 BLOCK = MoEBlock(E=16, k=4, D=64, F=40, weight_dtype="float32", routing_weight_dtype="float32", name="t")
@@ -40,7 +41,7 @@ JUDGE_CASES = [
     ({"device": "NVIDIA H200"}, "foreign"),
     ({"capability": "sm_90"}, "foreign"),
     ({"kernel_hash": "deadbeefdeadbeef"}, "stale: stream_gemv kernel sources"),
-    ({"backend_version": "torch 2.0.0"}, "stale: tuned with torch 2.0.0"),
+    ({"backend_version": "torch 2.0.0"}, "retime: tuned with torch 2.0.0"),  # used: see `serves`
     ({"moetune": "0.0.1", "torch": "2.0.0"}, None),  # code identity: the kernel hash, not the version
 ]
 
@@ -52,6 +53,7 @@ def test_judge_names_the_reason(change, reason):
         assert why is None
     else:
         assert why is not None and why.startswith(reason.split(":")[0]) and reason in why
+    assert serves(why) == (reason is None or reason.startswith("retime"))
 
 
 def test_judge_reads_the_entry_kinds_part_of_a_per_kind_hash():
