@@ -23,6 +23,7 @@ This module is what a deployment reads: it imports neither the search nor Optuna
     found = table.lookup(block, target="cpu", backend="torch")     # usable + rejected (with reasons)
     entries = load_entries(path, block, "cpu", "torch")             # [(lo, hi, Schedule)], warns once
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -404,8 +405,8 @@ class DispatchTable:
             if val is not None:
                 where.append(f"{col} = ?")
                 args.append(val)
-        sql = f"SELECT {', '.join(COLUMNS)} FROM {self.source}" + (f" WHERE {' AND '.join(where)}" if where else "") + \
-            " ORDER BY target, backend, signature, bucket_lo"
+        sql = (f"SELECT {', '.join(COLUMNS)} FROM {self.source}" + (f" WHERE {' AND '.join(where)}" if where else "")
+               + " ORDER BY target, backend, signature, bucket_lo")
         try:
             return [DispatchEntry.from_row(r) for r in self.db.query(sql, args)]
         except (sqlite3.Error, KeyError, TypeError) as e:

@@ -68,10 +68,10 @@ def kernel_source_hash(backend: str) -> str:
         be = get(backend)
     except (MoetuneError, ImportError) as e:
         raise CacheError(f"backend {backend!r}: no kernel sources found ({e})") from e
-    declared = getattr(be, "sources", None)
+    declared = getattr(be, "sources", None)  # FALLBACK: `be.sources` once every backend declares them
     parts = []
     for kind in sorted(SCHEDULE_KINDS):
-        files = declared(kind) if declared is not None else _sources_by_import(be, kind)
+        files = declared(kind) if declared is not None else _sources_by_import(be, kind)  # FALLBACK
         parts.append(f"{kind}={files_hash(files)}")
     return ";".join(parts)
 

@@ -67,6 +67,7 @@ def test_shipped_table_opens(path):
 
 
 def test_h200_table_is_current_and_rebuilds(request):
+    pytest.importorskip("triton")  # the backend that declares the kernel sources
     blocks = {b.signature_hash(): b for b in (preset(n) for n in PRESETS)}
     with DispatchTable(H200, create=False) as t:
         rows = t.entries(target="h200", backend="triton")
