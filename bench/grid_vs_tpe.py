@@ -131,7 +131,8 @@ def _us(s) -> float | None:
 
 def run_phase(a) -> dict:
     """One phase in this process: tune (TPE or exhaustive) the selected buckets into its table."""
-    from moetune.runtime.table import DispatchTable, device_identity
+    from moetune.runtime.table import DispatchTable
+    from moetune.runtime.versions import device_identity
     from moetune.search.study import TuneOptions, tune_block
 
     block, backend, device, target = _setup(a)

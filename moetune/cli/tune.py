@@ -200,7 +200,8 @@ def table_lines(results: list, device: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..runtime.table import DispatchTable, device_identity
+    from ..runtime.table import DispatchTable
+    from ..runtime.versions import device_identity
 
     lo, hi = parse_tokens(args.tokens)
     at_tokens = parse_counts(args.at_tokens, "--at-tokens", (lo, hi)) if args.at_tokens else None

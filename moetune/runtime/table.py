@@ -1,11 +1,15 @@
 """The dispatch table: tuned winners per (target, backend, block signature, token bucket), in SQLite.
 
-One versioned table, `dispatch_v1`, with typed columns (sqlite-utils), in WAL mode:
+One versioned table, `dispatch_v2`, with typed columns (sqlite-utils), in WAL mode:
 
     key     target, backend, signature (MoEBlock.signature_hash()), bucket_lo, bucket_hi
-    winner  kind, row_threshold, params_type, params (JSON), fusion (JSON)
+    winner  kind, row_threshold, params_type, params (JSON)
     timing  time_us, floor_us, pct_of_floor, default_time_us, baseline_time_us, baseline, timer, trials
     context signature_text, moetune, kernel_hash, backend_version, torch, device, capability, tuned_at
+            (what the timing depends on: `versions.Versions`)
+
+A file of the previous version, `dispatch_v1` (the same columns and a `fusion` one, which no kernel
+reads), is read as it is, and moved to `dispatch_v2` in one transaction when it is opened for writing.
 
 An entry is replaced only by a faster one (`put`), or by any new one when the stored entry was measured
 with another kernel source, backend version or device (it no longer says anything about this code), or
@@ -24,21 +28,19 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import functools
-import hashlib
 import json
 import os
-import platform
-import re
 import sqlite3
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..ir import SCHEDULE_KINDS, CacheError, Fusion, MoEBlock, MoetuneError, Schedule
+from ..ir import CacheError, MoEBlock, MoetuneError, Schedule
+from .versions import Versions, judge, serves
 
-TABLE = "dispatch_v1"
+TABLE = "dispatch_v2"
+V1 = "dispatch_v1"  # read as it is; moved to TABLE when opened for writing
 PK = ("target", "backend", "signature", "bucket_lo", "bucket_hi")
 COLUMNS: dict[str, type] = {
     "target": str,
@@ -51,7 +53,6 @@ COLUMNS: dict[str, type] = {
     "row_threshold": int,
     "params_type": str,
     "params": str,
-    "fusion": str,
     "time_us": float,
     "floor_us": float,
     "pct_of_floor": float,
@@ -68,144 +69,18 @@ COLUMNS: dict[str, type] = {
     "capability": str,
     "tuned_at": str,
 }
-NOT_NULL = set(PK) | {"signature_text", "kind", "fusion", "time_us", "kernel_hash", "backend_version",
+V1_COLUMNS = {**COLUMNS, "fusion": str}
+NOT_NULL = set(PK) | {"signature_text", "kind", "time_us", "kernel_hash", "backend_version",
                       "device", "capability", "tuned_at"}
 _VERSION_COLUMNS = ("kernel_hash", "backend_version", "device", "capability")
 _SQL_TYPES = {str: "TEXT", int: "INTEGER", float: "REAL"}
+_CREATE = (f"CREATE TABLE IF NOT EXISTS [{TABLE}] ("
+           + ", ".join(f"[{c}] {_SQL_TYPES[t]}{' NOT NULL' if c in NOT_NULL else ''}" for c, t in COLUMNS.items())
+           + f", PRIMARY KEY ({', '.join(f'[{c}]' for c in PK)}))")
 
 
 class CacheWarning(UserWarning):
     """A dispatch table (or some of its entries) could not be used; the model falls back to defaults."""
-
-
-# ----------------------------------------------------------------------------------------- versions
-
-
-@dataclass(frozen=True)
-class Versions:
-    """What a measurement depends on besides the block: code, libraries and the device."""
-
-    moetune: str
-    kernel_hash: str  # sha256 of the backend's kernel sources, per schedule kind (`folder_hash`)
-    backend_version: str  # triton / jax version; torch's for the torch backend
-    torch: str
-    device: str  # "NVIDIA H200", "cpu: AMD EPYC 7B13", ...
-    capability: str  # "sm_90", "x86_64", ...
-
-    @classmethod
-    def current(cls, backend: str, device: str = "cpu") -> Versions:
-        import torch
-
-        from .. import __version__
-
-        name, cap = device_identity(device)
-        return cls(__version__, kernel_source_hash(backend), backend_version(backend), torch.__version__,
-                   name, cap)
-
-
-_BACKEND_PACKAGES = {"torch": "torch", "triton": "triton", "pallas": "pallas"}
-
-
-@functools.cache
-def kernel_source_hash(backend: str) -> str:
-    """The hash of the backend's kernel sources that a tuned timing depends on (see `folder_hash`):
-    a changed kernel makes its old timings stale."""
-    codegen = Path(__file__).resolve().parent.parent / "codegen"
-    folder = codegen / _BACKEND_PACKAGES.get(backend, backend)
-    if not folder.is_dir():  # a backend registered from elsewhere: the folder of its module
-        import sys
-
-        from ..codegen.backend import get
-
-        try:
-            folder = Path(sys.modules[type(get(backend)).__module__].__file__).resolve().parent
-        except (MoetuneError, KeyError, TypeError) as e:
-            raise CacheError(f"backend {backend!r}: no kernel sources found ({e})") from e
-    return folder_hash(folder, [codegen / "common.py"])
-
-
-def folder_hash(folder: Path, shared: Iterable[Path] = ()) -> str:
-    """sha256[:16] of a backend folder's *.py files and `shared`, per schedule kind where the backend
-    keeps a kind in a file of its own (`<kind>.py`): "grouped_gemm=…;hybrid=…;stream_gemv=…". A kind's
-    part covers every file except the other kinds' own files (unless its file imports one), so editing
-    one kind's kernel leaves the tuned entries of the other kinds current. Without such files: one hash."""
-    files = sorted({*folder.rglob("*.py"), *shared})
-
-    def digest(fs) -> str:
-        h = hashlib.sha256()
-        for f in fs:
-            h.update(f.name.encode())
-            h.update(f.read_bytes())
-        return h.hexdigest()[:16]
-
-    own = {f.stem: f for f in files if f.parent == folder and f.stem in SCHEDULE_KINDS}
-    if not own:
-        return digest(files)
-    parts = []
-    for kind, f in sorted(own.items()):
-        text = f.read_text()
-        uses = {k for k in own if re.search(rf"from \.{k}\b|from \. import [^\n]*\b{k}\b", text)}
-        parts.append(f"{kind}={digest(g for g in files if g not in own.values() or g.stem in uses | {kind})}")
-    return ";".join(parts)
-
-
-def kernel_hash_part(kernel_hash: str, kind: str) -> str:
-    """What an entry of schedule `kind` depends on in a kernel hash: its kind's part of a per-kind hash,
-    else the whole hash (an older one-part hash)."""
-    for part in kernel_hash.split(";"):
-        k, sep, h = part.partition("=")
-        if sep and k == kind:
-            return h
-    return kernel_hash
-
-
-def backend_version(backend: str) -> str:
-    """The version of the library that compiles the backend's kernels ("none" where it is absent)."""
-    lib = {"torch": "torch", "triton": "triton", "pallas": "jax"}.get(backend, backend)
-    try:
-        mod = __import__(lib)
-    except ImportError:
-        return "none"
-    return f"{lib} {mod.__version__}"
-
-
-@functools.cache
-def device_identity(device: str = "cpu") -> tuple[str, str]:
-    """(device name, compute capability) of "cpu", "cuda[:i]" or "tpu"."""
-    if device.startswith("cuda"):
-        import torch
-
-        idx = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
-        major, minor = torch.cuda.get_device_capability(idx)
-        return torch.cuda.get_device_name(idx), f"sm_{major}{minor}"
-    if device.startswith("tpu"):
-        import jax
-
-        d = jax.devices()[0]
-        return d.device_kind, d.platform
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"cpu: {name}", platform.machine()
-
-
-def judge(entry: DispatchEntry, current: Versions) -> str | None:
-    """Why `entry` must not be used here ("foreign: …" / "stale: …"), or None when it is sound."""
-    v = entry.versions
-    if (v.device, v.capability) != (current.device, current.capability):
-        return (f"foreign: tuned on {v.device} ({v.capability}), "
-                f"this is {current.device} ({current.capability})")
-    was, now = kernel_hash_part(v.kernel_hash, entry.kind), kernel_hash_part(current.kernel_hash, entry.kind)
-    if was != now:
-        return f"stale: {entry.kind} kernel sources {was} changed to {now}"
-    if v.backend_version != current.backend_version:
-        return f"stale: tuned with {v.backend_version}, this is {current.backend_version}"
-    return None
 
 
 # ------------------------------------------------------------------------------------------ entries
@@ -231,7 +106,6 @@ class DispatchEntry:
     row_threshold: int | None
     params_type: str | None
     params: str | None  # JSON object of the params dataclass's fields
-    fusion: str  # JSON object of Fusion's fields
     time_us: float
     floor_us: float | None
     pct_of_floor: float | None
@@ -259,7 +133,6 @@ class DispatchEntry:
             kind=schedule.kind, row_threshold=schedule.row_threshold,
             params_type=None if p is None else type(p).__name__,
             params=None if p is None else json.dumps(dataclasses.asdict(p), sort_keys=True),
-            fusion=json.dumps(dataclasses.asdict(schedule.fusion), sort_keys=True),
             time_us=float(time_us), floor_us=floor_us,
             pct_of_floor=None if not floor_us else 100.0 * floor_us / time_us,
             default_time_us=default_time_us, baseline_time_us=baseline_time_us, baseline=baseline,
@@ -288,9 +161,7 @@ class DispatchEntry:
                                      f"backend now has {ptype.__name__}")
                 values = {k: _tuplify(v) for k, v in json.loads(self.params).items()}
                 params = ptype(**values)
-            fusion = Fusion(**json.loads(self.fusion))
-            return Schedule(self.kind, row_threshold=self.row_threshold, fusion=fusion, backend=self.backend,
-                            params=params)
+            return Schedule(self.kind, row_threshold=self.row_threshold, backend=self.backend, params=params)
         except CacheError:
             raise
         except (MoetuneError, TypeError, ValueError, KeyError, ImportError) as e:
@@ -316,18 +187,22 @@ class DispatchEntry:
 
 @dataclass(frozen=True)
 class Lookup:
-    """What a table holds for one (target, backend, block): usable entries and rejected ones with reasons."""
+    """What a table holds for one (target, backend, block): usable entries, rejected ones with reasons, and
+    the usable ones whose timing was measured with another version of the backend's library."""
 
     usable: tuple[tuple[int, int, Schedule], ...]
     rejected: tuple[tuple[DispatchEntry, str], ...]
     path: str
+    retime: tuple[tuple[DispatchEntry, str], ...] = ()
 
     def warning(self) -> str | None:
-        if not self.rejected:
-            return None
-        parts = [f"[{e.bucket_lo},{e.bucket_hi}] {why}" for e, why in self.rejected]
-        noun = "entry" if len(parts) == 1 else "entries"
-        return f"dispatch table {self.path}: {len(parts)} {noun} not used: " + "; ".join(parts)
+        said = []
+        for entries, what in ((self.rejected, "not used"), (self.retime, "used, to be re-timed")):
+            if entries:
+                parts = [f"[{e.bucket_lo},{e.bucket_hi}] {why}" for e, why in entries]
+                noun = "entry" if len(parts) == 1 else "entries"
+                said.append(f"{len(parts)} {noun} {what}: " + "; ".join(parts))
+        return f"dispatch table {self.path}: " + "; ".join(said) if said else None
 
 
 # -------------------------------------------------------------------------------------------- table
@@ -372,33 +247,71 @@ class DispatchTable:
             raise CacheError(f"dispatch table {self.path}: not a readable SQLite file ({e})") from e
 
     def _setup(self, wait_s: float = 60.0) -> None:
-        """WAL mode and the table. Switching the journal mode may answer "locked" at once, without
-        waiting (another tuner is creating the same file): retry until `wait_s` is spent."""
+        """WAL mode and the table (`_create`). Switching the journal mode may answer "locked" at once,
+        without waiting (another tuner is creating the same file): retry until `wait_s` is spent."""
         import time
 
         deadline = time.monotonic() + wait_s
         while True:
             try:
                 self.db.enable_wal()
-                self.db[TABLE].create(dict(COLUMNS), pk=PK, not_null=NOT_NULL, if_not_exists=True)
+                self._create()
                 return
             except sqlite3.OperationalError as e:
                 if "locked" not in str(e) and "busy" not in str(e) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
 
+    def _create(self) -> None:
+        """Create `TABLE` and move the rows of a `V1` table into it (their fusion column dropped, a row
+        `TABLE` already holds kept), in one transaction: a reader sees either table whole."""
+        names = set(self.db.table_names())
+        if TABLE in names and V1 not in names:
+            return
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            names = set(self.db.table_names())  # another writer may have moved them meanwhile
+            for name, want in ((TABLE, COLUMNS), (V1, V1_COLUMNS)):
+                if name in names:
+                    self._check_columns(name, want)
+            self._conn.execute(_CREATE)
+            if V1 in names:
+                cols = ", ".join(COLUMNS)
+                self._conn.execute(f"INSERT OR IGNORE INTO {TABLE} ({cols}) SELECT {cols} FROM {V1}")
+                self._conn.execute(f"DROP TABLE {V1}")
+            self._conn.execute("COMMIT")
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+
+    def _check_columns(self, name: str, want: dict[str, type]) -> None:
+        have = {c.name: c.type.upper() for c in self.db[name].columns}
+        want_sql = {c: _SQL_TYPES[t] for c, t in want.items()}
+        if have != want_sql:
+            diff = sorted(set(have.items()) ^ set(want_sql.items()))
+            raise CacheError(f"dispatch table {self.path}: table {name} has other columns than expected: "
+                             f"{diff}")
+
     def _check_schema(self) -> None:
-        if TABLE not in self.db.table_names():
-            others = [t for t in self.db.table_names() if t.startswith("dispatch_")]
+        """`source`: the table rows are read from (`TABLE`, or a `V1` table not yet moved; None when the
+        file holds neither, and `foreign_version` names the dispatch table of another version it holds)."""
+        names = self.db.table_names()
+        self.foreign_version = None
+        self.source = next((t for t in (TABLE, V1) if t in names), None)
+        if self.source is None:
+            others = [t for t in names if t.startswith("dispatch_")]
             self.foreign_version = others[0] if others else None
             return
-        self.foreign_version = None
-        have = {c.name: c.type.upper() for c in self.db[TABLE].columns}
-        want = {c: _SQL_TYPES[t] for c, t in COLUMNS.items()}
-        if have != want:
-            diff = sorted(set(have.items()) ^ set(want.items()))
-            raise CacheError(f"dispatch table {self.path}: table {TABLE} has other columns than expected: "
-                             f"{diff}")
+        self._check_columns(self.source, COLUMNS if self.source == TABLE else V1_COLUMNS)
+
+    def _writable(self) -> None:
+        """Before a write: the file holds `TABLE` (a file opened with create=False may hold `V1` only)."""
+        if self.source != TABLE:
+            try:
+                self._setup()
+            except sqlite3.Error as e:
+                raise CacheError(f"dispatch table {self.path}: write failed ({e})") from e
+            self._check_schema()
 
     # context management
     def close(self) -> None:
@@ -428,6 +341,7 @@ class DispatchTable:
         `replace`, always). With `supersede`, a written entry also deletes the entries of other buckets of
         its (target, backend, block) that overlap it (a bucket re-tuned whole, or split in parts: the
         lookup would reject those older rows anyway). Returns whether the row was written."""
+        self._writable()
         row = entry.row()
         cols = list(COLUMNS)
         updates = ", ".join(f"{c} = excluded.{c}" for c in cols if c not in PK)
@@ -457,6 +371,7 @@ class DispatchTable:
         """Delete the rows no lookup can use: those overlapping a newer row of their (target, backend,
         block) measured with the same kernels, backend version and device (where the older one is usable,
         the newer one is too, and the lookup keeps the newer). Returns how many rows went."""
+        self._writable()
         groups: dict[tuple, list[DispatchEntry]] = {}
         for e in self.entries():
             groups.setdefault((e.target, e.backend, e.signature), []).append(e)
@@ -483,15 +398,15 @@ class DispatchTable:
     # reading
     def entries(self, target: str | None = None, backend: str | None = None,
                 signature: str | None = None) -> list[DispatchEntry]:
-        if TABLE not in self.db.table_names():
+        if self.source is None:
             return []
         where, args = [], []
         for col, val in (("target", target), ("backend", backend), ("signature", signature)):
             if val is not None:
                 where.append(f"{col} = ?")
                 args.append(val)
-        sql = f"SELECT * FROM {TABLE}" + (f" WHERE {' AND '.join(where)}" if where else "") + \
-            " ORDER BY target, backend, signature, bucket_lo"
+        sql = (f"SELECT {', '.join(COLUMNS)} FROM {self.source}" + (f" WHERE {' AND '.join(where)}" if where else "")
+               + " ORDER BY target, backend, signature, bucket_lo")
         try:
             return [DispatchEntry.from_row(r) for r in self.db.query(sql, args)]
         except (sqlite3.Error, KeyError, TypeError) as e:
@@ -517,9 +432,10 @@ class DispatchTable:
     def lookup(self, block: MoEBlock, target: str, backend: str, *, versions: Versions | None = None,
                device: str = "cpu") -> Lookup:
         """The entries of this block on (target, backend) that may be used here, and those that may
-        not (foreign device, stale kernel or backend version, unbuildable schedule) with the reason."""
+        not (foreign device, stale kernel sources, unbuildable schedule) with the reason; an entry timed with
+        another version of the backend's library on the same kernel sources is used, and said."""
         current = versions or Versions.current(backend, device)
-        usable, rejected = [], []
+        usable, rejected, retime = [], [], []
         # Tuning runs over different token ranges bucket differently: where entries overlap, the most
         # recently tuned one is kept (a schedule is never borrowed across buckets).
         newest_first = sorted(self.entries(target, backend, block.signature_hash()),
@@ -527,18 +443,21 @@ class DispatchTable:
         for e in newest_first:
             why = judge(e, current)
             clash = next(((lo, hi) for lo, hi, _ in usable if lo <= e.bucket_hi and e.bucket_lo <= hi), None)
-            if why is None and clash is not None:
+            if serves(why) and clash is not None:
                 why = f"overlaps [{clash[0]},{clash[1]}], which was tuned later"
-            if why is None:
+            if serves(why):
                 try:
                     usable.append((e.bucket_lo, e.bucket_hi, e.schedule(block)))
+                    if why is not None:
+                        retime.append((e, why))
                     continue
                 except CacheError as err:
                     why = f"stale: {err}"
             rejected.append((e, why))
         usable.sort(key=lambda u: u[0])
         rejected.sort(key=lambda r: r[0].bucket_lo)
-        return Lookup(tuple(usable), tuple(rejected), str(self.path))
+        retime.sort(key=lambda r: r[0].bucket_lo)
+        return Lookup(tuple(usable), tuple(rejected), str(self.path), tuple(retime))
 
 
 def load_entries(path: str | os.PathLike, block: MoEBlock, target: str, backend: str, *,
@@ -546,10 +465,10 @@ def load_entries(path: str | os.PathLike, block: MoEBlock, target: str, backend:
                  notes: list[str] | None = None) -> list[tuple[int, int, Schedule]]:
     """The runtime's call: usable (lo, hi, Schedule) of `block` in the file at `path`.
 
-    A missing file gives no entries; foreign or stale entries are left out; either is said in one
-    CacheWarning, or appended to `notes` when the caller folds it into a warning of its own (the
-    compiled model gives one warning per block). A corrupt or unreadable file raises CacheError
-    naming it."""
+    A missing file gives no entries; foreign or stale entries are left out, entries timed with another
+    version of the backend's library are used; each is said in one CacheWarning, or appended to `notes`
+    when the caller folds it into a warning of its own (the compiled model gives one warning per block).
+    A corrupt or unreadable file raises CacheError naming it."""
     def say(msg: str) -> None:
         if notes is None:
             warnings.warn(msg, CacheWarning, stacklevel=3)
@@ -562,7 +481,8 @@ def load_entries(path: str | os.PathLike, block: MoEBlock, target: str, backend:
         return []
     with DispatchTable(p, create=False) as table:
         if table.foreign_version:
-            say(f"dispatch table {p}: holds {table.foreign_version}, this moetune reads {TABLE}; not used")
+            say(f"dispatch table {p}: holds {table.foreign_version}, this moetune reads {TABLE} and {V1}; "
+                "not used")
             return []
         found = table.lookup(block, target, backend, versions=versions, device=device)
     msg = found.warning()

@@ -52,7 +52,8 @@ import torch
 from ..codegen.backend import Backend, get
 from ..ir import Bucket, IRError, MoEBlock, Roofline, Schedule, UnsupportedSchedule
 from ..passes.targets import floor as target_floor
-from ..runtime.table import DispatchEntry, DispatchTable, Versions
+from ..runtime.table import DispatchEntry, DispatchTable
+from ..runtime.versions import Versions
 from .baseline import baseline_fn, default_baseline
 from .objective import Objective, Outcome, RoutingSampler, expert_tensors, make_cases, trace_sampler
 from .space import SearchSpace, build_space, cap_space, key
@@ -705,7 +706,7 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
     results = []
     kept = {}
     if (options.resume or options.revalidate) and table is not None:
-        from ..runtime.table import judge
+        from ..runtime.versions import judge
 
         for b in buckets:
             es = table.parts(target, be.name, block.signature_hash(), b.lo, b.hi)  # its entry, or a split's parts

@@ -9,7 +9,8 @@ import pytest
 from moetune.cli import main
 from moetune.codegen.backend import get
 from moetune.ir import MoEBlock
-from moetune.runtime.table import DispatchEntry, DispatchTable, Versions
+from moetune.runtime.table import DispatchEntry, DispatchTable
+from moetune.runtime.versions import Versions
 
 BLOCK = MoEBlock(E=16, k=4, D=64, F=40, weight_dtype="float32", routing_weight_dtype="float32", name="t")
 

@@ -193,7 +193,7 @@ def ptx_digest(k) -> str:
 def table_digests(path: str) -> dict[str, str]:
     """PTX digest of every kernel of every entry of a shipped H200 table whose block is a preset, compiled for
     sm_90 at the bucket's first and last T: equal digests before and after a source edit show the edit left
-    the stored winners' code unchanged (their timings still hold)."""
+    the stored winners' code unchanged (their timings still hold; `python -m tests.codegen.relabel` acts on it)."""
     from moetune.ir.presets import PRESETS, preset
     from moetune.runtime.table import DispatchTable
 
@@ -230,34 +230,10 @@ def main() -> None:
                               bar_sync=len(re.findall(r"\bbar\.sync|barrier\.sync", ptx)))), flush=True)
 
 
-def relabel(table: str, before: str) -> list[str]:
-    """Move the Triton rows of `table` to the current kernel hash when every stored winner's PTX digest equals
-    the one recorded in `before` (the JSON of `--digests`, run on the tree before a source edit): their timings
-    still hold. Returns the keys whose digest differs (nothing is written then)."""
-    import dataclasses
-    import json
-
-    from moetune.runtime.table import DispatchTable, kernel_source_hash
-
-    old, now = json.loads(open(before).read()), table_digests(table)
-    differ = sorted(k for k in old.keys() | now.keys() if old.get(k) != now.get(k))
-    if not differ:
-        current = kernel_source_hash("triton")
-        with DispatchTable(table, create=False) as t:  # the table's own write path (checkpointed on close)
-            for e in t.entries(backend="triton"):
-                t.put(dataclasses.replace(e, versions=dataclasses.replace(e.versions, kernel_hash=current)),
-                      replace=True)
-    return differ
-
-
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--digests":  # python tests/codegen/triton_sm90.py --digests TABLE
         import json
 
         print(json.dumps(table_digests(sys.argv[2]), indent=0, sort_keys=True))
-    elif len(sys.argv) == 4 and sys.argv[1] == "--relabel":  # ... --relabel TABLE DIGESTS_BEFORE.json
-        bad = relabel(sys.argv[2], sys.argv[3])
-        print(f"{len(bad)} digests differ: " + ", ".join(bad[:8]) if bad else "digests identical: rows relabelled")
-        sys.exit(1 if bad else 0)
     else:
         main()

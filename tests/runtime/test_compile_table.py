@@ -14,7 +14,8 @@ from moetune.codegen.torch.gathered import GatheredParams
 from moetune.codegen.torch.hybrid import HybridParams
 from moetune.ir import Schedule
 from moetune.runtime import DispatchWarning, plans
-from moetune.runtime.table import CacheWarning, DispatchEntry, DispatchTable, Versions
+from moetune.runtime.table import CacheWarning, DispatchEntry, DispatchTable
+from moetune.runtime.versions import Versions
 
 # every kind once: T = 2 → gathered GEMV, T = 14 → hybrid, T = 80 → grouped_mm;
 # [101, 4096] is left to the default

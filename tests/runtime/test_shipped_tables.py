@@ -1,40 +1,153 @@
-"""The tables shipped in cache/ open cleanly, and every GPU entry still matches the tree: same kernel
-sources (so the runtime uses it instead of falling back) and parameters its backend can rebuild."""
+"""The tables shipped in cache/ open cleanly, and every GPU entry still matches the tree, checked on a CPU:
+same kernel sources (so the runtime uses it instead of falling back), parameters its backend can rebuild,
+and (with the Triton the digests were made with) the same sm_90 code as the recorded digests.
+
+A source edit that leaves every stored winner's sm_90 code unchanged keeps the table current with one
+command, `python -m tests.codegen.relabel cache/h200.sqlite` (tests/codegen/relabel.py)."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from moetune.ir.presets import PRESETS, preset
-from moetune.runtime.table import DispatchTable, kernel_hash_part, kernel_source_hash
+from moetune.runtime.table import TABLE, DispatchTable
+from moetune.runtime.versions import backend_version, kernel_hash_part, kernel_source_hash
 
-CACHE = Path(__file__).resolve().parents[2] / "cache"
+ROOT = Path(__file__).resolve().parents[2]
+CACHE = ROOT / "cache"
 SHIPPED = sorted(CACHE.glob("*.sqlite"))
+H200, DIGESTS = CACHE / "h200.sqlite", CACHE / "h200.digests.json"
+RELABEL = "python -m tests.codegen.relabel cache/h200.sqlite"
+RETUNE = ("re-tune them on the H200 (`moetune tune --resume` re-tunes only the stale buckets; "
+          "bash bench/tune_presets_h200.sh), then record their digests: " + RELABEL + " --record")
+
+
+def _compiled(*args: str) -> subprocess.CompletedProcess:
+    """Run a command of the sm_90 tools with Triton compiling (TRITON_INTERPRET unset), from the root."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+
+
+def _digests_of(table: Path) -> dict[str, str]:
+    res = _compiled(str(ROOT / "tests" / "codegen" / "triton_sm90.py"), "--digests", str(table))
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout)
+
+
+@pytest.fixture(scope="session")
+def recorded() -> dict:
+    """The committed digests of the shipped H200 table, where this machine's Triton is the one that made them."""
+    pytest.importorskip("triton")
+    data = json.loads(DIGESTS.read_text())
+    if data["triton"] != backend_version("triton"):
+        pytest.skip(f"{DIGESTS.name} was made with {data['triton']}, this is {backend_version('triton')}")
+    return data
+
+
+@pytest.fixture(scope="session")
+def tree(recorded) -> dict[str, str]:
+    """The digests of the shipped H200 table's winners compiled on this tree (once per test run)."""
+    return _digests_of(H200)
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_shipped_table_opens(path):
     with DispatchTable(path, create=False) as t:
-        assert t.foreign_version is None
+        assert t.foreign_version is None and t.source == TABLE, f"{path.name}: holds {t.source}"
         assert t.entries(), f"{path.name}: no entries"
 
 
-def test_h200_table_is_current_and_rebuilds():
-    path = CACHE / "h200.sqlite"
+def test_h200_table_is_current_and_rebuilds(request):
+    pytest.importorskip("triton")  # the backend that declares the kernel sources
     blocks = {b.signature_hash(): b for b in (preset(n) for n in PRESETS)}
-    with DispatchTable(path, create=False) as t:
+    with DispatchTable(H200, create=False) as t:
         rows = t.entries(target="h200", backend="triton")
     assert rows
     current = kernel_source_hash("triton")
     stale = sorted({(e.kind, kernel_hash_part(e.versions.kernel_hash, e.kind)) for e in rows
                     if kernel_hash_part(e.versions.kernel_hash, e.kind) != kernel_hash_part(current, e.kind)})
-    assert not stale, (f"{path.name} has entries tuned with other Triton kernel sources {stale}, the tree's "
-                       f"are {current}: re-tune them on the H200 (`moetune tune --resume` re-tunes only "
-                       "those; bash bench/tune_presets_h200.sh) or drop them")
+    if stale:
+        try:  # the fix depends on whether the winners' code changed
+            tree = request.getfixturevalue("tree")
+            same = tree == json.loads(DIGESTS.read_text())["digests"]
+        except pytest.skip.Exception:
+            same = None
+        fix = {True: f"every stored winner's sm_90 code is unchanged: run `{RELABEL}`",
+               False: f"their sm_90 code changed (test_h200_digests_are_the_trees names it): {RETUNE}",
+               None: f"on a machine with the Triton of {DIGESTS.name}, `{RELABEL}` moves them if their sm_90 code "
+                     f"is unchanged; else {RETUNE}"}[same]
+        pytest.fail(f"{H200.name} has entries tuned with other Triton kernel sources {stale}, the tree's are "
+                    f"{current}: {fix}")
     for e in rows:
         block = blocks.get(e.signature)
-        assert block is not None, f"{path.name}: entry of an unknown block {e.signature_text}"
+        assert block is not None, f"{H200.name}: entry of an unknown block {e.signature_text}"
         s = e.schedule(block)
         assert s.backend == "triton" and s.params is not None
+
+
+def test_h200_digests_are_the_trees(recorded, tree):
+    """The recorded digests are those of the stored winners compiled on this tree: a source edit that changed
+    a winner's code (its timing no longer holds) is named here."""
+    old = recorded["digests"]
+    differ = sorted(k for k in old.keys() | tree.keys() if old.get(k) != tree.get(k))
+    assert not differ, (f"{len(differ)} kernels of {H200.name}'s winners differ from {DIGESTS.name}: "
+                        f"{differ[:8]}{' …' if len(differ) > 8 else ''}; if the code was meant to change, {RETUNE}")
+
+
+def _relabel(table: Path, digests: Path, *more: str) -> subprocess.CompletedProcess:
+    return _compiled("-m", "tests.codegen.relabel", str(table), "--digests", str(digests), *more)
+
+
+def test_relabel_moves_rows_only_when_every_digest_is_equal(recorded, tree, tmp_path, monkeypatch):
+    """The relabel command on one stored winner marked with older kernel sources: a digest that differs writes
+    nothing and names it, and so do another Triton's digests; equal digests move the row to the tree's hash,
+    after which (not before) its digests may be recorded."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from tests.codegen import relabel
+
+    table, digests = tmp_path / "t.sqlite", tmp_path / "t.digests.json"
+    shutil.copy(H200, table)
+    old_hash = "grouped_gemm=0;hybrid=0;stream_gemv=0"
+    con = sqlite3.connect(table)
+    with con:
+        keep = con.execute(f"SELECT rowid FROM {TABLE} WHERE kind = 'stream_gemv' LIMIT 1").fetchone()[0]
+        con.execute(f"DELETE FROM {TABLE} WHERE rowid != ?", (keep,))
+        con.execute(f"UPDATE {TABLE} SET kernel_hash = ?", (old_hash,))
+        sig, lo, hi = con.execute(f"SELECT signature, bucket_lo, bucket_hi FROM {TABLE}").fetchone()
+    con.close()
+
+    def hashes() -> set[str]:
+        with DispatchTable(table, create=False) as t:
+            return {e.versions.kernel_hash for e in t.entries()}
+
+    with pytest.raises(relabel.RelabelError, match="other kernel sources"):
+        relabel.record(table, digests)
+    assert not digests.exists()
+    name = next(b.name for b in map(preset, PRESETS) if b.signature_hash() == sig)
+    now = {k: v for k, v in tree.items() if k.startswith(f"{name} [{lo},{hi}] ")}
+    assert len(now) >= 2
+    digests.write_text(json.dumps(dict(recorded, triton="triton 0.0", digests=now)))
+    with pytest.raises(relabel.RelabelError, match="triton 0.0"):
+        relabel.relabel(table, digests)
+    changed = sorted(now)[0]
+    digests.write_text(json.dumps(dict(recorded, digests=dict(now, **{changed: "0" * 16}))))
+    res = _relabel(table, digests)
+    assert res.returncode == 1 and changed in res.stdout and "nothing written" in res.stdout, res.stdout
+    assert hashes() == {old_hash}
+
+    digests.write_text(json.dumps(dict(recorded, digests=now)))
+    res = _relabel(table, digests)
+    assert res.returncode == 0, res.stdout + res.stderr[-2000:]
+    assert hashes() == {kernel_source_hash("triton")}
+    digests.unlink()
+    assert _relabel(table, digests, "--record").returncode == 0
+    assert json.loads(digests.read_text())["digests"] == now

@@ -1,5 +1,6 @@
 """The dispatch table: typed versioned rows, keep-faster upsert, concurrent writers, stale / foreign /
-corrupt files, Schedule round trips through the backend's params class, show and merge."""
+corrupt files, files of the previous version read and moved, Schedule round trips through the backend's
+params class, show and merge."""
 
 from __future__ import annotations
 
@@ -13,19 +14,19 @@ import pytest
 
 from moetune.cli import main as cli_main
 from moetune.codegen.torch.backend import BACKEND as TORCH
-from moetune.ir import CacheError, Fusion, MoEBlock, Schedule
+from moetune.ir import CacheError, MoEBlock, Schedule
 from moetune.runtime.table import (
     COLUMNS,
     PK,
     TABLE,
+    V1,
     CacheWarning,
     DispatchEntry,
     DispatchTable,
-    Versions,
-    judge,
     load_entries,
     merge,
 )
+from moetune.runtime.versions import Versions
 
 BLOCK = MoEBlock(E=16, k=4, D=64, F=40, weight_dtype="float32", routing_weight_dtype="float32", name="t")
 HERE = Versions.current("torch", "cpu")
@@ -53,14 +54,15 @@ def other(**kw) -> Versions:
 
 def test_versioned_typed_columns_and_wal(tmp_path):
     with DispatchTable(tmp_path / "d.sqlite") as t:
-        assert TABLE == "dispatch_v1" and TABLE in t.db.table_names()
+        assert TABLE == "dispatch_v2" and TABLE in t.db.table_names()
         cols = {c.name: c.type for c in t.db[TABLE].columns}
         assert cols == {c: {str: "TEXT", int: "INTEGER", float: "REAL"}[ty] for c, ty in COLUMNS.items()}
         assert tuple(t.db[TABLE].pks) == PK
         assert t.db.journal_mode == "wal"
-        for need in ("signature_text", "kind", "row_threshold", "params", "params_type", "fusion",
-                     "time_us", "floor_us", "pct_of_floor", "default_time_us", "baseline_time_us", "moetune",
-                     "kernel_hash", "backend_version", "torch", "device", "capability", "tuned_at"):
+        assert "fusion" not in cols
+        for need in ("signature_text", "kind", "row_threshold", "params", "params_type", "time_us", "floor_us",
+                     "pct_of_floor", "default_time_us", "baseline_time_us", "moetune", "kernel_hash",
+                     "backend_version", "torch", "device", "capability", "tuned_at"):
             assert need in cols
 
 
@@ -68,8 +70,7 @@ def test_versioned_typed_columns_and_wal(tmp_path):
 def test_schedule_round_trip_through_backend_params(tmp_path, kind):
     s = sched(kind, 12)
     if kind == "hybrid":
-        s = Schedule("hybrid", row_threshold=5, fusion=Fusion(combine_in_down=False), backend="torch",
-                     params=s.params)
+        s = Schedule("hybrid", row_threshold=5, backend="torch", params=s.params)
     e = DispatchEntry.of(target="cpu", block=BLOCK, bucket=(8, 17), schedule=s, time_us=3.0, versions=HERE)
     with DispatchTable(tmp_path / "d.sqlite") as t:
         assert t.put(e)
@@ -203,67 +204,6 @@ def test_entries_are_in_the_file_itself_when_the_writer_is_killed(tmp_path):
 
 # ----------------------------------------------------------------------------- stale, foreign, corrupt
 
-JUDGE_CASES = [
-    ({}, None),
-    ({"device": "NVIDIA H200"}, "foreign"),
-    ({"capability": "sm_90"}, "foreign"),
-    ({"kernel_hash": "deadbeefdeadbeef"}, "stale: stream_gemv kernel sources"),
-    ({"backend_version": "torch 2.0.0"}, "stale: tuned with torch 2.0.0"),
-    ({"moetune": "0.0.1", "torch": "2.0.0"}, None),  # code identity: the kernel hash, not the version
-]
-
-
-@pytest.mark.parametrize("change,reason", JUDGE_CASES)
-def test_judge_names_the_reason(change, reason):
-    why = judge(entry(1, 1, 1.0, versions=other(**change)), HERE)
-    if reason is None:
-        assert why is None
-    else:
-        assert why is not None and why.startswith(reason.split(":")[0]) and reason in why
-
-
-def test_judge_reads_the_entry_kinds_part_of_a_per_kind_hash():
-    now = other(kernel_hash="grouped_gemm=aaaa;hybrid=bbbb;stream_gemv=cccc")
-    gemm = entry(1, 1, 1.0, kind="grouped_gemm", versions=other(kernel_hash="grouped_gemm=aaaa;stream_gemv=0ld"))
-    assert judge(gemm, now) is None  # only the stream_gemv kernel changed
-    gemv = entry(1, 1, 1.0, kind="stream_gemv", versions=other(kernel_hash="grouped_gemm=aaaa;stream_gemv=0ld"))
-    assert judge(gemv, now) == "stale: stream_gemv kernel sources 0ld changed to cccc"
-    one_part = entry(1, 1, 1.0, kind="grouped_gemm", versions=other(kernel_hash="5eed"))  # older one-part form
-    assert judge(one_part, now) is not None
-
-
-def test_folder_hash_has_one_part_per_kind_file(tmp_path):
-    from moetune.runtime.table import folder_hash, kernel_hash_part
-
-    pkg = tmp_path / "kernels"
-    pkg.mkdir()
-    shared = tmp_path / "common.py"
-    for f, text in ((pkg / "_common.py", "A = 1\n"), (pkg / "stream_gemv.py", "from ._common import A\n"),
-                    (pkg / "grouped_gemm.py", "from ._common import A\n"),
-                    (pkg / "hybrid.py", "from .stream_gemv import A\n"), (shared, "B = 1\n")):
-        f.write_text(text)
-
-    def parts():
-        h = folder_hash(pkg, [shared])
-        return {k: kernel_hash_part(h, k) for k in ("grouped_gemm", "hybrid", "stream_gemv")}
-
-    before = parts()
-    assert len(set(before.values())) == 3
-    (pkg / "stream_gemv.py").write_text("from ._common import A  # edited\n")
-    after = parts()
-    assert after["grouped_gemm"] == before["grouped_gemm"]  # not its file
-    assert after["stream_gemv"] != before["stream_gemv"]
-    assert after["hybrid"] != before["hybrid"]  # hybrid.py imports stream_gemv
-    for f in (pkg / "_common.py", shared):  # a shared file: every part
-        f.write_text(f.read_text() + "# edited\n")
-        again = parts()
-        assert all(again[k] != after[k] for k in after)
-        after = again
-    for f in ("stream_gemv.py", "grouped_gemm.py", "hybrid.py"):
-        (pkg / f).unlink()
-    assert ";" not in folder_hash(pkg, [shared])  # no kind of its own file: one hash
-
-
 def test_load_entries_leaves_stale_and_foreign_out_with_one_warning(tmp_path):
     path = tmp_path / "d.sqlite"
     with DispatchTable(path) as t:
@@ -274,12 +214,12 @@ def test_load_entries_leaves_stale_and_foreign_out_with_one_warning(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = load_entries(path, BLOCK, "cpu", "torch")
-    assert [(lo, hi) for lo, hi, _ in got] == [(1, 1)]
+    assert [(lo, hi) for lo, hi, _ in got] == [(1, 1), (8, 16)]  # another torch, the same kernel sources: used
     assert got[0][2] == sched("stream_gemv", 1)
     msgs = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
     assert len(msgs) == 1, msgs
-    assert str(path) in msgs[0] and "[2,2] foreign" in msgs[0]
-    assert "[3,7] stale" in msgs[0] and "[8,16] stale" in msgs[0]
+    assert str(path) in msgs[0] and "2 entries not used: [2,2] foreign" in msgs[0] and "[3,7] stale" in msgs[0]
+    assert "1 entry used, to be re-timed: [8,16] retime: tuned with torch 1.0" in msgs[0]
 
 
 def test_load_entries_of_another_block_or_target_is_empty_without_warning(tmp_path):
@@ -355,6 +295,116 @@ def test_table_of_another_version_is_not_read(tmp_path):
     conn.close()
     with pytest.warns(CacheWarning, match="dispatch_v0"):
         assert load_entries(path, BLOCK, "cpu", "torch") == []
+
+
+# ------------------------------------------------------------------------------- files of version 1
+
+V1_SCHEMA = """CREATE TABLE "dispatch_v1" (
+   "target" TEXT NOT NULL, "backend" TEXT NOT NULL, "signature" TEXT NOT NULL, "bucket_lo" INTEGER NOT NULL,
+   "bucket_hi" INTEGER NOT NULL, "signature_text" TEXT NOT NULL, "kind" TEXT NOT NULL, "row_threshold" INTEGER,
+   "params_type" TEXT, "params" TEXT, "fusion" TEXT NOT NULL, "time_us" REAL NOT NULL, "floor_us" REAL,
+   "pct_of_floor" REAL, "default_time_us" REAL, "baseline_time_us" REAL, "baseline" TEXT, "timer" TEXT,
+   "trials" INTEGER, "moetune" TEXT, "kernel_hash" TEXT NOT NULL, "backend_version" TEXT NOT NULL,
+   "torch" TEXT, "device" TEXT NOT NULL, "capability" TEXT NOT NULL, "tuned_at" TEXT NOT NULL,
+   PRIMARY KEY ("target", "backend", "signature", "bucket_lo", "bucket_hi")
+)"""
+FUSION_V1 = '{"combine_in_down": true, "gate_up": true, "route_in_gate_up": true, "weight_in_down": false}'
+V1_ENTRIES = [entry(1, 1, 4.0), entry(2, 7, 6.0, kind="grouped_gemm"), entry(8, 16, 9.0, kind="hybrid")]
+
+
+def _v1_file(path: Path, entries=V1_ENTRIES) -> Path:
+    """A table file as the previous version wrote it: dispatch_v1, its rows with a fusion column."""
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute(V1_SCHEMA)
+        for e in entries:
+            row = dict(e.row(), fusion=FUSION_V1)
+            conn.execute(f"INSERT INTO dispatch_v1 ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+                         list(row.values()))
+    conn.close()
+    return path
+
+
+def _tables(path: Path) -> set[str]:
+    conn = sqlite3.connect(path)
+    names = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    conn.close()
+    return names
+
+
+def test_a_v1_file_is_read_as_it_is(tmp_path):
+    """A deployment's table of the previous version keeps serving: its rows read (fusion ignored), the file
+    left unchanged by a reader."""
+    path = _v1_file(tmp_path / "old.sqlite")
+    with DispatchTable(path, create=False) as t:
+        assert t.source == V1 and t.foreign_version is None
+        assert t.entries() == V1_ENTRIES
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = load_entries(path, BLOCK, "cpu", "torch")
+    assert [(lo, hi, s) for lo, hi, s in got] == [(e.bucket_lo, e.bucket_hi, e.schedule(BLOCK)) for e in V1_ENTRIES]
+    assert _tables(path) == {V1}
+
+
+@pytest.mark.parametrize("how", ["create", "put"])
+def test_a_v1_file_moves_to_v2_when_opened_for_writing(tmp_path, how):
+    """Opened for writing (or written through a read-only handle), a v1 file's rows move to dispatch_v2, every
+    column but fusion the same, and the v1 table goes."""
+    path = _v1_file(tmp_path / "old.sqlite")
+    conn = sqlite3.connect(path)
+    before = conn.execute(f"SELECT {', '.join(COLUMNS)} FROM dispatch_v1 ORDER BY bucket_lo").fetchall()
+    conn.close()
+    with DispatchTable(path, create=how == "create") as t:
+        if how == "put":
+            assert t.source == V1
+            assert t.put(entry(17, 32, 3.0))
+        assert t.source == TABLE
+    assert _tables(path) == {TABLE}
+    conn = sqlite3.connect(path)
+    after = conn.execute(f"SELECT {', '.join(COLUMNS)} FROM {TABLE} ORDER BY bucket_lo").fetchall()
+    conn.close()
+    assert after[:3] == before and len(after) == 3 + (how == "put")
+    with DispatchTable(path, create=False) as t:
+        assert t.entries()[:3] == V1_ENTRIES
+
+
+def test_moving_a_v1_file_keeps_the_v2_rows_and_is_one_transaction(tmp_path):
+    """A file holding both tables (a v1 writer came after the move): the v2 row of a key stays, the other v1
+    rows join it. A v1 table with other columns is refused naming the file, and the file is left as it was."""
+    path = tmp_path / "both.sqlite"
+    with DispatchTable(path) as t:
+        t.put(entry(1, 1, 8.0, kind="grouped_gemm"))
+    _v1_file(path)
+    with DispatchTable(path) as t:
+        got = {e.bucket: (e.kind, e.time_us) for e in t.entries()}
+    assert got == {(1, 1): ("grouped_gemm", 8.0), (2, 7): ("grouped_gemm", 6.0), (8, 16): ("hybrid", 9.0)}
+    assert _tables(path) == {TABLE}
+
+    bad = tmp_path / "bad.sqlite"
+    _v1_file(bad)
+    conn = sqlite3.connect(bad)
+    with conn:
+        conn.execute("ALTER TABLE dispatch_v1 ADD COLUMN extra TEXT")
+    conn.close()
+    with pytest.raises(CacheError, match=r"bad.sqlite.*dispatch_v1 has other columns"):
+        DispatchTable(bad)
+    assert _tables(bad) == {V1}
+
+    half = tmp_path / "half.sqlite"  # the move fails at its last row: nothing of it stays
+    with DispatchTable(half) as t:
+        t.put(entry(1, 1, 8.0, kind="grouped_gemm"))
+    _v1_file(half)
+    conn = sqlite3.connect(half)
+    with conn:
+        conn.execute(f"CREATE TRIGGER fail BEFORE INSERT ON {TABLE} WHEN NEW.bucket_lo = 8 "
+                     "BEGIN SELECT RAISE(ABORT, 'refused'); END")
+    conn.close()
+    with pytest.raises(CacheError, match=r"half.sqlite.*refused"):
+        DispatchTable(half)
+    conn = sqlite3.connect(half)
+    counts = {n: conn.execute(f"SELECT count(*) FROM {n}").fetchone()[0] for n in (TABLE, V1)}
+    conn.close()
+    assert counts == {TABLE: 1, V1: 3}
 
 
 # ------------------------------------------------------------------------------------ show and merge

@@ -12,7 +12,8 @@ import torch
 import toy_backend as tb
 
 from moetune.ir import UnsupportedSchedule
-from moetune.runtime.table import DispatchEntry, DispatchTable, Versions
+from moetune.runtime.table import DispatchEntry, DispatchTable
+from moetune.runtime.versions import Versions
 from moetune.search.objective import CandidateError, expert_tensors, trace_sampler
 from moetune.search.study import TuneOptions, bucket_inputs, tune_bucket
 from moetune.search.timing import FakeTimer

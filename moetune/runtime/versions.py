@@ -1,0 +1,163 @@
+"""What a tuned timing depends on besides the block: the kernel sources, the library that compiles them and
+the device; and whether a stored entry still says something about this code and machine (`judge`).
+
+    current = Versions.current("triton", "cuda")     # this tree, this Triton, this GPU
+    kernel_source_hash("triton")                      # "grouped_gemm=…;hybrid=…;stream_gemv=…"
+    judge(entry, current)                             # None, or "stale: …" / "foreign: …" / "retime: …"
+
+A kernel hash has one part per schedule kind, over exactly the files the backend declares for that kind
+(`Backend.sources(kind)`), so editing one kind's kernel leaves the tuned entries of the other kinds current.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..ir import SCHEDULE_KINDS, CacheError, MoetuneError
+
+if TYPE_CHECKING:
+    from .table import DispatchEntry
+
+
+@dataclass(frozen=True)
+class Versions:
+    """What a measurement depends on besides the block: code, libraries and the device."""
+
+    moetune: str
+    kernel_hash: str  # per schedule kind, the sha256 of the files that make its kernels (`kernel_source_hash`)
+    backend_version: str  # triton / jax version; torch's for the torch backend
+    torch: str
+    device: str  # "NVIDIA H200", "cpu: AMD EPYC 7B13", ...
+    capability: str  # "sm_90", "x86_64", ...
+
+    @classmethod
+    def current(cls, backend: str, device: str = "cpu") -> Versions:
+        import torch
+
+        from .. import __version__
+
+        name, cap = device_identity(device)
+        return cls(__version__, kernel_source_hash(backend), backend_version(backend), torch.__version__,
+                   name, cap)
+
+
+def files_hash(files: Iterable[Path]) -> str:
+    """sha256[:16] of `files` in path order, each as its name and its bytes."""
+    h = hashlib.sha256()
+    for f in sorted(files):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def kernel_source_hash(backend: str) -> str:
+    """"grouped_gemm=…;hybrid=…;stream_gemv=…": per schedule kind, the hash of the source files the backend
+    declares its kernels of that kind are made of. A changed file makes the old timings of the kinds built
+    from it stale, and only those."""
+    from ..codegen.backend import get
+
+    try:
+        be = get(backend)
+    except (MoetuneError, ImportError) as e:
+        raise CacheError(f"backend {backend!r}: no kernel sources found ({e})") from e
+    declared = getattr(be, "sources", None)  # FALLBACK: `be.sources` once every backend declares them
+    parts = []
+    for kind in sorted(SCHEDULE_KINDS):
+        files = declared(kind) if declared is not None else _sources_by_import(be, kind)  # FALLBACK
+        parts.append(f"{kind}={files_hash(files)}")
+    return ";".join(parts)
+
+
+def _sources_by_import(be, kind: str) -> tuple[Path, ...]:
+    """FALLBACK for a backend without `sources(kind)`; delete once every backend declares its sources.
+
+    The files a kind's kernels were taken to depend on before backends declared them: every *.py of the
+    backend's folder and codegen/common.py, less the other kinds' own files (`<kind>.py`) that the kind's own
+    file does not import; every file for a kind without a file of its own."""
+    import re
+
+    try:
+        folder = Path(sys.modules[type(be).__module__].__file__).resolve().parent
+    except (KeyError, TypeError) as e:
+        raise CacheError(f"backend {be.name!r}: no kernel sources found ({e})") from e
+    files = {*folder.rglob("*.py"), Path(__file__).resolve().parents[1] / "codegen" / "common.py"}
+    own = {f.stem: f for f in files if f.parent == folder and f.stem in SCHEDULE_KINDS}
+    if kind not in own:
+        return tuple(sorted(files))
+    text = own[kind].read_text()
+    uses = {k for k in own if re.search(rf"from \.{k}\b|from \. import [^\n]*\b{k}\b", text)} | {kind}
+    return tuple(sorted(f for f in files if f not in own.values() or f.stem in uses))
+
+
+def kernel_hash_part(kernel_hash: str, kind: str) -> str:
+    """What an entry of schedule `kind` depends on in a kernel hash: its kind's part of a per-kind hash,
+    else the whole hash (an older one-part hash)."""
+    for part in kernel_hash.split(";"):
+        k, sep, h = part.partition("=")
+        if sep and k == kind:
+            return h
+    return kernel_hash
+
+
+def backend_version(backend: str) -> str:
+    """The version of the library that compiles the backend's kernels ("none" where it is absent)."""
+    lib = {"torch": "torch", "triton": "triton", "pallas": "jax"}.get(backend, backend)
+    try:
+        mod = __import__(lib)
+    except ImportError:
+        return "none"
+    return f"{lib} {mod.__version__}"
+
+
+@functools.cache
+def device_identity(device: str = "cpu") -> tuple[str, str]:
+    """(device name, compute capability) of "cpu", "cuda[:i]" or "tpu"."""
+    if device.startswith("cuda"):
+        import torch
+
+        idx = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(idx)
+        return torch.cuda.get_device_name(idx), f"sm_{major}{minor}"
+    if device.startswith("tpu"):
+        import jax
+
+        d = jax.devices()[0]
+        return d.device_kind, d.platform
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu: {name}", platform.machine()
+
+
+def judge(entry: DispatchEntry, current: Versions) -> str | None:
+    """None when `entry` is sound here; else why not: "foreign: …" (another device), "stale: …" (other
+    kernel sources), or "retime: …" (the same kernel sources compiled by another version of the backend's
+    library: still used, see `serves`, though its timing may no longer be the fastest)."""
+    v = entry.versions
+    if (v.device, v.capability) != (current.device, current.capability):
+        return (f"foreign: tuned on {v.device} ({v.capability}), "
+                f"this is {current.device} ({current.capability})")
+    was, now = kernel_hash_part(v.kernel_hash, entry.kind), kernel_hash_part(current.kernel_hash, entry.kind)
+    if was != now:
+        return f"stale: {entry.kind} kernel sources {was} changed to {now}"
+    if v.backend_version != current.backend_version:
+        return f"retime: tuned with {v.backend_version}, this is {current.backend_version}"
+    return None
+
+
+def serves(why: str | None) -> bool:
+    """Whether an entry `judge` answered `why` for is used: a sound one, or one to re-time."""
+    return why is None or why.startswith("retime:")

@@ -1,0 +1,148 @@
+"""What a timing depends on: the per-kind kernel hash over the files each backend declares, the device and
+library identities, and `judge`'s reasons for not using an entry."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+
+from moetune.codegen.backend import register
+from moetune.codegen.torch.backend import BACKEND as TORCH
+from moetune.ir import MoEBlock
+from moetune.runtime.table import DispatchEntry
+from moetune.runtime.versions import (
+    Versions,
+    backend_version,
+    device_identity,
+    judge,
+    kernel_hash_part,
+    kernel_source_hash,
+    serves,
+)
+
+BLOCK = MoEBlock(E=16, k=4, D=64, F=40, weight_dtype="float32", routing_weight_dtype="float32", name="t")
+HERE = Versions.current("torch", "cpu")
+KINDS = ("grouped_gemm", "hybrid", "stream_gemv")
+
+
+def entry(kind: str = "stream_gemv", versions: Versions = HERE) -> DispatchEntry:
+    return DispatchEntry.of(target="cpu", block=BLOCK, bucket=(1, 1), schedule=TORCH.default(BLOCK, kind, 1),
+                            time_us=1.0, versions=versions)
+
+
+def other(**kw) -> Versions:
+    return dataclasses.replace(HERE, **kw)
+
+
+JUDGE_CASES = [
+    ({}, None),
+    ({"device": "NVIDIA H200"}, "foreign"),
+    ({"capability": "sm_90"}, "foreign"),
+    ({"kernel_hash": "deadbeefdeadbeef"}, "stale: stream_gemv kernel sources"),
+    ({"backend_version": "torch 2.0.0"}, "retime: tuned with torch 2.0.0"),  # used: see `serves`
+    ({"moetune": "0.0.1", "torch": "2.0.0"}, None),  # code identity: the kernel hash, not the version
+]
+
+
+@pytest.mark.parametrize("change,reason", JUDGE_CASES)
+def test_judge_names_the_reason(change, reason):
+    why = judge(entry(versions=other(**change)), HERE)
+    if reason is None:
+        assert why is None
+    else:
+        assert why is not None and why.startswith(reason.split(":")[0]) and reason in why
+    assert serves(why) == (reason is None or reason.startswith("retime"))
+
+
+def test_judge_reads_the_entry_kinds_part_of_a_per_kind_hash():
+    now = other(kernel_hash="grouped_gemm=aaaa;hybrid=bbbb;stream_gemv=cccc")
+    gemm = entry("grouped_gemm", other(kernel_hash="grouped_gemm=aaaa;stream_gemv=0ld"))
+    assert judge(gemm, now) is None  # only the stream_gemv kernel changed
+    gemv = entry("stream_gemv", other(kernel_hash="grouped_gemm=aaaa;stream_gemv=0ld"))
+    assert judge(gemv, now) == "stale: stream_gemv kernel sources 0ld changed to cccc"
+    one_part = entry("grouped_gemm", other(kernel_hash="5eed"))  # an older one-part hash
+    assert judge(one_part, now) is not None
+    assert kernel_hash_part("5eed", "hybrid") == "5eed"
+
+
+class DeclaredSources:
+    """A backend that declares the files of each kind's kernels."""
+
+    def __init__(self, name: str, files: dict):
+        self.name, self.files = name, files
+
+    def sources(self, kind: str):
+        return self.files[kind]
+
+
+def test_kernel_hash_covers_exactly_the_declared_files_of_each_kind(tmp_path):
+    shared, gemv, gemm, unused = (tmp_path / n for n in ("shared.py", "gemv.py", "gemm.py", "unused.py"))
+    for f in (shared, gemv, gemm, unused):
+        f.write_text(f"# {f.name}\n")
+    be = register(DeclaredSources("declared-sources", {"stream_gemv": (gemv, shared), "hybrid": (gemv, gemm, shared),
+                                                       "grouped_gemm": (shared, gemm)}))
+
+    def parts() -> dict[str, str]:
+        kernel_source_hash.cache_clear()
+        h = kernel_source_hash(be.name)
+        assert h == ";".join(f"{k}={kernel_hash_part(h, k)}" for k in KINDS)  # one part per kind, sorted
+        return {k: kernel_hash_part(h, k) for k in KINDS}
+
+    before = parts()
+    assert len(set(before.values())) == 3
+    unused.write_text("# edited\n")  # a file no kind declares: no part changes
+    assert parts() == before
+    gemv.write_text("# edited\n")
+    after = parts()
+    assert after["grouped_gemm"] == before["grouped_gemm"]
+    assert after["stream_gemv"] != before["stream_gemv"] and after["hybrid"] != before["hybrid"]
+    shared.write_text("# edited\n")  # every kind's file: every part
+    again = parts()
+    assert all(again[k] != after[k] for k in KINDS)
+    be.files = {k: tuple(reversed(v)) for k, v in be.files.items()}  # the order declared does not count
+    assert parts() == again
+    kernel_source_hash.cache_clear()
+
+
+def test_fallback_sources_of_a_backend_without_declared_ones(tmp_path, monkeypatch):
+    """FALLBACK (delete with `versions._sources_by_import`): a kind's own file, the files it imports and the
+    backend's shared files; every file for a kind without a file of its own."""
+    from moetune.runtime.versions import _sources_by_import
+
+    pkg = tmp_path / "toykernels"
+    pkg.mkdir()
+    for name, text in (("__init__.py", "class Toy:\n    name = 'toy-fallback'\n"), ("_common.py", "A = 1\n"),
+                       ("stream_gemv.py", "from ._common import A\n"), ("grouped_gemm.py", "from ._common import A\n"),
+                       ("hybrid.py", "from .stream_gemv import A\n")):
+        (pkg / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import toykernels
+
+    be = toykernels.Toy()
+    names = {k: {f.name for f in _sources_by_import(be, k)} for k in KINDS}
+    base = {"__init__.py", "_common.py", "common.py"}
+    assert names == {"grouped_gemm": base | {"grouped_gemm.py"}, "stream_gemv": base | {"stream_gemv.py"},
+                     "hybrid": base | {"hybrid.py", "stream_gemv.py"}}
+    (pkg / "grouped_gemm.py").unlink()
+    assert {f.name for f in _sources_by_import(be, "grouped_gemm")} == base | {"stream_gemv.py", "hybrid.py"}
+    del sys.modules["toykernels"]
+
+
+def test_every_backend_hashes_one_part_per_kind():
+    for name in ("torch", "triton"):
+        if name == "triton":
+            pytest.importorskip("triton")
+        h = kernel_source_hash(name)
+        assert [p.split("=")[0] for p in h.split(";")] == list(KINDS) and all(
+            len(kernel_hash_part(h, k)) == 16 for k in KINDS)
+
+
+def test_device_and_library_identities():
+    name, cap = device_identity("cpu")
+    assert name.startswith("cpu: ") and cap
+    assert backend_version("torch").startswith("torch ")
+    assert backend_version("no-such-library") == "none"
+    v = Versions.current("torch", "cpu")
+    assert (v.device, v.capability) == (name, cap) and v.kernel_hash == kernel_source_hash("torch")
