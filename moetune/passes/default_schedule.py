@@ -23,7 +23,8 @@ def bucket_default(block: MoEBlock, b: Bucket, ctx: PassContext) -> Schedule:
     rows = ctx.routing.rows_per_active(T)
     proposed = {c.kind: c for c in b.candidates}
     hybrid = proposed.get("hybrid")
-    R = hybrid_threshold(rows, hybrid.row_thresholds if hybrid else ctx.policy.hybrid_thresholds or POLICY.hybrid_thresholds)
+    allowed = hybrid.row_thresholds if hybrid else ctx.policy.hybrid_thresholds or POLICY.hybrid_thresholds
+    R = hybrid_threshold(rows, allowed)
     be = ctx.backend
     if be is None:
         kind = default_kind(ctx.regime(T), list(proposed), list(proposed))

@@ -19,8 +19,8 @@ from pathlib import Path
 from ..ir import IRError, MoEBlock, MoetuneError, ScheduledBlock, verify, verify_scheduled
 from .bucketing import bucketing
 from .context import PassContext
-from .policy import Policy
 from .default_schedule import default_schedule
+from .policy import Policy
 from .roofline import roofline
 from .specialise import specialise
 from .stats import RoutingModel, from_trace, uniform

@@ -2,8 +2,9 @@
 
 One row per hardware target. `bandwidth` and `peak_flops` are the figures floors are quoted at
 (the datasheet where there is one); `measured_*` are the ceilings measured on the machine
-(bench/README.md says how), kept beside them and never mixed in. `vector_flops` is the non-matrix-unit rate (fp32 CUDA cores on a GPU): the limit of a
-streaming GEMV, which does its multiply-adds there.
+(bench/README.md says how), kept beside them and never mixed in. `vector_flops` is the
+non-matrix-unit rate (fp32 CUDA cores on a GPU): the limit of a streaming GEMV, which does its
+multiply-adds there.
 
 Floor of one call of the routed experts at T tokens (the router and the shared experts are not part
 of it: they run outside transformers' experts hook, and gpu.md times the routed experts alone):

@@ -8,8 +8,8 @@ from pass_shapes import GPU_SHAPES, gpu_block
 
 from moetune.ir import Bucket, CandidateSpace, MoEBlock, Refusal, ScheduledBlock, verify_scheduled
 from moetune.passes.bucketing import bucketing
-from moetune.passes.policy import Policy
 from moetune.passes.pipeline import context, schedule_block
+from moetune.passes.policy import Policy
 from moetune.passes.rules import RULES, grouped_gemm, hybrid, stream_gemv
 from moetune.passes.specialise import specialise
 from moetune.passes.targets import get_target
