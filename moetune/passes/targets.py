@@ -40,6 +40,8 @@ class Target:
     measured_bandwidth: float | None = None
     measured_flops: float | None = None
     memory_bytes: float | None = None
+    smem_per_block: int | None = None  # bytes of shared memory one GPU thread block may use (opt-in maximum)
+    sm_count: int | None = None  # streaming multiprocessors (GPU); None where the kernels have no such limit
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -71,6 +73,7 @@ TARGETS: dict[str, Target] = {
     for t in (
         Target("h200", "gpu", bandwidth=4.8e12, peak_flops=989e12, vector_flops=67e12,
                measured_bandwidth=4.28e12, measured_flops=750e12, memory_bytes=141e9,
+               smem_per_block=227 * 1024, sm_count=132,
                source="NVIDIA H200 SXM datasheet (bf16 dense, fp32 67 TFLOP/s as H100 SXM); measured "
                       "2026-11-29: HBM read 4.28-4.44 TB/s (Triton, 4 GiB), bf16 matmul 8192^3 "
                       "750-800 TFLOP/s (../shared/notes/gpu.md, low ends kept)"),
