@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moetune.codegen.backend import get
-from moetune.codegen.torch.backend import TorchBackend
+from moetune.codegen.torch import TorchBackend
 from moetune.ir import MoEBlock, Schedule, UnsupportedSchedule
 from moetune.runtime.default import (
     GEMV_MAX_ROWS,
