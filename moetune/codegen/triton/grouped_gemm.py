@@ -30,6 +30,7 @@ Operand paths:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import triton
@@ -126,7 +127,7 @@ CHOICES = (
 
 
 def space(block: MoEBlock, target: Target) -> ParamSpace:
-    return ParamSpace(GemmParams, CHOICES, check=lambda p: check(p, target))
+    return ParamSpace(GemmParams, CHOICES, check=partial(check, target=target))
 
 
 def default_params(block: MoEBlock, T: int, target: Target) -> GemmParams:

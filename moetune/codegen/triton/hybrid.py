@@ -11,6 +11,7 @@ Down writes fp32 rows y [1, P, D] with the routing weight applied; combine.py su
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import triton
@@ -95,7 +96,7 @@ CHOICES = (
 
 
 def space(block: MoEBlock, target: Target) -> ParamSpace:
-    return ParamSpace(HybridParams, CHOICES, check=lambda p: check(p, target))
+    return ParamSpace(HybridParams, CHOICES, check=partial(check, target=target))
 
 
 def _few_rows(block: MoEBlock, T: int) -> bool:

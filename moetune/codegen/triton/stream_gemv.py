@@ -17,6 +17,7 @@ All (token, expert) pairs of a projection run in one launch; the grid is static 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -111,7 +112,7 @@ CHOICES = (
 
 
 def space(block: MoEBlock, target: Target) -> ParamSpace:
-    return ParamSpace(GemvParams, CHOICES, check=lambda p: check(p, target))
+    return ParamSpace(GemvParams, CHOICES, check=partial(check, target=target))
 
 
 def default_params(block: MoEBlock, T: int, target: Target) -> GemvParams:
