@@ -104,13 +104,13 @@ def main() -> None:
         "step": lambda: model(input_ids=step_ids, use_cache=False),
     }
     try:  # the Triton launchers' shared host work (pure Python: timed on the CPU too)
-        from moetune.codegen.triton import _common, launch, routing
+        from moetune.codegen.triton import launch, layout, routing
     except ImportError:  # no triton here
         pass
     else:
         memo: dict = {}
-        paths["args"] = lambda: _common.call_args(b, x, ids, wt, w, memo)
-        paths["args-cold"] = lambda: _common.call_args(b, x, ids, wt, w, {})
+        paths["args"] = lambda: layout.call_args(b, x, ids, wt, w, memo)
+        paths["args-cold"] = lambda: layout.call_args(b, x, ids, wt, w, {})
         if cuda:  # one Triton launch of moetune's own: the routing kernel (two torch.empty, one launch)
             paths["route"] = lambda: routing.route(ids, b.E)
 

@@ -1,28 +1,32 @@
-"""The contract every backend implements, and the registry the runtime and the search read.
+"""The interface every backend offers, and the registry the runtime and the search read.
 
     class Backend(Protocol):
-        name: str                                   # "torch" | "triton" | "pallas"
+        name: str                                   # "torch" | "triton"
         def available(self) -> str | None            # None when usable here, else the reason
         def kinds(self, block) -> dict[kind, str | None]   # schedule kind → None or refusal reason
         def space(self, block, kind) -> ParamSpace   # the kernel's tunables for that kind
         def default(self, block, kind, tokens) -> Schedule    # tested heuristic params for that kind
         def build(self, block, schedule) -> ExpertsFn         # or raise UnsupportedSchedule(reason)
         def cost(self, block, schedule, tokens) -> tuple[float, float]   # (flops, bytes) it moves
+        def sources(self, kind) -> tuple[Path, ...]  # the files whose code the kind's kernels are made of
 
-Backends register themselves with `register(backend)` when their package is imported;
-`get(name)` imports the package on first use, so importing moetune pulls in no Triton or JAX.
+The backends of this package implement it from their kernel files' per-kind contract
+(`moetune.codegen.contract.KernelBackend`). Backends register themselves with `register(backend)` when
+their package is imported; `get(name)` imports the package on first use, so importing moetune pulls in
+no Triton.
 """
 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Protocol
 
 from ..ir import MoEBlock, Schedule, UnsupportedSchedule
 from .common import ExpertsFn, ParamSpace
 
 _REGISTRY: dict[str, Backend] = {}
-_MODULES = {"torch": "moetune.codegen.torch", "triton": "moetune.codegen.triton", "pallas": "moetune.codegen.pallas"}
+_MODULES = {"torch": "moetune.codegen.torch", "triton": "moetune.codegen.triton"}
 
 
 class Backend(Protocol):
@@ -34,6 +38,7 @@ class Backend(Protocol):
     def default(self, block: MoEBlock, kind: str, tokens: int) -> Schedule: ...
     def build(self, block: MoEBlock, schedule: Schedule) -> ExpertsFn: ...
     def cost(self, block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]: ...
+    def sources(self, kind: str) -> tuple[Path, ...]: ...
 
 
 def register(backend: Backend) -> Backend:

@@ -40,6 +40,8 @@ class Target:
     measured_bandwidth: float | None = None
     measured_flops: float | None = None
     memory_bytes: float | None = None
+    smem_per_block: int | None = None  # bytes of shared memory one GPU thread block may use (opt-in maximum)
+    sm_count: int | None = None  # streaming multiprocessors (GPU); None where the kernels have no such limit
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -71,6 +73,7 @@ TARGETS: dict[str, Target] = {
     for t in (
         Target("h200", "gpu", bandwidth=4.8e12, peak_flops=989e12, vector_flops=67e12,
                measured_bandwidth=4.28e12, measured_flops=750e12, memory_bytes=141e9,
+               smem_per_block=227 * 1024, sm_count=132,
                source="NVIDIA H200 SXM datasheet (bf16 dense; fp32 as H100 SXM); measured: HBM read with "
                       "Triton over 4 GiB, bf16 matmul 8192^3 (the low ends of repeated runs)"),
         Target("tpu-v5e", "tpu", bandwidth=819e9, peak_flops=197e12, memory_bytes=16 * 2**30,

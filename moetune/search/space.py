@@ -231,7 +231,7 @@ def _cap_kind(ks: KindSpace, cap: int, anchor: Schedule | None) -> KindSpace:
     sub = {n: v[lo:hi] for n, v, (lo, hi) in zip(names, vals, win, strict=True)}
     rts = sub.pop(f"{ks.kind}:row_threshold", ())
     choices = tuple((n, sub[f"{ks.kind}:{n}"]) for n in ks.params.names())
-    return dataclasses.replace(ks, row_thresholds=rts, params=ParamSpace(ks.params.params_type, choices))
+    return dataclasses.replace(ks, row_thresholds=rts, params=dataclasses.replace(ks.params, choices=choices))
 
 
 def cap_space(space: SearchSpace, cap: int, anchors: Sequence[Schedule] = ()) -> SearchSpace:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("moetune.codegen.triton")
-from test_triton_kernels import ON_GPU, SCHEDULES, make_problem, rel_err, tolerances  # noqa: E402
+from triton_cases import ON_GPU, SCHEDULES, make_problem, rel_err, tolerances  # noqa: E402
 
 from moetune.codegen.torch.reference import experts_reference  # noqa: E402
 from moetune.codegen.triton import BACKEND, launch  # noqa: E402

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from moetune.codegen.backend import get
-from moetune.codegen.torch.backend import TorchBackend
+from moetune.codegen.torch import TorchBackend
 from moetune.ir import IRError, MoEBlock, Schedule
 from moetune.ir.explain import format_ir
 from moetune.ir.presets import PRESETS, preset

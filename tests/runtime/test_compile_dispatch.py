@@ -8,10 +8,7 @@ import pytest
 import torch
 
 from moetune.codegen.backend import get
-from moetune.codegen.torch import experts_reference
-from moetune.codegen.torch._common import GroupedGemmParams
-from moetune.codegen.torch.gathered import GatheredParams
-from moetune.codegen.torch.hybrid import HybridParams
+from moetune.codegen.torch import GatheredParams, GroupedGemmParams, HybridParams, experts_reference
 from moetune.ir import IRError, MoEBlock, Schedule
 from moetune.passes.pipeline import context
 from moetune.runtime.default import default_buckets

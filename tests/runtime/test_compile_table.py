@@ -9,9 +9,7 @@ import torch
 from tiny_models import FAMILIES, UNHOOKED, VOCAB, build
 
 import moetune
-from moetune.codegen.torch._common import GroupedGemmParams
-from moetune.codegen.torch.gathered import GatheredParams
-from moetune.codegen.torch.hybrid import HybridParams
+from moetune.codegen.torch import GatheredParams, GroupedGemmParams, HybridParams
 from moetune.ir import Schedule
 from moetune.runtime import DispatchWarning, plans
 from moetune.runtime.table import CacheWarning, DispatchEntry, DispatchTable

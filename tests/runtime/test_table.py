@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from moetune.cli import main as cli_main
-from moetune.codegen.torch.backend import BACKEND as TORCH
+from moetune.codegen.torch import BACKEND as TORCH
 from moetune.ir import CacheError, MoEBlock, Schedule
 from moetune.runtime.table import (
     COLUMNS,

@@ -14,14 +14,11 @@ rows @ view is the projection), so nothing here copies or repacks a weight.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
 
 from ...ir import DTYPE_BYTES, MoEBlock, UnsupportedSchedule
-from ...passes.stats import uniform_distinct as expected_distinct
 from ..common import ExpertTensors
 from .reference import apply_activation, split_gate_up
 
@@ -31,27 +28,7 @@ COMBINES: tuple[Combine, ...] = ("unsort_sum", "index_add")
 # Bound on the gathered-weights workspace of the GEMV variants (gathered, hybrid's light part):
 # chunk × one expert's weights must fit in it. Above it, the variant is refused with the reason.
 GATHER_WORKSPACE_BYTES = 256 * 2**20
-
-
-@dataclass(frozen=True)
-class GroupedGemmParams:
-    """Parameters of the torch grouped_gemm kind (pairs sorted by expert, GEMM per expert).
-
-    impl     sorted_gemm: a host loop of torch.mm over the active experts' contiguous rows
-             grouped_mm:  one torch.nn.functional.grouped_mm over int32 offsets, no host sync
-    combine  unsort_sum:  un-permute the rows, sum the k rows of each token (view(T, k, D).sum)
-             index_add:   scatter-add the sorted rows into token order (no un-permute)
-    """
-
-    impl: Literal["sorted_gemm", "grouped_mm"] = "sorted_gemm"
-    combine: Combine = "unsort_sum"
-
-    def __post_init__(self) -> None:
-        if self.impl not in ("sorted_gemm", "grouped_mm"):
-            raise UnsupportedSchedule(
-                f"GroupedGemmParams.impl = {self.impl!r}: supported sorted_gemm, grouped_mm"
-            )
-        check_combine("GroupedGemmParams", self.combine)
+CHUNKS = (4, 16, 64, 256)  # pairs per gathered bmm the GEMV variants offer
 
 
 def check_combine(owner: str, combine: str) -> None:
@@ -77,6 +54,11 @@ def gather_refusal(block: MoEBlock, chunk: int) -> str | None:
         f"{per_expert / 2**20:.1f} MiB = {need / 2**20:.1f} MiB of weights, limit "
         f"{GATHER_WORKSPACE_BYTES / 2**20:.0f} MiB (GATHER_WORKSPACE_BYTES); {knob}"
     )
+
+
+def chunks(block: MoEBlock) -> tuple[int, ...]:
+    """The CHUNKS whose gathered copies fit the workspace bound (the smallest possible when none does)."""
+    return tuple(c for c in CHUNKS if gather_refusal(block, c) is None) or (1,)
 
 
 def grouped_mm_refusal(block: MoEBlock) -> str | None:
@@ -198,41 +180,7 @@ def weight_dtype(w: ExpertTensors) -> torch.dtype:
     return w.gate_up.dtype
 
 
-ExpertRows = Callable[[ExpertTensors, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def sorted_rows_fn(block: MoEBlock, combine: Combine, expert_rows: ExpertRows, name: str):
-    """The grouped_gemm variants' ExpertsFn: sort the pairs by expert, run `expert_rows(w, xs_s [S, D],
-    e_s [S], counts [E+1]) → y_s [S, D]` over the expert-sorted rows, combine back to token order."""
-
-    def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
-        T, k = ids.shape
-        if T == 0:
-            return empty_out(x)
-        p = pairs(block, ids, weights)
-        order, e_s, counts = sort_pairs(p, block.E)  # [S], [S], [E+1]
-        xs_s = input_rows(
-            block, x, p.tok.index_select(0, order), p.weight.index_select(0, order), weight_dtype(w)
-        )  # [S, D]
-        y_s = expert_rows(w, xs_s, e_s, counts)  # [S, D]
-        return combine_sorted(combine, block, T, k, y_s, order, p, x.dtype)
-
-    run.__name__ = run.__qualname__ = name
-    return run
-
-
 # ---------------------------------------------------------------- cost model (flops, bytes) ----
-
-
-def sorted_rows_cost(block: MoEBlock, params: GroupedGemmParams, tokens: int) -> tuple[float, float]:
-    """(flops, bytes) of a grouped_gemm variant: T·k rows of FFN; each distinct expert's weights read
-    once; int64 ids and order; the float32 un-permute when the combine is unsort_sum."""
-    S = tokens * block.k
-    b = expected_distinct(block.E, block.k, tokens) * block.weight_bytes_per_expert
-    b += activation_bytes(block, tokens) + S * 16
-    if params.combine == "unsort_sum":
-        b += 2 * S * block.D * 4
-    return ffn_flops(block, S), b
 
 
 def ffn_flops(block: MoEBlock, rows: float) -> float:
@@ -245,30 +193,3 @@ def activation_bytes(block: MoEBlock, tokens: int) -> float:
     b = DTYPE_BYTES[block.weight_dtype]
     S = tokens * block.k
     return b * (tokens * block.D + S * (block.D + 3 * block.F + block.D) + tokens * block.D)
-
-
-__all__ = [
-    "COMBINES",
-    "GATHER_WORKSPACE_BYTES",
-    "GroupedGemmParams",
-    "Pairs",
-    "activate",
-    "activation_bytes",
-    "check_chunk",
-    "check_combine",
-    "combine_pairs",
-    "combine_sorted",
-    "empty_out",
-    "expected_distinct",
-    "sorted_rows_cost",
-    "sorted_rows_fn",
-    "expert_ffn",
-    "ffn_flops",
-    "gather_refusal",
-    "grouped_mm_refusal",
-    "input_rows",
-    "kn",
-    "pairs",
-    "sort_pairs",
-    "weight_dtype",
-]

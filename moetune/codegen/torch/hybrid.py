@@ -21,11 +21,14 @@ from typing import Literal
 
 import torch
 
-from ...ir import MoEBlock, UnsupportedSchedule
+from ...ir import MoEBlock, Schedule, UnsupportedSchedule
+from ...passes.targets import Target
 from ..common import ExpertsFn, ExpertTensors, ParamSpace
+from ..contract import KernelKind, sources
 from ._common import (
     activation_bytes,
     check_chunk,
+    chunks,
     combine_sorted,
     empty_out,
     ffn_flops,
@@ -36,9 +39,10 @@ from ._common import (
     sort_pairs,
     weight_dtype,
 )
-from .gathered import gathered_expert_rows
-from .grouped_mm import grouped_expert_rows
-from .sorted_gemm import sorted_expert_rows
+from .grouped_gemm import grouped_expert_rows, impls, sorted_expert_rows
+from .stream_gemv import gathered_expert_rows, pair_chunk
+
+SOURCES = ("hybrid.py", "grouped_gemm.py", "stream_gemv.py", "_common.py", "reference.py")
 
 
 @dataclass(frozen=True)
@@ -56,10 +60,25 @@ class HybridParams:
         check_chunk("HybridParams", self.chunk)
 
 
-SPACE = ParamSpace(HybridParams, (("heavy", ("sorted_gemm", "grouped_mm")), ("chunk", (4, 16, 64, 256))))
+def refusal(block: MoEBlock) -> str | None:
+    """Why the hybrid cannot run `block`: its light part's gathered copy of one expert over the bound."""
+    return gather_refusal(block, 1)
 
 
-def build(block: MoEBlock, params: HybridParams, row_threshold: int) -> ExpertsFn:
+def space(block: MoEBlock, target: Target) -> ParamSpace:
+    why = refusal(block)
+    if why:
+        raise UnsupportedSchedule(f"torch hybrid refused: {why}")
+    return ParamSpace(HybridParams, (("heavy", impls(block)), ("chunk", chunks(block))))
+
+
+def default_params(block: MoEBlock, T: int, target: Target) -> HybridParams:
+    """The sorted GEMM loop for the heavy experts; the light pairs in one gathered bmm where it fits."""
+    return HybridParams("sorted_gemm", pair_chunk(space(block, target).choices[1][1], block, T))
+
+
+def build(block: MoEBlock, schedule: Schedule) -> ExpertsFn:
+    params, row_threshold = schedule.params, schedule.row_threshold
     why = gather_refusal(block, params.chunk)
     if why is None and params.heavy == "grouped_mm":
         why = grouped_mm_refusal(block)
@@ -103,9 +122,10 @@ def build(block: MoEBlock, params: HybridParams, row_threshold: int) -> ExpertsF
     return hybrid
 
 
-def cost(block: MoEBlock, params: HybridParams, tokens: int, row_threshold: int) -> tuple[float, float]:
+def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
     """(flops, bytes) under uniform routing, m_e ~ Binomial(T, k/E): heavy experts' weights read once,
     light pairs gathered (read, copy, read)."""
+    row_threshold = schedule.row_threshold
     S = tokens * block.k
     heavy_share, heavy_rows_share = binomial_tail(tokens, block.k / block.E, row_threshold)
     heavy_e = block.E * heavy_share  # expected experts with m_e ≥ R
@@ -132,3 +152,7 @@ def binomial_tail(n: int, q: float, r: int) -> tuple[float, float]:
         p_tail += pm
         m_tail += m * pm
     return min(p_tail, 1.0), m_tail
+
+
+KIND = KernelKind("hybrid", HybridParams, space, default_params, build, cost, sources(__file__, SOURCES),
+                  refusal=refusal)

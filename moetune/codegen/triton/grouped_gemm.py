@@ -30,6 +30,7 @@ Operand paths:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import triton
@@ -37,26 +38,18 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
+from ...passes.policy import rows_per_active
+from ...passes.stats import uniform_distinct
+from ...passes.targets import Target
 from ..common import ExpertTensors, ParamSpace
+from ..contract import KernelKind, sources
 from . import combine as _combine
 from . import routing
-from ._common import (
-    H200_SMEM_LIMIT,
-    _find_tile,
-    _grouped_tile,
-    _store_h,
-    _store_y,
-    _tile_down,
-    _tile_down_nb,
-    _tile_gate_up,
-    act_args,
-    call_args,
-    cdiv,
-    check_pow2,
-    dot_smem_bytes,
-    interpreting,
-)
+from ._common import _dot_step, _find_tile, _store_h, _store_y, _tile_down, _tile_gate_up
 from .launch import launch
+from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, interpreting
+
+SOURCES = ("grouped_gemm.py", "_common.py", "layout.py", "routing.py", "combine.py", "launch.py")
 
 
 @dataclass(frozen=True)
@@ -79,17 +72,16 @@ class GemmParams:
     # combine reads, S·P·D·2 each; each (pair, column) value rounded once, the sum over k stays fp32)
     y_half: bool = False
     # down (pointer path): D-column blocks per program, walked in one flattened pipelined loop (the next
-    # block's tiles load while the current one ends; the tile's set-up is paid once for all of them). H200:
-    # 1-3 % faster with 16-row tiles at F ≤ 2048, slower with fp32 y at 64-row tiles (its staging tile)
+    # block's tiles load while the current one ends; the tile's set-up is paid once for all of them; the
+    # store inside the loop takes a staging tile of its own)
     down_nb: int = 1
 
     def __post_init__(self) -> None:
         if self.down_nb not in (1, 2, 4, 8):
             raise UnsupportedSchedule(f"GemmParams.down_nb = {self.down_nb}: 1, 2, 4 or 8")
-        if self.down_nb > 1 and self.tma:  # H200 (session 11): the flattened TMA loop holds more shared memory
+        if self.down_nb > 1 and self.tma:  # the TMA down loop flattened over column blocks holds more shared memory
             raise UnsupportedSchedule("GemmParams.down_nb > 1 with tma: the pointer path only (the TMA down "
-                                      "loop flattened over column blocks took 106 KB of shared memory against "
-                                      "74 KB and ran 10-32 % slower at mixtral-8x7b T = 64)")
+                                      "loop flattened over column blocks needs more shared memory and runs slower)")
         check_pow2("GemmParams", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
                    down_block_n=self.down_block_n, down_block_k=self.down_block_k,
                    num_warps=self.num_warps, down_warps=self.down_warps)
@@ -100,23 +92,23 @@ class GemmParams:
             raise UnsupportedSchedule(f"GemmParams.split_k = {self.split_k}: 1, 2, 4 or 8")
         if self.group_m < 1:
             raise UnsupportedSchedule(f"GemmParams.group_m = {self.group_m}: must be ≥ 1")
-        for name, smem in (
-            ("gate/up", dot_smem_bytes(self.block_m, self.block_n, self.block_k, self.num_stages, 2)),
-            # down_nb > 1: the store inside the loop takes its own [BM, BN] fp32 staging tile (sm_90 builds:
-            # 196,608 → 327,680 B at 128 × 256 × 64, 4 stages)
-            ("down", dot_smem_bytes(self.block_m, self.down_block_n, self.down_block_k, self.down_stages, 1)
-             + (self.block_m * self.down_block_n * 4 if self.down_nb > 1 else 0)),
-        ):
-            if smem > H200_SMEM_LIMIT:
-                bn, bk, st = ((self.block_n, self.block_k, self.num_stages) if name == "gate/up"
-                              else (self.down_block_n, self.down_block_k, self.down_stages))
-                raise UnsupportedSchedule(
-                    f"GemmParams {name} tile block_m={self.block_m} block_n={bn} block_k={bk} stages={st}: "
-                    f"needs {smem // 1024} KiB shared memory, limit {H200_SMEM_LIMIT // 1024} KiB; "
-                    "lower block_k or the stages")
 
 
-SPACE = ParamSpace(GemmParams, (
+def check(p: GemmParams, target: Target) -> None:
+    """What `target` cannot run: each GEMM's tl.dot pipeline over the shared memory of one block."""
+    for name, bn, bk, st, smem in (
+        ("gate/up", p.block_n, p.block_k, p.num_stages,
+         dot_smem_bytes(p.block_m, p.block_n, p.block_k, p.num_stages, 2)),
+        # down_nb > 1: the store inside the loop takes its own [BM, BN] fp32 staging tile
+        ("down", p.down_block_n, p.down_block_k, p.down_stages,
+         dot_smem_bytes(p.block_m, p.down_block_n, p.down_block_k, p.down_stages, 1)
+         + (p.block_m * p.down_block_n * 4 if p.down_nb > 1 else 0)),
+    ):
+        check_smem(f"GemmParams {name} tile block_m={p.block_m} block_n={bn} block_k={bk} stages={st}", smem,
+                   target, "lower block_k or the stages")
+
+
+CHOICES = (
     ("block_m", (16, 32, 64, 128)),
     ("block_n", (32, 64, 128)),
     ("block_k", (64, 128)),
@@ -132,7 +124,70 @@ SPACE = ParamSpace(GemmParams, (
     ("tma", (False, True)),
     ("y_half", (False, True)),
     ("down_nb", (1, 2, 4)),
-))
+)
+
+
+def space(block: MoEBlock, target: Target) -> ParamSpace:
+    return ParamSpace(GemmParams, CHOICES, check=partial(check, target=target))
+
+
+def default_params(block: MoEBlock, T: int, target: Target) -> GemmParams:
+    """Tiles of rows per active expert: 16-row tl.dot tiles while experts get a few rows, 64-row tiles
+    beyond, then 128-row tiles with the gate/up as one N = 256 tl.dot (one N = 256 dot beats two N = 128
+    dots at many rows per expert); from 128 rows per expert every operand through TMA where the layout
+    allows it (standard layout; slower than the pointer path at fewer rows), the gate/up as one dot from
+    one [2, 128, 64] box and the down GEMM split in two along F with 16-bit y rows."""
+    rows = rows_per_active(block, T)
+    if rows < 12:
+        return GemmParams(block_m=16, block_n=64, block_k=128, num_stages=4, down_block_n=64,
+                          down_block_k=128, down_stages=4)
+    if rows < 48:
+        return GemmParams(block_m=64, block_n=64, block_k=64, num_stages=4, down_block_n=128,
+                          down_block_k=64, down_stages=4)
+    if rows < 128 or tma_refusal(block):
+        return GemmParams(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, one_dot=True,
+                          down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
+    return GemmParams(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, tma=True,
+                      one_dot=True, down_block_n=256, down_block_k=64, down_warps=8, down_stages=3,
+                      split_k=2, y_half=True)
+
+
+
+
+@triton.jit
+def _grouped_tile(pid, n_tiles, N, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program → (row tile, first column n0) in grouped order: GROUP_M row tiles sweep each column
+    block together, so the tiles of one expert share its weight tiles in L2."""
+    nb_n = tl.cdiv(N, BN)
+    in_group = GROUP_M * nb_n
+    first = (pid // in_group) * GROUP_M
+    gsize = tl.minimum(n_tiles - first, GROUP_M)
+    tile = first + (pid % in_group) % gsize
+    n0 = ((pid % in_group) // gsize) * BN
+    return tile, n0
+
+
+@triton.jit
+def _tile_down_nb(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n_first, N, k_lo, k_hi, y_ptr, wt, b_e, sbn,
+                  first_split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr,
+                  UPCAST: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr):
+    """_tile_down + _store_y over NB consecutive column blocks [n_first + b·BN, +BN) of one row tile in ONE
+    pipelined loop (b, K step) flattened: at a short reduction (F = 768: 6 steps of 128) the next block's
+    first tiles load while the current one finishes, and the tile's set-up (counts, pairs, weights) is
+    paid once for NB blocks. Each block's y rows are stored when its last K step is in."""
+    nk = tl.cdiv(k_hi - k_lo, BK)
+    nb = tl.minimum(NB, tl.cdiv(N - n_first, BN))
+    arow = h_ptr + pairs.to(tl.int64)[:, None] * s_hp
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for i in range(0, nb * nk):
+        b = i // nk
+        k0 = k_lo + (i - b * nk) * BK
+        n0 = n_first + b * BN
+        offs_n = n0 + tl.arange(0, BN)
+        acc = _dot_step(arow, w_e + offs_n[None, :] * sn, sk, k0, k_hi, rmask, offs_n < N, acc, BK, UPCAST)
+        if k0 + BK >= k_hi:  # block b complete
+            _store_y(y_ptr, pairs, rmask, acc, wt, b_e, sbn, first_split, n0, N, BN, HAS_BIAS, W_IN)
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
 
 
 @triton.jit(do_not_specialize=["P", "n_tiles"])
@@ -258,9 +313,8 @@ def _desc(t: torch.Tensor, shape: list[int], strides: list[int], box: list[int])
 
 
 def build(block: MoEBlock, schedule: Schedule):
-    p = schedule.params if schedule.params is not None else GemmParams()
-    if not isinstance(p, GemmParams):
-        raise UnsupportedSchedule(f"grouped_gemm takes GemmParams, got {type(p).__name__}")
+    """ExpertsFn of a grouped_gemm schedule (params: GemmParams)."""
+    p = schedule.params
     E, D, F = block.E, block.D, block.F
     alpha, limit = act_args(block)
     if p.tma:
@@ -347,8 +401,9 @@ def _build_tma(block: MoEBlock, p: GemmParams, alpha: float, limit: float):
     return run
 
 
-def cost(block: MoEBlock, params: GemmParams, tokens: int, distinct: float) -> tuple[float, float]:
+def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
     """(flops, bytes): weights of each distinct expert once (L2 serves the other tiles), x, h, y."""
+    params, distinct = schedule.params, uniform_distinct(block.E, block.k, tokens)
     wb = 2 if block.weight_dtype != "float32" else 4
     yb = wb if params.y_half else 4
     P = tokens * block.k
@@ -359,3 +414,6 @@ def cost(block: MoEBlock, params: GemmParams, tokens: int, distinct: float) -> t
           + _combine.cost(params.split_k, P, tokens, block.D, wb, yb)[1] + params.split_k * P * block.D * yb
           + routing.cost(P, block.E)[1])
     return flops, by
+
+
+KIND = KernelKind("grouped_gemm", GemmParams, space, default_params, build, cost, sources(__file__, SOURCES))

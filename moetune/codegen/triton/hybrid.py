@@ -11,17 +11,21 @@ Down writes fp32 rows y [1, P, D] with the routing weight applied; combine.py su
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import triton
 import triton.language as tl
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
+from ...passes.policy import rows_per_active
+from ...passes.stats import uniform_distinct
+from ...passes.targets import Target
 from ..common import ExpertTensors, ParamSpace
+from ..contract import KernelKind, sources
 from . import combine as _combine
 from . import routing
 from ._common import (
-    H200_SMEM_LIMIT,
     _find_slot,
     _find_tile,
     _row_down,
@@ -32,15 +36,11 @@ from ._common import (
     _store_y,
     _tile_down,
     _tile_gate_up,
-    act_args,
-    call_args,
-    cdiv,
-    check_pow2,
-    dot_smem_bytes,
-    interpreting,
-    next_pow2,
 )
 from .launch import launch
+from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, interpreting, next_pow2
+
+SOURCES = ("hybrid.py", "_common.py", "layout.py", "routing.py", "combine.py", "launch.py")
 
 
 @dataclass(frozen=True)
@@ -66,18 +66,20 @@ class HybridParams:
         if not interpreting() and min(self.block_m, self.block_n, self.block_k,
                                       self.down_block_n, self.down_block_k) < 16:
             raise UnsupportedSchedule(f"HybridParams {self}: tl.dot needs every GEMM block ≥ 16")
-        for name, smem in (
-            ("gate/up", dot_smem_bytes(self.block_m, self.block_n, self.block_k, self.num_stages, 2)),
-            ("down", dot_smem_bytes(self.block_m, self.down_block_n, self.down_block_k, self.down_stages, 1)),
-        ):
-            if smem > H200_SMEM_LIMIT:
-                raise UnsupportedSchedule(
-                    f"HybridParams {name} GEMM tile (block_m={self.block_m}, stages={self.num_stages}/"
-                    f"{self.down_stages}) needs {smem // 1024} KiB shared memory, limit "
-                    f"{H200_SMEM_LIMIT // 1024} KiB; lower block_k or the stages")
 
 
-SPACE = ParamSpace(HybridParams, (  # holds every default of TritonBackend.default (test_triton_spaces.py)
+def check(p: HybridParams, target: Target) -> None:
+    """What `target` cannot run: each GEMM part's tl.dot pipeline over the shared memory of one block."""
+    for name, smem in (
+        ("gate/up", dot_smem_bytes(p.block_m, p.block_n, p.block_k, p.num_stages, 2)),
+        ("down", dot_smem_bytes(p.block_m, p.down_block_n, p.down_block_k, p.down_stages, 1)),
+    ):
+        check_smem(f"HybridParams {name} GEMM tile (block_m={p.block_m}, stages={p.num_stages}/{p.down_stages})",
+                   smem, target, "lower block_k or the stages")
+
+
+# holds every default of `default_params` (tests/codegen/test_contract.py)
+CHOICES = (
     ("block_m", (16, 32, 64)),
     ("block_n", (32, 64, 128)),
     ("block_k", (64, 128)),
@@ -91,8 +93,25 @@ SPACE = ParamSpace(HybridParams, (  # holds every default of TritonBackend.defau
     ("down_gemv_block_k", (128, 256, 512)),
     ("down_warps", (4, 8)),
     ("down_stages", (2, 3, 4)),
-))
-ROW_THRESHOLDS = (2, 4, 8, 16)
+)
+
+
+def space(block: MoEBlock, target: Target) -> ParamSpace:
+    return ParamSpace(HybridParams, CHOICES, check=partial(check, target=target))
+
+
+def _few_rows(block: MoEBlock, T: int) -> bool:
+    """Whether active experts get only a few rows each at T (the smaller tiles of the default)."""
+    return rows_per_active(block, T) < 4
+
+
+def default_params(block: MoEBlock, T: int, target: Target) -> HybridParams:
+    """16-row GEMM tiles and wide GEMV programs while experts get a few rows each; 64-row tiles beyond."""
+    small = _few_rows(block, T)
+    return HybridParams(block_m=16 if small else 64, block_n=64, block_k=128 if small else 64,
+                        num_stages=4, gemv_block_n=8 if small else 4, gemv_block_k=256 if small else 128,
+                        down_block_n=64 if small else 128, down_block_k=128 if small else 64,
+                        down_gemv_block_n=4 if small else 2, down_gemv_block_k=128, down_stages=4)
 
 
 @triton.jit(do_not_specialize=["P", "g_tiles", "n_gemm"])
@@ -167,9 +186,8 @@ def grid_parts(P: int, E: int, bm: int, R: int) -> tuple[int, int]:
 
 
 def build(block: MoEBlock, schedule: Schedule):
-    p = schedule.params if schedule.params is not None else HybridParams()
-    if not isinstance(p, HybridParams):
-        raise UnsupportedSchedule(f"hybrid takes HybridParams, got {type(p).__name__}")
+    """ExpertsFn of a hybrid schedule (params: HybridParams; R: the schedule's row_threshold)."""
+    p = schedule.params
     R = schedule.row_threshold
     E, D, F = block.E, block.D, block.F
     alpha, limit = act_args(block)
@@ -204,11 +222,15 @@ def build(block: MoEBlock, schedule: Schedule):
     return run
 
 
-def cost(block: MoEBlock, params: HybridParams, tokens: int, distinct: float) -> tuple[float, float]:
+def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
     """(flops, bytes): like grouped_gemm for the bytes (each distinct expert's weights once)."""
+    distinct = uniform_distinct(block.E, block.k, tokens)
     wb = 2 if block.weight_dtype != "float32" else 4
     P = tokens * block.k
     flops = 2.0 * 3 * P * block.D * block.F
     by = (distinct * block.weight_bytes_per_expert + tokens * block.D * wb + 2 * P * block.F * wb
           + _combine.cost(1, P, tokens, block.D, wb)[1] + P * block.D * 4 + routing.cost(P, block.E)[1])
     return flops, by
+
+
+KIND = KernelKind("hybrid", HybridParams, space, default_params, build, cost, sources(__file__, SOURCES))

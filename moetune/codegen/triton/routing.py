@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, next_pow2
 from .launch import launch
+from .layout import cdiv, next_pow2
 
 
 @triton.jit
@@ -107,9 +107,7 @@ def route_plan(P: int, E: int) -> tuple[int, int, int, int]:
     """(BLOCK_E, C, per_prog, G) for P pairs over E experts: G = 1 means one launch.
 
     Above 4·C pairs, as many programs as chunks of C pairs, up to 64: a program's chunks run one after
-    the other (each waits for its ids' load), so fewer chunks per program is less time. On the H200 the
-    two launches at qwen3-30b-a3b T = 1024 (P = 8192, E = 128) took 12.4 and 14.3 µs with 4 chunks per
-    program and PHASE 1 reading the histograms row by row (ncu, bench/results/h200-s8/call7)."""
+    the other (each waits for its ids' load), so fewer chunks per program is less time."""
     block_e = max(16, next_pow2(E))
     c = max(16, min(64, 8192 // block_e))
     if P <= 4 * c:

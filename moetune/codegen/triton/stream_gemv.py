@@ -17,6 +17,7 @@ All (token, expert) pairs of a projection run in one launch; the grid is static 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -24,15 +25,15 @@ import triton
 import triton.language as tl
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
+from ...passes.policy import rows_per_active
+from ...passes.stats import uniform_distinct
+from ...passes.targets import Target
 from ..common import ExpertTensors, ParamSpace
+from ..contract import KernelKind, sources
 from . import combine as _combine
 from . import routing
 from ._common import (
-    FUSED_ROUTE_MAX_PAIRS,
-    H200_SMEM_LIMIT,
     _find_slot,
-    _fused_pairs,
-    _fused_slot,
     _row_down,
     _row_gate_up,
     _rows_down,
@@ -41,16 +42,12 @@ from ._common import (
     _store_y,
     _tile_down,
     _tile_gate_up,
-    _token_down,
-    _token_down_nb,
-    act_args,
-    call_args,
-    cdiv,
-    check_pow2,
-    dot_smem_bytes,
-    next_pow2,
 )
 from .launch import launch
+from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, next_pow2
+
+SOURCES = ("stream_gemv.py", "_common.py", "layout.py", "routing.py", "combine.py", "launch.py")
+FUSED_ROUTE_MAX_PAIRS = 64  # P above this: the routing kernel groups the pairs instead of each program
 
 
 @dataclass(frozen=True)
@@ -67,8 +64,7 @@ class GemvParams:
     split_k: int = 1  # down, expert mode: F split in this many fp32 partials
     fused_route: bool = True  # P ≤ 64: each program groups the ids itself (no routing kernel)
     # token-mode down: D-blocks per program, walked in one flattened pipelined loop (the next block's chunks
-    # load while the current one ends; the ids, weights and addresses are set up once for all of them).
-    # H200: 2-3 % at qwen3.5-397b-a17b T = 1 (the table's choice there), neutral at k = 8
+    # load while the current one ends; the ids, weights and addresses are set up once for all of them)
     down_nb: int = 1
 
     def __post_init__(self) -> None:
@@ -83,13 +79,6 @@ class GemvParams:
         if self.split_k < 1 or (self.split_k > 1 and self.down_mode != "expert"):
             raise UnsupportedSchedule(f"GemvParams.split_k = {self.split_k}: ≥ 1, and > 1 only with "
                                       "down_mode='expert' (the token mode has no partials to combine)")
-        if self.rows >= 16:
-            smem = dot_smem_bytes(self.rows, self.block_n, self.block_k, self.num_stages, 2)
-            if smem > H200_SMEM_LIMIT:
-                raise UnsupportedSchedule(
-                    f"GemvParams rows={self.rows} block_n={self.block_n} block_k={self.block_k} "
-                    f"num_stages={self.num_stages}: needs {smem // 1024} KiB shared memory, limit "
-                    f"{H200_SMEM_LIMIT // 1024} KiB; lower block_k or num_stages")
         regs = min(self.rows, 8) * self.block_n * self.block_k * 2 // (32 * self.num_warps)
         if self.rows < 16 and regs > 128:
             raise UnsupportedSchedule(
@@ -97,9 +86,17 @@ class GemvParams:
                 f"{regs} fp32 accumulator registers per thread, limit 128; lower block_k or raise num_warps")
 
 
-# holds every default of TritonBackend.default (tests/codegen/test_triton_spaces.py): 64-wide tiles for the
-# 16-row dot pass, down_block_n 2 for the token-mode down at k > 8
-SPACE = ParamSpace(GemvParams, (
+def check(p: GemvParams, target: Target) -> None:
+    """What `target` cannot run: the 16-row tl.dot pass's pipeline over the shared memory of one block."""
+    if p.rows >= 16:
+        check_smem(f"GemvParams rows={p.rows} block_n={p.block_n} block_k={p.block_k} num_stages={p.num_stages}",
+                   dot_smem_bytes(p.rows, p.block_n, p.block_k, p.num_stages, 2), target,
+                   "lower block_k or num_stages")
+
+
+# holds every default of `default_params` (tests/codegen/test_contract.py): 64-wide tiles for the 16-row dot
+# pass, down_block_n 2 for the token-mode down at k > 8
+CHOICES = (
     ("block_n", (4, 8, 16, 32, 64)),
     ("block_k", (128, 256, 512, 1024)),
     ("rows", (1, 2, 4, 16)),
@@ -112,7 +109,130 @@ SPACE = ParamSpace(GemvParams, (
     ("split_k", (1, 2, 4)),
     ("fused_route", (True, False)),
     ("down_nb", (1, 2, 4)),
-))
+)
+
+
+def space(block: MoEBlock, target: Target) -> ParamSpace:
+    return ParamSpace(GemvParams, CHOICES, check=partial(check, target=target))
+
+
+def default_params(block: MoEBlock, T: int, target: Target) -> GemvParams:
+    """One row per weight read (pipelined FMA, the token-mode down: no combine) while the rows per active
+    expert stay about one; beyond, 16-row tl.dot passes over each weight tile with the expert-mode down."""
+    if rows_per_active(block, T) <= 1.5:
+        return GemvParams(down_block_n=max(2, 32 // next_pow2(block.k)))
+    return GemvParams(rows=16, block_n=64, block_k=128, down_block_n=64, down_block_k=128,
+                      down_mode="expert", fused_route=False)
+
+
+@triton.jit
+def _fused_slot(ids_ptr, P, E, slot, BP: tl.constexpr):
+    """Without a routing kernel (P ≤ BP): the slot-th distinct expert in order of first appearance.
+    Returns (e, m_e, match [BP] pairs of e, rank [BP] of each match among them)."""
+    offs = tl.arange(0, BP)
+    idv = tl.load(ids_ptr + offs, mask=offs < P, other=-1).to(tl.int32)  # [BP]
+    valid = (idv >= 0) & (idv < E)
+    earlier = (idv[:, None] == idv[None, :]) & (offs[None, :] < offs[:, None])  # [BP, BP]
+    first = valid & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
+    rank = tl.cumsum(first.to(tl.int32), axis=0) - 1
+    sel = first & (rank == slot)
+    found = tl.sum(sel.to(tl.int32), axis=0)
+    e = tl.sum(tl.where(sel, idv, 0), axis=0)
+    match = valid & (idv == e) & (found > 0)
+    mrank = tl.cumsum(match.to(tl.int32), axis=0) - 1
+    m = tl.sum(match.to(tl.int32), axis=0)
+    return e, m, match, mrank
+
+
+@triton.jit
+def _fused_pairs(match, mrank, c, ROWS: tl.constexpr, BP: tl.constexpr):
+    """Pair indices [ROWS] of matches c .. c+ROWS-1 (0 where past the end)."""
+    offs = tl.arange(0, BP)
+    r = tl.arange(0, ROWS)
+    hit = match[None, :] & (mrank[None, :] == (c + r)[:, None])  # [ROWS, BP]
+    return tl.sum(tl.where(hit, offs[None, :], 0), axis=1)
+
+
+@triton.jit
+def _token_pairs(ids_ptr, wts_ptr, t, E, K_TOP: tl.constexpr, KP: tl.constexpr):
+    """Token t's k pairs as [KP] vectors: (pair index, valid, expert id (0 where not), routing weight)."""
+    jk = tl.arange(0, KP)
+    jm = jk < K_TOP
+    p = t * K_TOP + jk  # [KP]
+    e = tl.load(ids_ptr + p, mask=jm, other=-1).to(tl.int32)
+    ok = jm & (e >= 0) & (e < E)
+    ec = tl.where(ok, e, 0).to(tl.int64)
+    wt = tl.load(wts_ptr + p, mask=ok, other=0.0).to(tl.float32)  # [KP]
+    return p, ok, ec, wt
+
+
+@triton.jit
+def _token_rows(acc, ok, ec, wt, b_ptr, sbe, sbn, offs_n, nm, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr):
+    """A token's [KP, BN, BK] products summed over K (+ bias) · routing weight: [KP, BN], one row per pair
+    (their sum over the pairs is the token's output block)."""
+    y = tl.sum(acc, axis=2)  # [KP, BN]
+    if HAS_BIAS:
+        b = tl.load(b_ptr + ec[:, None] * sbe + offs_n[None, :] * sbn, mask=ok[:, None] & nm[None, :],
+                    other=0.0).to(tl.float32)
+        y += b
+    if not W_IN:
+        y = y * wt[:, None]
+    return y
+
+
+@triton.jit
+def _token_down(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr, sbe, sbn, n0, N, K,
+                K_TOP: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, STAGES: tl.constexpr):
+    """out[t, n0:n0+BN] = Σ_j w_tj · down[e_tj] · h[t·k + j]: all k experts of the token in one
+    [KP, BN, BK] tile per K chunk (k weight streams in flight at once), pipelined K loop."""
+    p, ok, ec, wt = _token_pairs(ids_ptr, wts_ptr, t, E, K_TOP, KP)
+    offs_n = n0 + tl.arange(0, BN)
+    nm = offs_n < N
+    wbase = w_ptr + ec[:, None, None] * se + offs_n[None, :, None] * sn  # [KP, BN, 1]
+    hbase = h_ptr + p.to(tl.int64)[:, None] * s_hp  # [KP, 1]
+    m3 = ok[:, None, None] & nm[None, :, None]
+    acc = tl.zeros([KP, BN, BK], dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        offs_k = k0 + tl.arange(0, BK)
+        km = offs_k < K
+        hv = tl.load(hbase + offs_k[None, :], mask=ok[:, None] & km[None, :], other=0.0)  # [KP, BK]
+        wv = tl.load(wbase + offs_k[None, None, :] * sk, mask=m3 & km[None, None, :], other=0.0,
+                     eviction_policy="evict_first")  # [KP, BN, BK]
+        acc += wv.to(tl.float32) * hv.to(tl.float32)[:, None, :]
+    return tl.sum(_token_rows(acc, ok, ec, wt, b_ptr, sbe, sbn, offs_n, nm, HAS_BIAS, W_IN), axis=0)
+
+
+@triton.jit
+def _token_down_nb(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, sk, b_ptr, sbe, sbn, n_first, N, K,
+                   y_row, K_TOP: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   NB: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, STAGES: tl.constexpr):
+    """_token_down over NB consecutive D-blocks [n_first + b·BN, +BN) of one token in ONE pipelined loop
+    (b, K chunk) flattened: the next block's first weight chunks are in flight while the current block
+    finishes, and the program's set-up (ids, weights, addresses) is paid once for NB blocks. Each block's
+    out[t, n0:n0+BN] is stored when its last K chunk is in."""
+    p, ok, ec, wt = _token_pairs(ids_ptr, wts_ptr, t, E, K_TOP, KP)
+    wbase = w_ptr + ec[:, None, None] * se  # [KP, 1, 1]
+    hbase = h_ptr + p.to(tl.int64)[:, None] * s_hp  # [KP, 1]
+    nk = tl.cdiv(K, BK)
+    nb = tl.minimum(NB, tl.cdiv(N - n_first, BN))  # blocks of this program inside [0, N)
+    acc = tl.zeros([KP, BN, BK], dtype=tl.float32)
+    for i in tl.range(0, nb * nk, num_stages=STAGES):
+        b = i // nk
+        k0 = (i - b * nk) * BK
+        offs_n = n_first + b * BN + tl.arange(0, BN)
+        nm = offs_n < N
+        offs_k = k0 + tl.arange(0, BK)
+        km = offs_k < K
+        hv = tl.load(hbase + offs_k[None, :], mask=ok[:, None] & km[None, :], other=0.0)  # [KP, BK]
+        wv = tl.load(wbase + offs_n[None, :, None] * sn + offs_k[None, None, :] * sk,
+                     mask=ok[:, None, None] & nm[None, :, None] & km[None, None, :], other=0.0,
+                     eviction_policy="evict_first")  # [KP, BN, BK]
+        acc += wv.to(tl.float32) * hv.to(tl.float32)[:, None, :]
+        if k0 + BK >= K:  # block b complete
+            y = _token_rows(acc, ok, ec, wt, b_ptr, sbe, sbn, offs_n, nm, HAS_BIAS, W_IN)
+            tl.store(y_row + offs_n, tl.sum(y, axis=0).to(y_row.dtype.element_ty), mask=nm)
+            acc = tl.zeros([KP, BN, BK], dtype=tl.float32)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -192,10 +312,8 @@ def stream_gemv_kernel(
 
 
 def build(block: MoEBlock, schedule: Schedule):
-    """ExpertsFn of a stream_gemv schedule (params: GemvParams or None for the defaults)."""
-    p = schedule.params if schedule.params is not None else GemvParams()
-    if not isinstance(p, GemvParams):
-        raise UnsupportedSchedule(f"stream_gemv takes GemvParams, got {type(p).__name__}")
+    """ExpertsFn of a stream_gemv schedule (params: GemvParams)."""
+    p = schedule.params
     E, k, D, F = block.E, block.k, block.D, block.F
     alpha, limit = act_args(block)
 
@@ -242,8 +360,9 @@ def build(block: MoEBlock, schedule: Schedule):
     return run
 
 
-def cost(block: MoEBlock, params: GemvParams, tokens: int, distinct: float) -> tuple[float, float]:
+def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
     """(flops, bytes): each distinct expert's weights once, x and h traffic, y partials and combine."""
+    params, distinct = schedule.params, uniform_distinct(block.E, block.k, tokens)
     wb = 2 if block.weight_dtype != "float32" else 4
     P = tokens * block.k
     flops = 2.0 * 3 * P * block.D * block.F
@@ -253,3 +372,6 @@ def cost(block: MoEBlock, params: GemvParams, tokens: int, distinct: float) -> t
     if not (params.fused_route and P <= FUSED_ROUTE_MAX_PAIRS):
         by += routing.cost(P, block.E)[1]
     return flops, by
+
+
+KIND = KernelKind("stream_gemv", GemvParams, space, default_params, build, cost, sources(__file__, SOURCES))

@@ -19,12 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ...ir import MoEBlock, UnsupportedSchedule
+from ...ir import MoEBlock, Schedule, UnsupportedSchedule
+from ...passes.targets import Target
 from ..common import ExpertsFn, ExpertTensors, ParamSpace
+from ..contract import KernelKind, sources
 from ._common import (
     activate,
     activation_bytes,
     check_chunk,
+    chunks,
     combine_pairs,
     empty_out,
     ffn_flops,
@@ -34,6 +37,8 @@ from ._common import (
     pairs,
     weight_dtype,
 )
+
+SOURCES = ("stream_gemv.py", "_common.py", "reference.py")
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,26 @@ class GatheredParams:
         check_chunk("GatheredParams", self.chunk)
 
 
-SPACE = ParamSpace(GatheredParams, (("chunk", (4, 16, 64, 256)),))
+def refusal(block: MoEBlock) -> str | None:
+    """Why the gathered GEMV cannot run `block`: one expert's copy over the workspace bound."""
+    return gather_refusal(block, 1)
+
+
+def space(block: MoEBlock, target: Target) -> ParamSpace:
+    why = refusal(block)
+    if why:
+        raise UnsupportedSchedule(f"torch stream_gemv refused: {why}")
+    return ParamSpace(GatheredParams, (("chunk", chunks(block)),))
+
+
+def default_params(block: MoEBlock, T: int, target: Target) -> GatheredParams:
+    """One gathered bmm for all T·k pairs when the workspace allows it, else the largest chunk that fits."""
+    return GatheredParams(pair_chunk(space(block, target).choices[0][1], block, T))
+
+
+def pair_chunk(allowed: tuple[int, ...], block: MoEBlock, T: int) -> int:
+    """The smallest of the `allowed` chunks that holds T·k pairs (one bmm), else the largest."""
+    return next((c for c in allowed if c >= max(1, T * block.k)), allowed[-1])
 
 
 def gathered_expert_rows(
@@ -70,7 +94,8 @@ def gathered_expert_rows(
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
-def build(block: MoEBlock, params: GatheredParams) -> ExpertsFn:
+def build(block: MoEBlock, schedule: Schedule) -> ExpertsFn:
+    params = schedule.params
     why = gather_refusal(block, params.chunk)
     if why:
         raise UnsupportedSchedule(why)
@@ -88,7 +113,11 @@ def build(block: MoEBlock, params: GatheredParams) -> ExpertsFn:
     return gathered
 
 
-def cost(block: MoEBlock, params: GatheredParams, tokens: int) -> tuple[float, float]:
+def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
     """(flops, bytes): every pair reads its expert's weights, writes the copy and reads it again."""
     S = tokens * block.k
     return ffn_flops(block, S), 3.0 * S * block.weight_bytes_per_expert + activation_bytes(block, tokens)
+
+
+KIND = KernelKind("stream_gemv", GatheredParams, space, default_params, build, cost, sources(__file__, SOURCES),
+                  refusal=refusal)

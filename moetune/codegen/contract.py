@@ -1,0 +1,130 @@
+"""The per-kind kernel contract every backend implements, and the Backend built from it.
+
+A backend is one folder (torch/, triton/) with one kernel file per schedule kind. Each kernel file ends
+with a `KernelKind` naming what it provides for its kind:
+
+    params          the frozen parameter dataclass of the kind's kernels (checked in __post_init__)
+    space           space(block, target) -> ParamSpace       the tunables, with the target's limits
+    default_params  default_params(block, T, target) -> params   the tested heuristic of rows per expert
+    build           build(block, schedule) -> ExpertsFn      or raise UnsupportedSchedule(reason)
+    cost            cost(block, schedule, T) -> (flops, bytes)   what one call at T tokens moves
+    sources         the files whose code the kind's kernels are made of, declared beside the kernel
+                    (module-level SOURCES, names in the kernel file's folder): what versions the kind
+    refusal         refusal(block) -> str | None             why the kind cannot run the block (None: it can)
+
+A hybrid default's row threshold is the schedule policy's (`moetune.passes.policy.hybrid_threshold`), not
+a kernel's choice.
+
+The backend's `__init__.py` is a registry: a `KernelBackend` subclass listing its kinds, its target and
+its `available()`. A new backend or kind adds files that fill this contract, not branches in shared code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..ir import MoEBlock, Schedule, UnsupportedSchedule
+from ..passes.policy import hybrid_threshold, rows_per_active
+from ..passes.targets import Target, get_target
+from .common import ExpertsFn, ParamSpace
+
+SHARED_SOURCES = (Path(__file__).resolve().parent / "common.py",)  # ExpertTensors: every kernel's inputs
+
+
+def sources(kernel_file: str, names: tuple[str, ...]) -> tuple[Path, ...]:
+    """The declared source files `names`, in the folder of `kernel_file` (a kernel module's __file__)."""
+    folder = Path(kernel_file).resolve().parent
+    return tuple(folder / n for n in names)
+
+
+def _accepts(block: MoEBlock) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class KernelKind:
+    """What one kernel file provides for one schedule kind (module doc)."""
+
+    kind: str
+    params: type
+    space: Callable[[MoEBlock, Target], ParamSpace]
+    default_params: Callable[[MoEBlock, int, Target], Any]
+    build: Callable[[MoEBlock, Schedule], ExpertsFn]
+    cost: Callable[[MoEBlock, Schedule, int], tuple[float, float]]
+    sources: tuple[Path, ...]
+    refusal: Callable[[MoEBlock], str | None] = _accepts
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise UnsupportedSchedule(f"kernel kind {self.kind}: no source files declared")
+        missing = [str(p) for p in self.sources if not p.is_file()]
+        if missing:
+            raise UnsupportedSchedule(f"kernel kind {self.kind}: declared sources missing: {', '.join(missing)}")
+
+
+class KernelBackend:
+    """A Backend (moetune.codegen.backend) made of its kernel files' KernelKinds.
+
+    Subclasses set `name`, `KINDS` and `TARGET` (the target description whose device limits the spaces
+    and defaults read) and override `available()`."""
+
+    name: str = ""
+    KINDS: tuple[KernelKind, ...] = ()
+    TARGET: str = "cpu"
+
+    def __init__(self, target: str | Target | None = None) -> None:
+        self.target = get_target(target if target is not None else self.TARGET)
+        self._kinds = {k.kind: k for k in self.KINDS}
+
+    def available(self) -> str | None:
+        return None
+
+    def kinds(self, block: MoEBlock) -> dict[str, str | None]:
+        return {name: k.refusal(block) for name, k in self._kinds.items()}
+
+    def kind(self, kind: str) -> KernelKind:
+        if kind not in self._kinds:
+            raise UnsupportedSchedule(
+                f"{self.name} backend: unknown schedule kind {kind!r}; known: {', '.join(self._kinds)}")
+        return self._kinds[kind]
+
+    def space(self, block: MoEBlock, kind: str) -> ParamSpace:
+        return self.kind(kind).space(block, self.target)
+
+    def default(self, block: MoEBlock, kind: str, tokens: int) -> Schedule:
+        """The kind's default parameters at `tokens` (the kind itself is the caller's choice)."""
+        k = self.kind(kind)
+        rt = hybrid_threshold(rows_per_active(block, max(1, tokens))) if kind == "hybrid" else None
+        return Schedule(kind, row_threshold=rt, backend=self.name,
+                        params=k.default_params(block, tokens, self.target))
+
+    def build(self, block: MoEBlock, schedule: Schedule) -> ExpertsFn:
+        k, schedule = self._resolve(block, schedule, block.T_max)
+        k.space(block, self.target).admit(schedule.params)
+        return k.build(block, schedule)
+
+    def cost(self, block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
+        k, schedule = self._resolve(block, schedule, tokens)
+        return k.cost(block, schedule, tokens)
+
+    def sources(self, kind: str) -> tuple[Path, ...]:
+        """The files whose code the kind's kernels are made of: its declared SOURCES and codegen/common.py."""
+        return self.kind(kind).sources + SHARED_SOURCES
+
+    def _resolve(self, block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[KernelKind, Schedule]:
+        """The schedule's kind, and the schedule with its parameters (the default at `tokens` when None)."""
+        if schedule.backend not in (None, self.name):
+            raise UnsupportedSchedule(f"{self.name} backend given a {schedule.backend} schedule: "
+                                      f"{schedule.describe()}")
+        k = self.kind(schedule.kind)
+        if schedule.params is None:
+            return k, dataclasses.replace(schedule, params=k.default_params(block, tokens, self.target),
+                                          backend=self.name)
+        if not isinstance(schedule.params, k.params):
+            raise UnsupportedSchedule(f"{self.name} {schedule.kind} takes {k.params.__name__}, "
+                                      f"got {type(schedule.params).__name__}")
+        return k, schedule

@@ -1,0 +1,113 @@
+"""Every kind of every backend implements the whole per-kind contract (moetune.codegen.contract), and each
+backend's defaults are points of its own spaces, so every tuning study tries them first."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+
+from moetune.codegen import backend as registry
+from moetune.codegen.backend import Backend, get
+from moetune.codegen.contract import KernelBackend, KernelKind
+from moetune.ir import SCHEDULE_KINDS, MoEBlock, Schedule
+from moetune.ir.presets import PRESETS, preset
+from moetune.passes.policy import hybrid_threshold, rows_per_active
+
+CODEGEN = Path(registry.__file__).resolve().parent
+BACKENDS = [n for n in registry._MODULES if n != "triton" or importlib.util.find_spec("triton")]
+TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 4096)
+BLOCKS = [preset(name) for name in PRESETS] + [
+    MoEBlock(E=E, k=k, D=512, F=256) for E, k in ((8, 1), (8, 2), (16, 4), (64, 6), (256, 9), (512, 16))]
+
+
+def test_nothing_names_a_backend_that_does_not_exist():
+    assert sorted(registry._MODULES) == ["torch", "triton"]
+    assert sorted(p.name for p in CODEGEN.iterdir() if p.is_dir() and p.name != "__pycache__") == ["torch", "triton"]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_every_kind_implements_the_contract(name):
+    be = get(name)
+    assert isinstance(be, KernelBackend) and be.name == name
+    protocol = {n for n, v in vars(Backend).items() if inspect.isfunction(v)}
+    assert protocol >= {"available", "kinds", "space", "default", "build", "cost", "sources"}
+    assert all(callable(getattr(be, n)) for n in protocol)
+    assert sorted(k.kind for k in be.KINDS) == sorted(SCHEDULE_KINDS)
+    folder = CODEGEN / name
+    for k in be.KINDS:
+        assert isinstance(k, KernelKind)
+        assert dataclasses.is_dataclass(k.params) and k.params.__dataclass_params__.frozen, k.kind
+        for f in (k.space, k.default_params, k.build, k.cost, k.refusal):
+            assert callable(f), (k.kind, f)
+        if k.kind == "hybrid":  # the policy's threshold, not the kernel's
+            b = BLOCKS[0]
+            assert be.default(b, "hybrid", 3).row_threshold == hybrid_threshold(rows_per_active(b, 3))
+        module = importlib.import_module(k.build.__module__)
+        assert module.KIND is k and Path(module.__file__).name == f"{k.kind}.py", k.kind  # one file per kind
+        assert module.SOURCES and module.SOURCES[0] == f"{k.kind}.py"
+        assert k.sources == tuple(folder / n for n in module.SOURCES)
+        srcs = be.sources(k.kind)
+        assert srcs and all(p.is_file() for p in srcs), srcs
+        assert {p.parent for p in srcs} <= {folder, CODEGEN}
+
+
+def _sibling_imports(path: Path) -> set[str]:
+    """The files of `path`'s folder that it imports (`from . import x`, `from .x import ...`)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            names = [node.module] if node.module else [a.name for a in node.names]
+            out |= {f"{n.split('.')[0]}.py" for n in names if (path.parent / f"{n.split('.')[0]}.py").is_file()}
+    return out
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_declared_sources_cover_what_the_kernels_import(name):
+    """Every file of the backend's folder that one of a kind's SOURCES imports is itself declared."""
+    for k in get(name).KINDS:
+        declared = {p.name for p in k.sources}
+        for p in k.sources:
+            missing = _sibling_imports(p) - declared
+            assert not missing, f"{name} {k.kind}: {p.name} imports {sorted(missing)}, not in SOURCES"
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"E{b.E}k{b.k}D{b.D}F{b.F}")
+def test_every_default_is_a_point_of_its_space(name, block):
+    be = get(name)
+    for kind, why in be.kinds(block).items():
+        if why:
+            continue
+        space = be.space(block, kind)
+        for T in TOKENS:
+            s = be.default(block, kind, T)
+            assert isinstance(s, Schedule) and s.kind == kind and s.backend == name
+            assert isinstance(s.params, space.params_type)
+            for field, values in space.choices:
+                v = getattr(s.params, field)
+                assert v in values, f"{kind} default at T={T}: {field} = {v!r} outside {values}"
+            space.admit(s.params)  # within the target's limits
+            flops, moved = be.cost(block, s, T)
+            assert flops > 0 and moved > 0
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3.5-397b-a17b"])
+def test_each_bucket_study_starts_from_every_kinds_default(name):
+    """In every bucket the passes make, the first schedules a study enqueues include the Triton backend's
+    default of each kind the bucket offers."""
+    pytest.importorskip("triton")
+    from moetune.passes.pipeline import schedule_block
+    from moetune.search.space import build_space
+    from moetune.search.study import default_schedules
+
+    be = get("triton")
+    block = preset(name)
+    for b in schedule_block(block, "h200", tokens=(1, 1024)).buckets:
+        space = build_space(block, be, b)
+        first = default_schedules(block, be, space, (b.lo + b.hi) // 2)
+        assert sorted(s.kind for s in first) == sorted(ks.kind for ks in space.kinds), b.label
