@@ -20,7 +20,7 @@ float32 columns show how far transformers' own bf16 run is. A forward that canno
 reported with the reason.
 
     python bench/decode_step.py --preset qwen3-30b-a3b --layers 2 --tokens 1,8,64 --out DIR
-    python bench/decode_step.py --family qwen3_moe --tokens 1,3     # a tiny model (moetune.tiny), CPU too
+    python bench/decode_step.py --family qwen3_moe --tokens 1,3     # a tiny model (moetune.testing), CPU too
 
 Writes DIR/decode-step.json and prints a table last.
 """
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default qwen3-30b-a3b)")
-    src.add_argument("--family", default=None, help="a tiny model family of moetune.tiny instead")
+    src.add_argument("--family", default=None, help="a tiny model family of moetune.testing instead")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--tokens", default="1,8,64")
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     cache = args.cache if args.cache is not None else ("cache/h200.sqlite" if cuda else "")
     if args.family:
-        from moetune.tiny import build
+        from moetune.testing import build
 
         model, what = build(args.family, dtype=torch.bfloat16 if cuda else torch.float32).to(dev), args.family
         layers = model.config.num_hidden_layers

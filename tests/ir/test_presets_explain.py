@@ -3,9 +3,9 @@
 import json
 
 import pytest
-import tiny_models as tm
 
 import moetune
+from moetune import testing as tm
 from moetune.cli import main
 from moetune.ir import CaptureError, verify
 from moetune.ir.presets import PRESETS, preset
@@ -105,7 +105,7 @@ def test_cli_explain_config_and_model_dir(tiny, tmp_path, capsys):
 
 
 def test_cli_explain_bad_config(tmp_path, capsys):
-    cfg = json.loads(json.dumps(tm.FAMILIES["qwen3_moe"]()[1].to_dict()))
+    cfg = json.loads(json.dumps(tm.config("qwen3_moe").to_dict()))
     cfg["hidden_act"] = "relu"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert main(["explain", "--config", str(tmp_path / "config.json")]) == 2

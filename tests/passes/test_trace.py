@@ -101,8 +101,8 @@ def test_duplicate_expert_in_a_token_is_refused():
 
 
 def test_record_tiny_qwen3_moe_feeds_the_stats_model(tmp_path):
-    tiny_models = pytest.importorskip("tiny_models")
-    model = tiny_models.build("qwen3_moe")
+    testing = pytest.importorskip("moetune.testing")
+    model = testing.build("qwen3_moe")
     import torch
 
     ids = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
@@ -129,7 +129,7 @@ def test_record_tiny_qwen3_moe_feeds_the_stats_model(tmp_path):
 
 
 def test_record_cli(tmp_path, capsys):
-    pytest.importorskip("tiny_models")
+    pytest.importorskip("moetune.testing")
     out = tmp_path / "cli.npz"
     assert main(["record", "--tiny", "qwen3_moe", "--steps", "2", "-o", str(out)]) == 0
     assert "2 MoE layers, E=16 k=4, 3 steps" in capsys.readouterr().out
@@ -139,8 +139,8 @@ def test_record_cli(tmp_path, capsys):
 
 
 def test_record_cli_model_dir(tmp_path, capsys):
-    tiny_models = pytest.importorskip("tiny_models")
-    tiny_models.build("mixtral").save_pretrained(tmp_path / "m")
+    testing = pytest.importorskip("moetune.testing")
+    testing.build("mixtral").save_pretrained(tmp_path / "m")
     out = tmp_path / "m.npz"
     assert main(["record", "--model-dir", str(tmp_path / "m"), "--steps", "1", "-o", str(out)]) == 0
     tr = Trace.load(out)

@@ -6,13 +6,13 @@ import warnings
 
 import pytest
 import torch
-from tiny_models import FAMILIES, UNHOOKED, VOCAB, build
 
 import moetune
 from moetune.codegen.common import ExpertTensors
 from moetune.codegen.torch import experts_reference, tolerances
 from moetune.ir import MoetuneError
 from moetune.runtime import PLANS, plans
+from moetune.testing import FAMILIES, UNHOOKED, VOCAB, build
 
 HOOKED = [f for f in FAMILIES if f not in UNHOOKED]
 
@@ -312,10 +312,11 @@ def test_forward_with_grad_works_and_backward_says_why_not():
 def test_vlm_language_model_compiles_and_restores():
     """Qwen3.5-MoE as a VLM: the experts sit under model.language_model and the implementation is
     set per sub-config; uncompile restores every sub-config."""
-    import tiny_models as tm
     import transformers
 
-    _, text_cfg = tm.FAMILIES["qwen3_5_moe"]()
+    from moetune import testing as tm
+
+    text_cfg = tm.config("qwen3_5_moe")
     vision = dict(
         depth=1,
         hidden_size=32,

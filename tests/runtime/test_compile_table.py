@@ -6,7 +6,6 @@ import warnings
 
 import pytest
 import torch
-from tiny_models import FAMILIES, UNHOOKED, VOCAB, build
 
 import moetune
 from moetune.codegen.torch._common import GroupedGemmParams
@@ -15,6 +14,7 @@ from moetune.codegen.torch.hybrid import HybridParams
 from moetune.ir import Schedule
 from moetune.runtime import DispatchWarning, plans
 from moetune.runtime.table import CacheWarning, DispatchEntry, DispatchTable, Versions
+from moetune.testing import FAMILIES, UNHOOKED, VOCAB, build
 
 # every kind once: T = 2 → gathered GEMV, T = 14 → hybrid, T = 80 → grouped_mm;
 # [101, 4096] is left to the default
