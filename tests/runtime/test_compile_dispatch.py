@@ -13,7 +13,7 @@ from moetune.codegen.torch._common import GroupedGemmParams
 from moetune.codegen.torch.gathered import GatheredParams
 from moetune.codegen.torch.hybrid import HybridParams
 from moetune.ir import IRError, MoEBlock, Schedule
-from moetune.runtime.default import GEMV_MAX_ROWS, rows_per_active
+from moetune.runtime.default import rows_per_active
 from moetune.runtime.dispatch import (
     REGIME_CUTS,
     Dispatcher,
@@ -60,7 +60,7 @@ def test_default_buckets_cover_and_separate_one_row_from_many_rows():
     ranges = default_buckets(b)
     assert covers(ranges, 4096)
     for lo, hi in ranges:
-        assert not (rows_per_active(b, lo) <= GEMV_MAX_ROWS and rows_per_active(b, hi) >= 16), (lo, hi)
+        assert not (rows_per_active(b, lo) < 2 and rows_per_active(b, hi) >= 16), (lo, hi)
 
 
 def test_route_by_bisect_and_edges():
