@@ -99,6 +99,18 @@ def test_moetune_cache_names_the_table(tmp_path, monkeypatch):
         assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
 
 
+def test_a_corrupt_moetune_cache_is_an_error_naming_it(tmp_path, monkeypatch):
+    from moetune.ir import CacheError
+
+    bad = tmp_path / "bad.sqlite"
+    bad.write_bytes(b"not a database" * 100)
+    monkeypatch.setenv("MOETUNE_CACHE", str(bad))
+    model = build("mixtral", experts_implementation="moetune")
+    with pytest.raises(CacheError, match="bad.sqlite"):
+        logits(model, input_ids(3))
+    assert not plans(model)
+
+
 def test_a_block_capture_refuses_warns_once_and_runs_transformers(tmp_path):
     original, path = saved(tmp_path, "qwen3_moe", hidden_act="gelu")
     model = load(path)
