@@ -166,3 +166,29 @@ def test_the_first_forward_returns_its_own_router_logits_only():
     assert plans(model) and len(got) == len(want) == 2
     assert torch.equal(got[0], want[0])  # before any experts ran
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_fresh_process_imports_moetune_first_and_runs_it(tmp_path):
+    """The user's path from a fresh interpreter: `import moetune` (transformers not loaded yet), then
+    from_pretrained with "moetune" and a forward: the model ran moetune's plans."""
+    import os
+    import subprocess
+    import sys
+
+    _, path = saved(tmp_path, "mixtral")
+    code = (
+        "import sys, torch, moetune\n"
+        "assert 'transformers' not in sys.modules\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "from moetune.runtime import describe, plans\n"
+        f"model = AutoModelForCausalLM.from_pretrained({path!r}, experts_implementation='moetune')\n"
+        "with torch.inference_mode():\n"
+        "    model(input_ids=torch.tensor([[1, 2, 3]]))\n"
+        "assert len(plans(model)) == 2, describe(model)\n"
+        "print(describe(model).splitlines()[0])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MOETUNE_CACHE"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    want = "MixtralForCausalLM: backend torch, table (none: defaults), compiled by its first forward"
+    assert out.stdout.strip() == want
