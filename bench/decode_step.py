@@ -20,7 +20,8 @@ float32 columns show how far transformers' own bf16 run is. A forward that canno
 reported with the reason.
 
     python bench/decode_step.py --preset qwen3-30b-a3b --layers 2 --tokens 1,8,64 --out DIR
-    python bench/decode_step.py --family qwen3_moe --tokens 1,3     # a tiny model (moetune.tiny), CPU too
+    python bench/decode_step.py --family qwen3_moe --tokens 1,3     # a tiny model (moetune.testing), CPU too
+    ... --dtype bfloat16                                            # the weights' dtype (default below)
 
 Writes DIR/decode-step.json and prints a table last.
 """
@@ -42,8 +43,9 @@ import moetune  # noqa: E402
 from moetune.ir.presets import PRESETS  # noqa: E402
 
 
-def build_preset(name: str, layers: int, vocab: int, device: str, seed: int = 0) -> torch.nn.Module:
-    """The preset's real model class with `layers` MoE decoder layers, random weights, bf16, eval."""
+def build_preset(name: str, layers: int, vocab: int, device: str, seed: int = 0,
+                 dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """The preset's real model class with `layers` MoE decoder layers, random weights in `dtype`, eval."""
     import transformers
 
     cfg = {k: v for k, v in PRESETS[name].items() if k not in ("model_type", "dtype")}
@@ -55,7 +57,7 @@ def build_preset(name: str, layers: int, vocab: int, device: str, seed: int = 0)
         config = type(config.text_config)(**cfg)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     for m in model.modules():  # a zero correction bias at init would route every token alike
         if hasattr(m, "e_score_correction_bias"):
             with torch.no_grad():
@@ -108,11 +110,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default qwen3-30b-a3b)")
-    src.add_argument("--family", default=None, help="a tiny model family of moetune.tiny instead")
+    src.add_argument("--family", default=None, help="a tiny model family of moetune.testing instead")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--tokens", default="1,8,64")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                    help="the weights' dtype (default: bfloat16, float32 for --family on the CPU)")
     ap.add_argument("--cache", default=None, help="moetune's dispatch table (default: cache/h200.sqlite on a "
                     "GPU, none on the CPU; '' for none)")
     ap.add_argument("--out", type=Path, default=None)
@@ -122,14 +126,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dev = "cuda" if cuda else "cpu"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     cache = args.cache if args.cache is not None else ("cache/h200.sqlite" if cuda else "")
+    dtype = getattr(torch, args.dtype or ("float32" if args.family and not cuda else "bfloat16"))
     if args.family:
-        from moetune.tiny import build
+        from moetune.testing import build
 
-        model, what = build(args.family, dtype=torch.bfloat16 if cuda else torch.float32).to(dev), args.family
+        model, what = build(args.family, dtype=dtype).to(dev), args.family
         layers = model.config.num_hidden_layers
     else:
         what = args.preset or "qwen3-30b-a3b"
-        model, layers = build_preset(what, args.layers, args.vocab, dev), args.layers
+        model, layers = build_preset(what, args.layers, args.vocab, dev, dtype=dtype), args.layers
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     rows = []
@@ -142,7 +147,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         moetune.uncompile(model)
         ref = step().float()
-        dtype = next(model.parameters()).dtype
         model.float()  # the float32 reference of the same weights (bf16 -> fp32 -> bf16 is exact)
         ref32 = step().float()
         model.to(dtype)

@@ -1,6 +1,6 @@
 """Host time of one experts call of a compiled model, by the path it takes (eager decode is host-bound).
 
-A tiny model of the real transformers class (moetune.tiny) is compiled: on a CUDA device with the triton
+A tiny model of the real transformers class (moetune.testing) is compiled: on a CUDA device with the triton
 backend, else on the CPU with the torch backend (one thread: steadier). One MoE layer's experts module
 is called T tokens at a time, `--reps` calls back to back with one synchronisation at the end; the
 figure is wall time per call, the median of `--rounds` rounds in which the paths take turns. The GPU
@@ -43,7 +43,7 @@ import torch
 import moetune
 from moetune.codegen.common import ExpertTensors
 from moetune.runtime import compiled
-from moetune.tiny import VOCAB, build
+from moetune.testing import VOCAB, build
 
 
 def per_call_us(paths: dict, reps: dict, rounds: int, sync) -> dict[str, float]:

@@ -144,10 +144,10 @@ def source_block(args: argparse.Namespace, T_max: int | None = None) -> MoEBlock
 
 
 def tiny_model(family: str, dtype: str | None = None, name: str = "--tiny"):
-    """A tiny random transformers model of `family` (moetune.tiny), built offline; `name` is the flag."""
+    """A tiny random transformers model of `family` (moetune.testing), built offline; `name` is the flag."""
     import torch
 
-    from ..tiny import FAMILIES, build
+    from ..testing import FAMILIES, build
 
     if family not in FAMILIES:
         raise ConfigError(f"{name} {family!r}: unknown tiny family; expected one of {', '.join(FAMILIES)}")

@@ -17,7 +17,7 @@ from .common import parse_duration, tiny_model, writable_file
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the main job: tune a CPU table, compile a tiny model with it, compare")
-    p.add_argument("--family", default="qwen3_moe", help="tiny transformers family (see moetune.tiny)")
+    p.add_argument("--family", default="qwen3_moe", help="tiny transformers family (see moetune.testing)")
     p.add_argument("--budget", default="60s", help="tuning budget for the CPU table, e.g. 90s, 10m")
     p.add_argument("--cache", default=None, help="dispatch table to write (default: cache/cpu-demo.sqlite)")
     return p
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from .. import compile as moetune_compile
     from .. import explain, uncompile
     from ..runtime.compiled import describe
-    from ..tiny import VOCAB
+    from ..testing import VOCAB
     from . import main
 
     parse_duration(args.budget, "--budget")

@@ -4,22 +4,34 @@
     moetune.compile(model)              # capture → a Plan per captured experts module → "moetune"
     moetune.uncompile(model)            # back to the previous experts implementation
 
+    model = AutoModelForCausalLM.from_pretrained(d, experts_implementation="moetune")
+    model(...)                          # the first experts call compiles the model (table: $MOETUNE_CACHE)
+
 transformers calls `experts_forward(self, hidden_states [T, D], top_k_index [T, k], top_k_weights
 [T, k])` for every hooked experts module of a model whose experts implementation is "moetune".
 With a plan attached (`module._moetune_plan`), it calls the custom op `moetune::experts` with the
 module's own parameter tensors (no copy) and the plan's id; the op looks the plan up and runs its
-Dispatcher, which picks the bucket's kernel from the host-side T. Without a plan (a block capture
-left alone, or a model loaded with experts_implementation="moetune" but never compiled) it runs
-transformers' own grouped_mm forward. The op has a fake (meta) kernel, so whole-model torch.export
-and torch.compile(fullgraph=True) see one opaque node per MoE layer; the plan id is a graph constant
-and the registry must still hold it when an exported program runs (uncompile removes it). Untraced
-inference (eager, no_grad or inference_mode, plain tensors) runs the op's body without the op's
-dispatch, which is host time in every MoE layer of an eager decode step (`bench/host_overhead.py`).
+Dispatcher, which picks the bucket's kernel from the host-side T. The op has a fake (meta) kernel, so
+whole-model torch.export and torch.compile(fullgraph=True) see one opaque node per MoE layer; the plan
+id is a graph constant and the registry must still hold it when an exported program runs (uncompile
+removes it). Untraced inference (eager, no_grad or inference_mode, plain tensors) runs the op's body
+without the op's dispatch, which is host time in every MoE layer of an eager decode step
+(`bench/host_overhead.py`).
+
+A model that asked for "moetune" itself (`from_pretrained(..., experts_implementation="moetune")`)
+and was never compiled is compiled on its first untraced experts call: the outermost transformers
+model on the call stack that holds the experts module is compiled as `compile(model,
+cache=$MOETUNE_CACHE)` would (no MOETUNE_CACHE: the default schedules). Blocks that capture leaves
+alone, and a model traced (torch.compile, torch.export) before any eager call, run transformers'
+grouped_mm: the former with one warning giving the reasons.
 """
 
 from __future__ import annotations
 
+import contextvars
 import itertools
+import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -31,6 +43,7 @@ from ..ir import MoEBlock, MoetuneError
 from .dispatch import Dispatcher
 
 IMPLEMENTATION = "moetune"
+CACHE_VARIABLE = "MOETUNE_CACHE"  # the dispatch table of a model compiled on its first call
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,6 +65,7 @@ class CompileState:
     captured: list = field(default_factory=list)  # every Captured, the refused ones with their reason
     backend: str = "torch"
     cache: str | None = None
+    on_first_call: bool = False  # compiled by the first experts call, not by moetune.compile
 
 
 PLANS: dict[int, Plan] = {}
@@ -111,6 +125,8 @@ def experts_forward(
 ) -> torch.Tensor:
     """The function registered as "moetune" in transformers' ExpertsInterface."""
     plan = getattr(self, "_moetune_plan", None)
+    if plan is None and getattr(self, "_moetune_left", None) is None and _untraced():
+        plan = _compile_on_first_call(self)
     if plan is None:
         from transformers.integrations.moe import grouped_mm_experts_forward
 
@@ -134,10 +150,9 @@ def _untraced_inference(tensors: tuple[torch.Tensor | None, ...]) -> bool:
     """True when no tracer sees this call (dynamo, export, jit, a dispatch or function mode, a
     functorch transform such as vmap, a tensor subclass such as FakeTensor) and no gradient can flow
     through it. Only then does the experts hook run the op's body itself: the custom op exists for
-    tracers and for autograd's error, and its dispatch costs 14–18 µs of host time per call under
-    no_grad, 7–9 µs under inference_mode (2-core CPU, `bench/host_overhead.py --tokens 0`, rows
-    op − body)."""
-    if any(probe() for probe in _TRACING):
+    tracers and for autograd's error, and its dispatch is host time on every call
+    (`bench/host_overhead.py --tokens 0`, rows op − body)."""
+    if not _untraced():
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
@@ -146,6 +161,12 @@ def _untraced_inference(tensors: tuple[torch.Tensor | None, ...]) -> bool:
         if type(t) not in _PLAIN or (grad and t.requires_grad):
             return False
     return True
+
+
+def _untraced() -> bool:
+    """True when no tracer (dynamo, export, jit, a dispatch or function mode, a functorch transform)
+    sees this call."""
+    return not any(probe() for probe in _TRACING)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -233,12 +254,34 @@ def compile(
     Blocks capture refuses stay as they are (`moetune.explain(model)` gives the reason). Compiling
     copies no weight: the kernels read each experts module's parameters at call time.
     """
+    state = _compile(model, cache, backend, target=target, check=check, T_max=T_max)
+    if not state.plan_ids and state.captured:
+        warnings.warn(
+            f"moetune.compile: no MoE block of {type(model).__name__} was captured; the model runs "
+            f"unchanged (moetune.explain(model) gives the reasons)",
+            stacklevel=2,
+        )
+    return model
+
+
+def _compile(
+    model: torch.nn.Module,
+    cache: str | None,
+    backend: str | None,
+    *,
+    target: str | None = None,
+    check: bool = True,
+    T_max: int = 4096,
+    on_first_call: bool = False,
+) -> CompileState:
+    """`compile` without its warning: the state it leaves on `model` (`model._moetune_state`)."""
     from ..ir.capture import capture
 
     if getattr(model, "_moetune_state", None) is not None:
         uncompile(model)
     captured = capture(model, check=check, T_max=T_max)
-    state = CompileState(previous=None, captured=list(captured), cache=None if cache is None else str(cache))
+    state = CompileState(previous=None, captured=list(captured), cache=None if cache is None else str(cache),
+                         on_first_call=on_first_call)
     dispatchers: dict[tuple[str, str], Dispatcher] = {}  # one per (block signature, backend)
     try:
         for c in captured:
@@ -269,22 +312,85 @@ def compile(
         _detach(model, state)
         raise
     if state.plan_ids:
-        state.previous = model.get_experts_implementation()
+        state.previous = _without_moetune(model)
         model.set_experts_implementation(IMPLEMENTATION)
-    elif captured:
-        warnings.warn(
-            f"moetune.compile: no MoE block of {type(model).__name__} was captured; the model runs "
-            f"unchanged (moetune.explain(model) gives the reasons)",
-            stacklevel=2,
-        )
     model._moetune_state = state
-    return model
+    return state
+
+
+def _without_moetune(model: torch.nn.Module) -> dict:
+    """The model's experts implementations with "moetune" replaced by transformers' default: what
+    uncompile restores (a model loaded with "moetune" goes back to transformers' own experts)."""
+    impl = model.get_experts_implementation()
+    if IMPLEMENTATION not in impl.values():
+        return impl
+    default = model.get_correct_experts_implementation(None)
+    return {k: default if v == IMPLEMENTATION else v for k, v in impl.items()}
+
+
+# ----------------------------------------------------------- compiled on the first experts call --
+
+
+def _compile_on_first_call(experts: torch.nn.Module) -> Plan | None:
+    """The plan of `experts` after compiling the model that calls it (`_calling_model`) with the table
+    named by $MOETUNE_CACHE, or None when it runs transformers' grouped_mm. Every experts module left
+    without a plan is marked with the reason (`_moetune_left`), so that this runs once per model, and
+    one warning gives the reasons."""
+    model = _calling_model(experts)
+    if model is None:
+        experts._moetune_left = (
+            f"{type(experts).__name__} was called outside a transformers model's forward, so moetune "
+            f"cannot find its block; call moetune.compile(model)"
+        )
+        warnings.warn(f"experts_implementation={IMPLEMENTATION!r}: {experts._moetune_left}; it runs "
+                      f"transformers' grouped_mm", stacklevel=4)
+        return None
+    # The router check runs the model's routers; in a context of its own, transformers' output
+    # recorders (output_router_logits, kept in a context variable) do not see those calls.
+    state = contextvars.Context().run(
+        _compile, model, os.environ.get(CACHE_VARIABLE) or None, None, on_first_call=True
+    )
+    reasons = []
+    for c in state.captured:
+        if c.block is None:
+            reasons.append(c.reason)
+            if c.experts is not None:
+                c.experts._moetune_left = c.reason
+    plan = getattr(experts, "_moetune_plan", None)
+    if plan is None and getattr(experts, "_moetune_left", None) is None:
+        experts._moetune_left = (f"{type(experts).__name__} is not the `experts` child of a block of "
+                                 f"{type(model).__name__}")
+        reasons.append(experts._moetune_left)
+    if reasons:
+        warnings.warn(
+            f"experts_implementation={IMPLEMENTATION!r}: {len(reasons)} MoE block(s) of {type(model).__name__} "
+            f"run transformers' grouped_mm, not moetune: {'; '.join(reasons)}",
+            stacklevel=4,
+        )
+    return plan
+
+
+def _calling_model(experts: torch.nn.Module) -> torch.nn.Module | None:
+    """The outermost transformers model on the call stack whose modules include `experts`: the model
+    whose forward is running this experts call."""
+    found = None
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if (owner is not found and isinstance(owner, torch.nn.Module)
+                and hasattr(owner, "set_experts_implementation")
+                and any(m is experts for m in owner.modules())):
+            found = owner
+        frame = frame.f_back
+    return found
 
 
 def _detach(model: torch.nn.Module, state: CompileState) -> None:
     for m in model.modules():
         if getattr(m, "_moetune_plan", None) is not None and m._moetune_plan.id in state.plan_ids:
             del m._moetune_plan
+        if getattr(m, "_moetune_left", None) is not None:
+            del m._moetune_left
     for pid in state.plan_ids:
         PLANS.pop(pid, None)
 
@@ -309,9 +415,16 @@ def plans(model: torch.nn.Module) -> list[Plan]:
 def describe(model: torch.nn.Module) -> str:
     """Each compiled experts module with its buckets and their schedules (and where they came from)."""
     state: CompileState | None = getattr(model, "_moetune_state", None)
+    name = type(model).__name__
     if state is None:
-        return f"{type(model).__name__}: not compiled by moetune"
-    lines = [f"{type(model).__name__}: backend {state.backend}, table {state.cache or '(none: defaults)'}"]
+        impl = model.get_experts_implementation() if hasattr(model, "get_experts_implementation") else {}
+        if IMPLEMENTATION in impl.values():
+            table = os.environ.get(CACHE_VARIABLE) or "(none: defaults)"
+            return (f"{name}: experts_implementation {IMPLEMENTATION!r}, compiled by its first forward "
+                    f"(table ${CACHE_VARIABLE}: {table})")
+        return f"{name}: not compiled by moetune"
+    how = ", compiled by its first forward" if state.on_first_call else ""
+    lines = [f"{name}: backend {state.backend}, table {state.cache or '(none: defaults)'}{how}"]
     for p in plans(model):
         lines.append(f"{p.path}  [{p.block.signature_hash()}]  plan {p.id}")
         lines.append(p.dispatcher.describe())

@@ -2,8 +2,7 @@
 
 import json
 
-import tiny_models as tm
-
+from moetune import testing as tm
 from moetune.cli import main
 from moetune.ir.presets import PRESETS, preset
 from moetune.passes.trace import synthetic_trace
@@ -48,7 +47,7 @@ def test_explain_config_and_model_dir(tmp_path, capsys):
 
 
 def test_explain_bad_config_names_the_file_the_field_and_the_value(tmp_path, capsys):
-    cfg = tm.FAMILIES["qwen3_moe"]()[1].to_dict()
+    cfg = tm.config("qwen3_moe").to_dict()
     cfg["hidden_act"] = "relu"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert main(["explain", "--config", str(tmp_path / "config.json")]) == 2

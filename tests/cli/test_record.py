@@ -2,8 +2,8 @@
 every bad file or value is one line on stderr and exit 2, before the model is loaded."""
 
 import pytest
-import tiny_models as tm
 
+from moetune import testing as tm
 from moetune.cli import main
 from moetune.passes.trace import Trace
 

@@ -123,7 +123,7 @@ def test_a_compiled_tiny_model_with_the_tuned_table_gives_the_same_logits(tuned)
     _, _, path = tuned
     from moetune.runtime import compile as mt_compile
     from moetune.runtime import uncompile
-    from moetune.tiny import build
+    from moetune.testing import build
 
     model = build(FAMILY)
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))

@@ -3,8 +3,9 @@
 import functools
 
 import pytest
-import tiny_models as tm
 import torch
+
+from moetune import testing as tm
 
 
 @functools.cache

@@ -3,9 +3,9 @@
 import dataclasses
 
 import pytest
-import tiny_models as tm
 import torch
 
+from moetune import testing as tm
 from moetune.codegen.common import ExpertTensors
 from moetune.codegen.torch.reference import experts_reference
 from moetune.ir import Activation, CaptureError, Router, SharedExperts, WeightLayout
@@ -264,9 +264,8 @@ def test_capture_changes_nothing(tiny):
 
 
 def test_capture_on_meta_device_skips_the_check():
-    model_cls, cfg = tm.FAMILIES["qwen3_moe"]()
     with torch.device("meta"):
-        model = model_cls._from_config(cfg)
+        model = tm.build("qwen3_moe")
     found = capture(model)
     assert [c.ok for c in found] == [True, True] and found[0].block.E == 16
 
@@ -274,7 +273,7 @@ def test_capture_on_meta_device_skips_the_check():
 def test_capture_vlm_language_model():
     import transformers
 
-    _, text_cfg = tm.FAMILIES["qwen3_5_moe"]()
+    text_cfg = tm.config("qwen3_5_moe")
     vision = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=tm.D,
                   patch_size=4, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
     cfg = transformers.Qwen3_5MoeConfig(text_config=text_cfg.to_dict(), vision_config=vision)
@@ -301,8 +300,6 @@ def test_router_that_fails_is_reported():
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
 def test_shared_expert_of_size_zero_is_none():
-    model_cls, cfg = tm.FAMILIES["qwen2_moe"]()
-    cfg.shared_expert_intermediate_size = 0
-    model = model_cls._from_config(cfg).eval()
+    model = tm.build("qwen2_moe", shared_expert_intermediate_size=0)
     found = capture(model)
     assert all(c.ok and c.block.shared is None for c in found)

@@ -100,8 +100,8 @@ def test_duplicate_expert_in_a_token_is_refused():
 
 
 def test_record_tiny_qwen3_moe_feeds_the_stats_model(tmp_path):
-    tiny_models = pytest.importorskip("tiny_models")
-    model = tiny_models.build("qwen3_moe")
+    testing = pytest.importorskip("moetune.testing")
+    model = testing.build("qwen3_moe")
     import torch
 
     ids = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))

@@ -7,7 +7,7 @@ import torch
 
 import moetune
 from moetune.runtime import compiled
-from moetune.tiny import VOCAB, build
+from moetune.testing import VOCAB, build
 
 
 class _Recorder:

@@ -6,7 +6,6 @@ import warnings
 
 import pytest
 import torch
-from tiny_models import FAMILIES, UNHOOKED, VOCAB, build
 
 import moetune
 from moetune.codegen.torch import GatheredParams, GroupedGemmParams, HybridParams
@@ -14,6 +13,7 @@ from moetune.ir import Schedule
 from moetune.runtime import DispatchWarning, plans
 from moetune.runtime.table import CacheWarning, DispatchEntry, DispatchTable
 from moetune.runtime.versions import Versions
+from moetune.testing import FAMILIES, UNHOOKED, VOCAB, build
 
 # every kind once: T = 2 → gathered GEMV, T = 14 → hybrid, T = 80 → grouped_mm;
 # [101, 4096] is left to the default

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moetune
-from moetune.tiny import VOCAB, build
+from moetune.testing import VOCAB, build
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
