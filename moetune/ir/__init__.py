@@ -10,7 +10,15 @@ from .block import (
     WeightLayout,
     verify,
 )
-from .errors import CacheError, CaptureError, IRError, MoetuneError, UnsupportedSchedule
+from .errors import (
+    CacheError,
+    CaptureError,
+    ConfigError,
+    IRError,
+    MoetuneError,
+    TunerUnavailable,
+    UnsupportedSchedule,
+)
 from .schedule import (
     SCHEDULE_KINDS,
     Bucket,
@@ -27,7 +35,8 @@ from .symbolic import ExpertRows, SymInt
 
 __all__ = [
     "DTYPES", "DTYPE_BYTES", "Activation", "MoEBlock", "Router", "SharedExperts", "WeightLayout", "verify",
-    "CacheError", "CaptureError", "IRError", "MoetuneError", "UnsupportedSchedule",
+    "CacheError", "CaptureError", "ConfigError", "IRError", "MoetuneError", "TunerUnavailable",
+    "UnsupportedSchedule",
     "SCHEDULE_KINDS", "Bucket", "CandidateSpace", "Fusion", "Refusal", "Roofline", "RoutingStats",
     "Schedule", "ScheduledBlock", "verify_scheduled", "ExpertRows", "SymInt",
 ]

@@ -25,3 +25,11 @@ class UnsupportedSchedule(MoetuneError):
 
 class CacheError(MoetuneError):
     """A dispatch-table file is unreadable, corrupt or of another version; names the file."""
+
+
+class ConfigError(MoetuneError):
+    """A bad option value (a flag, a file, a setting): names it, the value and what was expected."""
+
+
+class TunerUnavailable(MoetuneError):
+    """The tuner cannot run here (Optuna missing, a backend not usable on this machine): says why."""

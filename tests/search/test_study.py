@@ -11,10 +11,10 @@ import pytest
 import torch
 import toy_backend as tb
 
-from moetune.ir import UnsupportedSchedule
+from moetune.ir import ConfigError, UnsupportedSchedule
 from moetune.runtime.table import DispatchEntry, DispatchTable, Versions
 from moetune.search.objective import CandidateError, expert_tensors, trace_sampler
-from moetune.search.study import TuneOptions, bucket_inputs, tune_bucket
+from moetune.search import TuneOptions, bucket_inputs, tune_bucket
 from moetune.search.timing import FakeTimer
 
 VERSIONS = Versions("0.1.0", "toyhash", "toy 1", torch.__version__, "toy device", "toy")
@@ -224,7 +224,7 @@ def test_exhaustive_mode_times_every_point_and_agrees_with_tpe():
 
 
 def test_tune_block_reports_a_bucket_with_nothing_to_try_and_goes_on(tmp_path):
-    from moetune.search.study import tune_block
+    from moetune.search import tune_block
 
     tb.toy("toy-block-none", refuse_kinds={k: "not here" for k in ("grouped_gemm", "stream_gemv", "hybrid")})
     with DispatchTable(tmp_path / "d.sqlite") as t:
@@ -239,7 +239,7 @@ def test_tune_block_reports_a_bucket_with_nothing_to_try_and_goes_on(tmp_path):
 
 
 def test_tune_block_covers_the_token_range_with_the_passes_buckets(tmp_path):
-    from moetune.search.study import tune_block
+    from moetune.search import tune_block
 
     tb.toy("toy-block", faults={p: "wrong" for p in FASTEST})
     with DispatchTable(tmp_path / "d.sqlite") as t:
@@ -269,7 +269,7 @@ def test_a_launch_failure_is_scored_whether_it_shows_at_warm_up_or_at_the_check(
 
 def test_resume_keeps_current_buckets_and_tunes_only_the_missing_one(tmp_path):
     from moetune.runtime.table import TABLE
-    from moetune.search.study import tune_block
+    from moetune.search import tune_block
 
     tb.toy("toy-block-resume")
     path = tmp_path / "d.sqlite"
@@ -292,7 +292,7 @@ def test_resume_keeps_current_buckets_and_tunes_only_the_missing_one(tmp_path):
 
 
 def test_time_limit_stops_between_buckets_and_resume_finishes(tmp_path):
-    from moetune.search.study import tune_block
+    from moetune.search import tune_block
 
     tb.toy("toy-block-limit")
     with DispatchTable(tmp_path / "d.sqlite") as t:
@@ -349,7 +349,7 @@ def test_local_search_tries_the_incumbents_neighbours_next(local):
 def test_retune_of_a_stale_bucket_starts_from_its_old_winner_and_its_neighbours(tmp_path):
     """After a kernel change (stale rows), `tune_block` seeds each bucket with its own earlier winner and
     the winners of the buckets beside it: each is built before the bucket's study samples a point."""
-    import moetune.search.study as study
+    import moetune.search.tune as study
     from moetune.runtime.table import TABLE
 
     tb.toy("toy-block-seeds")
@@ -436,7 +436,7 @@ def test_a_winner_chosen_against_the_stored_one_replaces_it_even_if_slower_on_pa
     """The stored entry claims an impossible 0.001 µs: a plain `put` keeps it (faster), but a re-tune that
     measured the stored winner itself (it is a seed) and chose another writes its own."""
     from moetune.runtime.table import TABLE
-    from moetune.search.study import tune_block
+    from moetune.search import tune_block
 
     tb.toy("toy-block-replace")
     with DispatchTable(tmp_path / "d.sqlite") as t:
@@ -468,7 +468,7 @@ def test_revalidate_rechecks_a_stale_winner_without_a_search(tmp_path):
     defaults and the stored (and neighbouring) winners: the stored winner is re-checked, re-timed and
     stamped with the current kernels, with no TPE point sampled."""
     from moetune.runtime.table import TABLE
-    from moetune.search.study import tune_block
+    from moetune.search import tune_block
 
     be = tb.toy("toy-block-revalidate")
     with DispatchTable(tmp_path / "d.sqlite") as t:
@@ -493,14 +493,14 @@ def test_revalidate_rechecks_a_stale_winner_without_a_search(tmp_path):
 def test_probe_counts():
     """The first and last T, and in a bucket spanning ≥ 1.5× two more at even ratios, none at or within
     5 % of the representative T."""
-    from moetune.search.study import probe_counts
+    from moetune.search.finalists import probe_counts
 
     assert probe_counts(305, 633, 439, 2) == [305, 389, 496, 633]  # mixtral-8x7b's bucket around T = 512
     assert probe_counts(305, 633, 439, 0) == [305, 633]
     assert probe_counts(8, 11, 9, 2) == [8, 11]  # narrower than 1.5×: the edges only
     assert probe_counts(8, 17, 8, 2) == [10, 13, 17]  # the representative T is not timed twice
     assert probe_counts(100, 400, 160, 2) == [100, 252, 400]  # 159 is within 5 % of 160: left out
-    with pytest.raises(UnsupportedSchedule, match="interior_counts"):
+    with pytest.raises(ConfigError, match="interior_counts"):
         TuneOptions(interior_counts=-1)
 
 
@@ -510,7 +510,7 @@ def test_the_winner_holds_inside_a_wide_bucket(interior):
     (a wave or tile boundary inside the bucket); B is steady. With the interior counts timed, B wins;
     with the edges only, A."""
     from moetune.ir import Schedule
-    from moetune.search.study import probe_counts
+    from moetune.search.finalists import probe_counts
 
     name = f"toy-interior-{interior}"
     be = tb.toy(name)
@@ -538,7 +538,7 @@ def test_the_winner_holds_inside_a_wide_bucket(interior):
 
 
 def test_robust_choice_over_the_edges():
-    from moetune.search.study import _robust
+    from moetune.search.finalists import robust as _robust
 
     rep = {"a": 1.00, "b": 1.01}
     assert _robust(rep, {}) == "a"  # no edges: the faster at the representative T
@@ -572,7 +572,7 @@ def test_finalists_are_retimed_in_rounds_and_a_one_off_slow_timing_does_not_deci
     assert calls[tb.BEST] == 1 + rounds
     won = (r.winner.kind, r.winner.params.tile, r.winner.params.stages) == tb.BEST
     assert won == (rounds == 3)
-    with pytest.raises(UnsupportedSchedule, match="retime_rounds"):
+    with pytest.raises(ConfigError, match="retime_rounds"):
         TuneOptions(retime_rounds=0)
 
 
@@ -584,7 +584,7 @@ def test_a_default_or_seed_labelled_with_another_fusion_is_the_same_kernel_and_t
     import dataclasses
 
     from moetune.ir import CandidateSpace, Fusion, Schedule
-    from moetune.search.study import runtime_default
+    from moetune.search.seeds import runtime_default
 
     be = tb.toy("toy-fusion-label")
     f = Fusion(combine_in_down=False)
@@ -608,7 +608,7 @@ def test_split_parts():
     with the finalist fastest over 590-852 and [934, 1024] with the default; mixtral-8x7b [305, 633], whose
     winner is within 3 % everywhere, stays whole; a winner beaten at both ends gives three parts."""
     from moetune.ir import Schedule
-    from moetune.search.study import split_parts
+    from moetune.search.finalists import split_parts
 
     w, x, d = Schedule("grouped_gemm"), Schedule("hybrid", row_threshold=2), Schedule("stream_gemv")
     finals = ((w, 5443.8, {590: 5310.4, 709: 5381.6, 852: 5560.0, 1024: 6104.9}),
@@ -686,7 +686,8 @@ def test_resume_keeps_a_split_bucket(tmp_path):
     `resume`: kept with its parts, not searched again; the parts also seed a re-tune of it."""
     from moetune.ir import Bucket, Schedule
     from moetune.runtime.table import TABLE
-    from moetune.search.study import _seeds, tune_block
+    from moetune.search import tune_block
+    from moetune.search.seeds import seeds as _seeds
 
     be = tb.toy("toy-block-resume-split")
     with DispatchTable(tmp_path / "d.sqlite") as t:
