@@ -239,8 +239,8 @@ def back_to_back(a, block, backend, device, target) -> list[dict]:
 
 def _retime_pair(a, b, be, bk, w, timer, routings, tpe_s, grid_s) -> dict:
     """The two winners of one bucket checked again, then timed in alternating rounds on the same cases."""
-    from moetune.search.objective import Objective
     from moetune.search import bucket_inputs
+    from moetune.search.objective import Objective
 
     inputs = bucket_inputs(b, bk, w, routings=routings, seed=a.seed + 1)  # cases neither phase timed
     obj = Objective(b, be, timer, inputs.cases, inputs.check_tokens, seed=a.seed + 2, keep_going=True)

@@ -58,10 +58,15 @@ class BucketInputs:
     check_tokens: tuple[int, ...]
     sampler: RoutingSampler | None = None
 
-    @property
-    def work(self) -> int:
-        """Token count of one candidate's checks and timing: what its cost is scaled by across buckets."""
-        return sum(self.check_tokens) + self.tokens
+
+def _work(block: MoEBlock, target: str, inputs: BucketInputs) -> float:
+    """What one candidate's cost in a bucket is scaled by across buckets: the roofline floors of its
+    timing count and its check counts (the token counts themselves on a target without roofs)."""
+    counts = (inputs.tokens, *inputs.check_tokens)
+    try:
+        return math.fsum(target_floor(block, target, t).time_s for t in counts)
+    except IRError:
+        return float(sum(counts))
 
 
 def representative_tokens(bucket: Bucket) -> int:
@@ -85,10 +90,11 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
                 timer: Timer, options: TuneOptions, *, table: DispatchTable | None = None,
                 versions: Versions | None = None, progress: Progress | None = None,
                 seeds: Sequence[Schedule] = (), first_only: bool = False, share: Share | None = None,
-                event: dict | None = None) -> BucketResult:
+                event: dict | None = None, baseline: tuple | None = None) -> BucketResult:
     """Tune one bucket (see the module doc) within `share` (default: `options.budget_s` from now); write
     the winner to `table` when given. `seeds` (those inside this bucket's space) are tried right after the
-    defaults; with `first_only`, nothing else is (`--revalidate` re-checks a stale winner, no search)."""
+    defaults; with `first_only`, nothing else is (`--revalidate` re-checks a stale winner, no search).
+    `baseline`: (function, label) from `baseline_fn`, made once by `tune_block`."""
     share = share or Share(options.budget_s)
     space = build_space(block, backend, bucket)
     default = _fit(space, runtime_default(block, backend, bucket))
@@ -125,7 +131,7 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
     fr = final_round(st, objective, outcomes, default, options, share, rep=inputs.tokens, counts=counts,
                      cases_at=lambda t: make_cases(block, objective.w, t, len(inputs.cases), gen, inputs.sampler),
                      keep_s=share.timing_s())
-    base_s, blabel = _baseline(block, objective, options, share)
+    base_s, blabel = _baseline(block, objective, options, share, baseline)
     result = BucketResult(
         bucket=(bucket.lo, bucket.hi), tokens=inputs.tokens, winner=fr.winner, time_s=fr.time_s, floor=bucket.floor,
         default=default, default_time_s=fr.default_time_s, baseline=blabel, baseline_time_s=base_s,
@@ -143,9 +149,10 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
     return result
 
 
-def _baseline(block: MoEBlock, objective: Objective, options: TuneOptions, share: Share) -> tuple[float | None, str]:
+def _baseline(block: MoEBlock, objective: Objective, options: TuneOptions, share: Share,
+              made: tuple | None) -> tuple[float | None, str]:
     """The transformers baseline's time here, and its label (why not, when it was not timed)."""
-    base_fn, blabel = baseline_fn(block, options.baseline or default_baseline(objective.device))
+    base_fn, blabel = made or baseline_fn(block, options.baseline or default_baseline(objective.device))
     if base_fn is None:
         return None, f"none ({blabel})"
     if not share.fits(share.timing_s()):
@@ -208,13 +215,13 @@ class _Costs:
     """One candidate's measured wall time per bucket against its `work`: the next bucket's estimate."""
 
     def __init__(self) -> None:
-        self.points: list[tuple[int, float]] = []
+        self.points: list[tuple[float, float]] = []
 
-    def add(self, work: int, share: Share) -> None:
+    def add(self, work: float, share: Share) -> None:
         if share.evals:
             self.points.append((work, max(share.evals) + share.build_s()))
 
-    def estimate(self, work: int) -> float | None:
+    def estimate(self, work: float) -> float | None:
         """a + b·work fitted to the buckets measured (b only, through 0, with one): None before any."""
         if not self.points:
             return None
@@ -272,6 +279,7 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
     total = budget_s if budget_s is not None else options.budget_s * len(buckets)
     end = t0 + total
     kept = _kept(block, table, target, be.name, buckets, versions, options)
+    base = baseline_fn(block, options.baseline or default_baseline(device))  # imports transformers: once, here
     todo = [b for b in buckets if (b.lo, b.hi) not in kept]
     show = Display(len(buckets), total, t0) if display is not False else None
     costs, results, last_s = _Costs(), [], 0.0
@@ -290,7 +298,8 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
             if options.time_limit_s is not None:  # the first bucket runs all the same: a resume makes progress
                 share_s = min(share_s, t0 + options.time_limit_s - time.monotonic())
                 share_s = share_s if costs.points else max(share_s, 1e-3)
-            est = costs.estimate(inputs.work)
+            work = _work(block, target, inputs)
+            est = costs.estimate(work)
             if share_s <= 0 or (est is not None and est > share_s):
                 spent = time.monotonic() - t0
                 one = f"one candidate here takes about {est:.1f} s, " if est is not None else ""
@@ -301,8 +310,8 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
                 share = Share(share_s, est)
                 r = _tune_one(block, be, target, b, inputs, timer, options, table, versions, share, every,
                               results, device, progress=_tee(progress, show),
-                              event={"index": i, "buckets": len(buckets)})
-                costs.add(inputs.work, share)
+                              event={"index": i, "buckets": len(buckets)}, baseline=base)
+                costs.add(work, share)
                 last_s = r.elapsed_s
         results.append(r)
         if show:
@@ -315,14 +324,14 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
 
 
 def _tune_one(block, be, target, b, inputs, timer, options, table, versions, share, every, results, device, *,
-              progress, event) -> BucketResult:
+              progress, event, baseline) -> BucketResult:
     opts = dataclasses.replace(options, budget_s=share.seconds, device=device)
     try:
         recheck = options.revalidate and table is not None and table.get(
             target, be.name, block.signature_hash(), b.lo, b.hi) is not None
         return tune_bucket(block, be, target, b, inputs, timer, opts, table=table, versions=versions,
                            progress=progress, seeds=seeds(block, table, target, be.name, every, b, results),
-                           first_only=recheck, share=share, event=event)
+                           first_only=recheck, share=share, event=event, baseline=baseline)
     except UnsupportedSchedule as e:  # nothing to tune here: the runtime keeps its default
         if options.strict:
             raise

@@ -10,10 +10,10 @@ from moetune.codegen.backend import get
 from moetune.ir import ConfigError, Schedule, UnsupportedSchedule
 from moetune.ir.presets import preset
 from moetune.passes.pipeline import schedule_block
-from moetune.search.objective import expert_tensors
-from moetune.search.space import build_space, cap_space, key
 from moetune.search import TuneOptions, bucket_inputs, representative_tokens, tune_bucket
+from moetune.search.objective import expert_tensors
 from moetune.search.seeds import default_schedules, runtime_default
+from moetune.search.space import build_space, cap_space, key
 from moetune.search.timing import FakeTimer
 
 QWEN = preset("qwen3-30b-a3b")

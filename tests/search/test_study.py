@@ -13,8 +13,8 @@ import toy_backend as tb
 
 from moetune.ir import ConfigError, UnsupportedSchedule
 from moetune.runtime.table import DispatchEntry, DispatchTable, Versions
-from moetune.search.objective import CandidateError, expert_tensors, trace_sampler
 from moetune.search import TuneOptions, bucket_inputs, tune_bucket
+from moetune.search.objective import CandidateError, expert_tensors, trace_sampler
 from moetune.search.timing import FakeTimer
 
 VERSIONS = Versions("0.1.0", "toyhash", "toy 1", torch.__version__, "toy device", "toy")
