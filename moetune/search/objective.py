@@ -70,15 +70,20 @@ def trace_sampler(block: MoEBlock, rows: torch.Tensor) -> RoutingSampler:
 def expert_tensors(block: MoEBlock, device: str | torch.device = "cpu", seed: int = 0) -> ExpertTensors:
     """Random weights in the block's layout and dtype: N(0, 1/D) for gate/up, N(0, 1/F) for down.
 
-    Drawn on the device one expert at a time, so a large block never has an fp32 copy of itself."""
+    Each expert's weights are a different window of one pool of 2·n normal draws (n: one expert's
+    size), so a large block is drawn in the time of two experts and never has an fp32 copy of itself;
+    no two experts are equal, so a kernel reading the wrong expert still fails its check."""
     gen = torch.Generator(device=device).manual_seed(seed)
     dt = TORCH_DTYPES[block.weight_dtype]
     lay = block.layout
 
     def randn(shape, std):
+        n = math.prod(shape[1:])
+        pool = torch.randn(2 * n, generator=gen, device=device) * std
         out = torch.empty(shape, dtype=dt, device=device)
         for e in range(shape[0]):  # [2F, D], [D, F], ... of one expert
-            out[e] = torch.randn(shape[1:], generator=gen, device=device) * std
+            off = (e * n) // shape[0]
+            out[e] = pool[off:off + n].view(shape[1:])
         return out
 
     gu = randn(lay.gate_up_shape(block.E, block.D, block.F), block.D ** -0.5)  # [E, 2F, D] or [E, D, 2F]

@@ -363,3 +363,49 @@ def _tee(progress: Progress | None, show: Display | None) -> Progress | None:
         progress(ev)
 
     return both
+
+
+def tune(model, *, backend: str | None = None, target: str | None = None, tokens: tuple[int, int] = (1, 1024),
+         budget_s: float = 60.0, cache=None, options: TuneOptions | None = None, **kwargs) -> list[BucketResult]:
+    """Tune the dispatch table of `model` on this machine: a torch model (its captured MoE blocks, each
+    distinct signature once), a MoEBlock, or a preset name. `backend`: triton on a GPU, else torch;
+    `target`: the one `moetune.compile` looks the table up under for this device; `cache`: a table file or
+    an open DispatchTable the winners are written to (None: nothing written). The budget is shared by
+    every block's buckets. Returns the per-bucket results, block after block; `kwargs` go to `tune_block`."""
+    from ..runtime.compiled import _target
+
+    blocks = _blocks(model)
+    backend = backend or ("triton" if torch.cuda.is_available() else "torch")
+    device = (options.device if options and options.device else None) or ("cpu" if backend == "torch" else "cuda")
+    target = target or _target(torch.device(device))
+    if cache is None or isinstance(cache, DispatchTable):
+        return _tune_blocks(blocks, backend, target, tokens, budget_s, cache, options, kwargs)
+    with DispatchTable(cache) as table:
+        return _tune_blocks(blocks, backend, target, tokens, budget_s, table, options, kwargs)
+
+
+def _tune_blocks(blocks, backend, target, tokens, budget_s, table, options, kwargs) -> list[BucketResult]:
+    t0, out = time.monotonic(), []
+    for i, b in enumerate(blocks):
+        left = budget_s - (time.monotonic() - t0)
+        out += tune_block(b, backend, target, tokens, table=table, options=options,
+                          budget_s=max(left / (len(blocks) - i), 1e-3), **kwargs)
+    return out
+
+
+def _blocks(model) -> list[MoEBlock]:
+    if isinstance(model, MoEBlock):
+        return [model]
+    if isinstance(model, str):
+        from ..ir.presets import preset
+
+        return [preset(model)]
+    from ..ir.capture import capture
+
+    found: dict[str, MoEBlock] = {}
+    for c in capture(model):
+        if c.block is not None:
+            found.setdefault(c.block.signature_hash(), c.block)
+    if not found:
+        raise ConfigError(f"moetune.tune: no MoE block captured in {type(model).__name__}")
+    return list(found.values())
