@@ -1,15 +1,16 @@
 """The objective: build a candidate, check it against the float32 reference, then time it.
 
-Correct before fast (STYLE §10): every candidate is checked on fresh random inputs (new x and routing,
+Correct before fast: every candidate is checked on fresh random inputs (new x and routing,
 never zeros) at the bucket's token counts before it is timed. A candidate that computes a wrong or
 non-finite answer, that the backend refuses, or that runs out of a known resource scores `inf` and
 keeps its reason; it never stops the study. Any other exception is a bug in a kernel: it is re-raised
 as CandidateError with a copy-pasteable repro, unless `keep_going` (then it scores `inf` with the repro
-as its reason). `strict` re-raises every failure, refusals and resource errors included (STYLE §9).
+as its reason). `strict` re-raises every failure, refusals and resource errors included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import textwrap
 import time
@@ -174,6 +175,18 @@ def repro(block: MoEBlock, schedule: Schedule, tokens: int, device: str) -> str:
     )
 
 
+@contextlib.contextmanager
+def _threads(n: int | None):
+    """Run with `n` torch threads (None: as they are): the check on the timer's threads."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class Objective:
     """Scores candidates of one bucket: build → check at `check_tokens` → time on `timing_cases`."""
 
@@ -246,6 +259,19 @@ class Objective:
         built = built or self.build(schedule)
         if built.error is not None:
             return self._fail(schedule, built.stage, built.error, built.seconds)
+        with _threads(getattr(self.timer, "threads", None)):
+            failed, worst = self._check(schedule, built)
+        if failed is not None:
+            return failed
+        try:
+            timing = self.time_fn(built.fn, schedule)
+        except Exception as e:  # noqa: BLE001
+            return self._fail(schedule, "launch while timing", e, built.seconds)
+        self._fns[schedule] = built.fn
+        return Outcome(schedule, "ok", timing.median_s, rel_err=worst, build_s=built.seconds, timing=timing)
+
+    def _check(self, schedule: Schedule, built: Built) -> tuple[Outcome | None, float]:
+        """(the failed check's outcome or None, the worst error in units of the tolerance)."""
         fn = built.fn
         worst = 0.0
         for T in self.check_tokens:
@@ -254,25 +280,20 @@ class Objective:
                 with torch.inference_mode():
                     out = fn(case.x, case.ids, case.weights, case.w)  # [T, D]
             except Exception as e:  # noqa: BLE001
-                return self._fail(schedule, f"launch at T={T}", e, built.seconds)
+                return self._fail(schedule, f"launch at T={T}", e, built.seconds), worst
             if tuple(out.shape) != (T, self.block.D):
                 why = f"T={T}: output shape {tuple(out.shape)}, expected {(T, self.block.D)}"
-                return Outcome(schedule, "wrong", reason=why, build_s=built.seconds)
+                return Outcome(schedule, "wrong", reason=why, build_s=built.seconds), worst
             if not bool(torch.isfinite(out).all()):
                 return Outcome(schedule, "nonfinite", reason=f"T={T}: output has NaN or inf",
-                               build_s=built.seconds)
+                               build_s=built.seconds), worst
             err = worst_error(out, ref)
             worst = max(worst, err)
             if not err <= 1:
                 return Outcome(schedule, "wrong", reason=f"T={T}: worst error {err:.3g}× the {out.dtype} "
                                                          "tolerance of moetune.codegen.torch.tolerance",
-                               rel_err=err, build_s=built.seconds)
-        try:
-            timing = self.time_fn(fn, schedule)
-        except Exception as e:  # noqa: BLE001
-            return self._fail(schedule, "launch while timing", e, built.seconds)
-        self._fns[schedule] = fn
-        return Outcome(schedule, "ok", timing.median_s, rel_err=worst, build_s=built.seconds, timing=timing)
+                               rel_err=err, build_s=built.seconds), err
+        return None, worst
 
     def fn_of(self, schedule: Schedule) -> ExpertsFn:
         """The built kernel of a candidate that passed its check here (built again if it was not kept)."""

@@ -59,10 +59,10 @@ class BucketInputs:
     sampler: RoutingSampler | None = None
 
 
-def _work(block: MoEBlock, target: str, inputs: BucketInputs) -> float:
+def _work(block: MoEBlock, target: str, bucket: Bucket) -> float:
     """What one candidate's cost in a bucket is scaled by across buckets: the roofline floors of its
     timing count and its check counts (the token counts themselves on a target without roofs)."""
-    counts = (inputs.tokens, *inputs.check_tokens)
+    counts = (representative_tokens(bucket), bucket.lo, bucket.hi)
     try:
         return math.fsum(target_floor(block, target, t).time_s for t in counts)
     except IRError:
@@ -281,6 +281,7 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
     kept = _kept(block, table, target, be.name, buckets, versions, options)
     base = baseline_fn(block, options.baseline or default_baseline(device))  # imports transformers: once, here
     todo = [b for b in buckets if (b.lo, b.hi) not in kept]
+    works = {(b.lo, b.hi): _work(block, target, b) for b in todo}
     show = Display(len(buckets), total, t0) if display is not False else None
     costs, results, last_s = _Costs(), [], 0.0
     for i, b in enumerate(buckets):
@@ -292,26 +293,27 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
             r = BucketResult.untuned(b, rep, f"time limit {options.time_limit_s:.0f} s (the last bucket took "
                                      f"{last_s:.1f} s, {now - t0:.1f} s spent); rerun with resume")
         else:
-            left = sum(1 for c in todo[todo.index(b):])
-            inputs = bucket_inputs(block, b, w, routings=routings, seed=options.seed, sampler=sampler)
-            share_s = (end - time.monotonic()) / left
+            # an equal share of what is left for each bucket still to tune whose one candidate fits in it
+            left_s = end - time.monotonic()
+            ests = [costs.estimate(works[(c.lo, c.hi)]) for c in todo[todo.index(b):]]
+            left = max(1, sum(1 for e in ests if e is None or e <= left_s))
+            est, share_s = ests[0], left_s / left
             if options.time_limit_s is not None:  # the first bucket runs all the same: a resume makes progress
                 share_s = min(share_s, t0 + options.time_limit_s - time.monotonic())
                 share_s = share_s if costs.points else max(share_s, 1e-3)
-            work = _work(block, target, inputs)
-            est = costs.estimate(work)
             if share_s <= 0 or (est is not None and est > share_s):
                 spent = time.monotonic() - t0
                 one = f"one candidate here takes about {est:.1f} s, " if est is not None else ""
                 r = BucketResult.untuned(b, rep, f"budget spent: {one}this bucket's share is {max(share_s, 0):.1f} s "
-                                         f"({spent:.1f} s of the {total:.1f} s budget used, {left} bucket"
-                                         f"{'s' if left != 1 else ''} left)")
+                                         f"({spent:.1f} s of the {total:.1f} s budget used, {len(ests)} bucket"
+                                         f"{'s' if len(ests) != 1 else ''} left)")
             else:
-                share = Share(share_s, est)
+                inputs = bucket_inputs(block, b, w, routings=routings, seed=options.seed, sampler=sampler)
+                share = Share(share_s - (left_s - (end - time.monotonic())), est)
                 r = _tune_one(block, be, target, b, inputs, timer, options, table, versions, share, every,
                               results, device, progress=_tee(progress, show),
                               event={"index": i, "buckets": len(buckets)}, baseline=base)
-                costs.add(work, share)
+                costs.add(works[(b.lo, b.hi)], share)
                 last_s = r.elapsed_s
         results.append(r)
         if show:

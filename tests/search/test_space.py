@@ -102,9 +102,8 @@ def test_neighbours_differ_in_exactly_one_knob_nearest_values_first():
 
 
 def test_neighbours_on_the_triton_space_reach_split_k_from_the_tma_default():
-    """The case the local search exists for (session 5, mixtral-8x7b T = 634…1024): the TMA default's
-    split-K and two-dot twins (the bench's best variants there before session 10's default) are one knob
-    away."""
+    """The case the local search exists for (mixtral-8x7b T = 634…1024): the TMA default's split-K and
+    two-dot twins are one knob away."""
     import dataclasses
 
     from moetune.codegen.triton import BACKEND

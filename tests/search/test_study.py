@@ -603,8 +603,8 @@ def test_a_default_or_seed_labelled_with_another_fusion_is_the_same_kernel_and_t
 
 
 def test_split_parts():
-    """A bucket is cut where its winner loses more than `loss` at some count: deepseek-v3 [590, 1024] as
-    timed on the H200 (session 9: the winner 7 % slower than the default at T = 1024) becomes [590, 933]
+    """A bucket is cut where its winner loses more than `loss` at some count: a deepseek-v3 [590, 1024]
+    whose winner is 7 % slower than the default at T = 1024 becomes [590, 933]
     with the finalist fastest over 590-852 and [934, 1024] with the default; mixtral-8x7b [305, 633], whose
     winner is within 3 % everywhere, stays whole; a winner beaten at both ends gives three parts."""
     from moetune.ir import Schedule
