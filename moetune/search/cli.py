@@ -25,6 +25,7 @@ from pathlib import Path
 from ..ir import CaptureError, MoEBlock, UnsupportedSchedule
 from ..runtime.table import DispatchTable, device_identity
 from .study import BucketResult, TuneOptions, tune_block
+from .tune import process_started
 
 
 def parse_tokens(s: str) -> tuple[int, int]:
@@ -205,7 +206,8 @@ def run(args) -> int:
 
     with DispatchTable(cache) as table:
         results = tune_block(block, backend, target, (lo, hi), trace=args.trace, table=table, options=options,
-                             budget_s=budget, progress=progress, on_bucket=on_bucket, at_tokens=at_tokens)
+                             budget_s=budget, progress=progress, on_bucket=on_bucket, at_tokens=at_tokens,
+                             started=process_started())
     print()
     print("\n".join(table_lines(results, f"{dev_name} ({cap})")))
     written = sum(r.written for r in results)

@@ -82,9 +82,10 @@ Progress = Callable[[dict], None]
 
 
 def run_rounds(st: Study, space: SearchSpace, objective: Objective, options: TuneOptions, share: Share, *,
-               batch: int, first_only: bool, floor_s: float, reserve: float,
+               batch: int, first_only: bool, floor_s: float, reserve: Callable[[], float],
                progress: Progress | None = None, event: dict | None = None) -> LoopState:
-    """Ask, build, check and time rounds of candidates until one stop reason holds (see the module doc)."""
+    """Ask, build, check and time rounds of candidates until one stop reason holds (see the module doc).
+    `reserve()`: the seconds to leave free for the final round, as measured so far."""
     state = LoopState()
     outcomes, failures = state.outcomes, state.failures
     refused: set[str] = set()  # parameter combinations the backend's params class refuses
@@ -94,20 +95,18 @@ def run_rounds(st: Study, space: SearchSpace, objective: Objective, options: Tun
     pool = ThreadPoolExecutor(max_workers=options.build_workers, thread_name_prefix="moetune-build")
 
     def budget_stop(next_s: float) -> str:
-        n = len(outcomes)
-        after = f"after {n} candidate{'s' if n != 1 else ''}"
         if share.left() <= 0:
-            return f"budget: this bucket's {share.seconds:.1f} s share spent {after}"
+            return _spent(share, len(outcomes))
         return (f"budget: this bucket's {share.seconds:.1f} s share ends in {max(share.left(), 0):.1f} s, "
-                f"the next candidate takes about {next_s:.1f} s; stopped {after}")
+                f"the next candidate takes about {next_s:.1f} s; stopped after {_n(len(outcomes))}")
 
     try:
         while not state.stopped:
             per = share.eval_s() + share.build_s() / max(1, options.build_workers)
-            if outcomes and not first_only and not share.fits(per, reserve):
+            if outcomes and not first_only and not share.fits(per, reserve()):
                 state.stopped = budget_stop(per)
                 break
-            n = batch if first_only or per <= 0 else max(1, min(batch, int((share.left() - reserve) / per)))
+            n = batch if first_only or per <= 0 else max(1, min(batch, int((share.left() - reserve()) / per)))
             scored = st.scored() if options.storage else {}
             todo: list[tuple] = []  # (trial, schedule, key, build future) to check and time this round
             for _ in range(n):
@@ -134,7 +133,7 @@ def run_rounds(st: Study, space: SearchSpace, objective: Objective, options: Tun
             try:
                 for trial, s, k, fut in todo:
                     est = share.eval_s() + (0.0 if fut.done() else share.build_s())
-                    if outcomes and not first_only and not share.fits(est, reserve):
+                    if outcomes and not first_only and not share.fits(est, reserve()):
                         state.stopped = budget_stop(est)
                         break
                     out = _evaluate(objective, s, fut, share)
@@ -196,5 +195,13 @@ def stop_reason(options: TuneOptions, *, first_only: bool, best: float, floor_s:
     elif trials >= options.max_trials:
         return f"{trials} trials"
     if share.left() <= 0:
-        return f"budget: this bucket's {share.seconds:.1f} s share spent after {evaluated} candidates"
+        return _spent(share, evaluated)
     return ""
+
+
+def _n(candidates: int) -> str:
+    return f"{candidates} candidate{'s' if candidates != 1 else ''}"
+
+
+def _spent(share: Share, candidates: int) -> str:
+    return f"budget: this bucket's {share.seconds:.1f} s share spent after {_n(candidates)}"

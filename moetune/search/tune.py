@@ -119,7 +119,7 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
               if options.edge_timing and bucket.lo < bucket.hi else [])
     batch = len({key(s) for s in first}) if first_only else options.batch or max(2, options.build_workers)
     loop = run_rounds(st, space, objective, options, share, batch=batch, first_only=first_only, floor_s=floor_s,
-                      reserve=share.reserve(options.retime + 1, options.retime_rounds, len(counts)),
+                      reserve=lambda: share.reserve(options.retime + 1, options.retime_rounds, len(counts)),
                       progress=progress, event={"bucket": (bucket.lo, bucket.hi), **(event or {})})
     outcomes, notes = loop.outcomes, []
     if default is not None and key(default) not in outcomes:  # outside the space: measured all the same
@@ -241,15 +241,17 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
                options: TuneOptions | None = None, budget_s: float | None = None,
                progress: Progress | None = None,
                on_bucket: Callable[[int, int, BucketResult], None] | None = None,
-               at_tokens: Sequence[int] | None = None, display: bool | None = None) -> list[BucketResult]:
+               at_tokens: Sequence[int] | None = None, display: bool | None = None,
+               started: float | None = None) -> list[BucketResult]:
     """Tune every bucket the passes make of `block` on `tokens` within `budget_s` in all (wall clock from
-    this call, the compile of candidates included; default `options.budget_s` per bucket). With
+    `started`, a time.monotonic() reading, default this call: a command passes `process_started()`; the
+    compile of candidates included; default `options.budget_s` per bucket). With
     `at_tokens`, only the buckets (of the whole range) holding one of those token counts. `display`
     (default on) writes a progress line with an ETA per bucket and overall to stderr."""
     from ..passes.pipeline import schedule_block
     from ..passes.trace import Trace
 
-    t0 = time.monotonic()
+    t0 = time.monotonic() if started is None else started
     options = options or TuneOptions()
     if budget_s is not None and not budget_s > 0:
         raise ConfigError(f"tune_block budget_s = {budget_s!r}: need a positive budget (seconds)")
@@ -323,6 +325,17 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
     if show:
         show.close()
     return results
+
+
+def process_started() -> float:
+    """The time.monotonic() reading at which this process started (where /proc says; elsewhere now)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.monotonic() - max(age, 0.0)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.monotonic()
 
 
 def _tune_one(block, be, target, b, inputs, timer, options, table, versions, share, every, results, device, *,
