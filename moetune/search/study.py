@@ -9,7 +9,7 @@ import time
 import warnings
 from collections.abc import Sequence
 
-from ..ir import Schedule, TunerUnavailable, UnsupportedSchedule
+from ..ir import ConfigError, Schedule, TunerUnavailable, UnsupportedSchedule
 from .objective import Outcome
 from .options import TuneOptions
 from .space import SearchSpace, key
@@ -70,7 +70,7 @@ class Study:
         for t in self.study.get_trials(deepcopy=False):
             for n, d in t.distributions.items():
                 if n in ours and tuple(getattr(d, "choices", ())) != ours[n]:
-                    raise UnsupportedSchedule(
+                    raise ConfigError(
                         f"--storage {storage}: study {name!r} sampled {n} over {tuple(d.choices)}, this "
                         f"moetune's search space has {ours[n]} (its kernels' spaces changed since); tune "
                         "into a new storage file")

@@ -59,14 +59,15 @@ class BucketInputs:
     sampler: RoutingSampler | None = None
 
 
-def _work(block: MoEBlock, target: str, bucket: Bucket) -> float:
+def _work(block: MoEBlock, target: str, bucket: Bucket) -> tuple[float, float]:
     """What one candidate's cost in a bucket is scaled by across buckets: the roofline floors of its
-    timing count and its check counts (the token counts themselves on a target without roofs)."""
+    timing count and check counts (their token counts on a target without roofs), and those counts."""
     counts = (representative_tokens(bucket), bucket.lo, bucket.hi)
     try:
-        return math.fsum(target_floor(block, target, t).time_s for t in counts)
+        floors = math.fsum(target_floor(block, target, t).time_s for t in counts)
     except IRError:
-        return float(sum(counts))
+        floors = float(sum(counts))
+    return floors, float(sum(counts))
 
 
 def representative_tokens(bucket: Bucket) -> int:
@@ -212,28 +213,51 @@ def _judged_here(table: DispatchTable, entry: DispatchEntry, block: MoEBlock, ou
 
 
 class _Costs:
-    """One candidate's measured wall time per bucket against its `work`: the next bucket's estimate."""
+    """One candidate's measured wall time per bucket: the next buckets' estimates. The cost is scaled by
+    whichever grows faster, the roofline floors or the token counts (a kernel far from its roofs grows
+    with the work, not with the bytes): a + b·work fitted to the buckets measured, through 0 with one."""
 
     def __init__(self) -> None:
-        self.points: list[tuple[float, float]] = []
+        self.points: list[tuple[tuple[float, float], float]] = []
 
-    def add(self, work: float, share: Share) -> None:
+    def add(self, work: tuple[float, float], share: Share) -> None:
         if share.evals:
             self.points.append((work, max(share.evals) + share.build_s()))
 
-    def estimate(self, work: float) -> float | None:
-        """a + b·work fitted to the buckets measured (b only, through 0, with one): None before any."""
+    def estimate(self, work: tuple[float, float]) -> float | None:
         if not self.points:
             return None
-        if len(self.points) == 1 or len({w for w, _ in self.points}) == 1:
-            w0, s0 = max(self.points)
-            return s0 * max(1.0, work / w0)
-        n = len(self.points)
-        mw = sum(w for w, _ in self.points) / n
-        ms = sum(s for _, s in self.points) / n
-        b = sum((w - mw) * (s - ms) for w, s in self.points) / sum((w - mw) ** 2 for w, _ in self.points)
-        b = max(b, 0.0)
-        return max(ms + b * (work - mw), max(s for _, s in self.points) if work >= mw else 0.0)
+        return max(_fit_line([(w[i], s) for w, s in self.points], work[i]) for i in range(2))
+
+
+def _fit_line(points: list[tuple[float, float]], x: float) -> float:
+    """The least-squares line through `points` (slope ≥ 0) at `x`; through 0 with one distinct x."""
+    xs = {p for p, _ in points}
+    if len(xs) == 1:
+        x0, s0 = max(points)
+        return s0 * max(1.0, x / x0) if x0 > 0 else s0
+    n = len(points)
+    mx, my = math.fsum(p for p, _ in points) / n, math.fsum(s for _, s in points) / n
+    b = max(0.0, math.fsum((p - mx) * (s - my) for p, s in points) / math.fsum((p - mx) ** 2 for p, _ in points))
+    near = max(s for p, s in points if p <= x) if any(p <= x for p, _ in points) else 0.0
+    return max(my + b * (x - mx), near)
+
+
+def _share(left_s: float, ests: list[float | None]) -> float | None:
+    """The first bucket's share of `left_s` among the buckets still to tune (their one-candidate cost
+    estimates, this one first): an equal part before anything was measured; else a part proportional to
+    its cost among the cheapest buckets whose costs fit together, None when it is not one of them."""
+    if ests[0] is None:
+        return left_s / len(ests)
+    fits, total = [], 0.0
+    for e in sorted(e for e in ests if e is not None):
+        if total + e > left_s:
+            break
+        fits.append(e)
+        total += e
+    if not fits or ests[0] > fits[-1]:
+        return None
+    return left_s * ests[0] / total
 
 
 def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, int] = (1, 1024), *,
@@ -295,11 +319,11 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
             r = BucketResult.untuned(b, rep, f"time limit {options.time_limit_s:.0f} s (the last bucket took "
                                      f"{last_s:.1f} s, {now - t0:.1f} s spent); rerun with resume")
         else:
-            # an equal share of what is left for each bucket still to tune whose one candidate fits in it
             left_s = end - time.monotonic()
             ests = [costs.estimate(works[(c.lo, c.hi)]) for c in todo[todo.index(b):]]
-            left = max(1, sum(1 for e in ests if e is None or e <= left_s))
-            est, share_s = ests[0], left_s / left
+            est, share_s = ests[0], _share(left_s, ests)
+            if share_s is None:  # its one candidate does not fit beside the cheaper buckets still to tune
+                share_s = left_s / len(ests)
             if options.time_limit_s is not None:  # the first bucket runs all the same: a resume makes progress
                 share_s = min(share_s, t0 + options.time_limit_s - time.monotonic())
                 share_s = share_s if costs.points else max(share_s, 1e-3)

@@ -94,7 +94,7 @@ def test_a_study_resumed_over_another_space_is_refused_naming_its_file(tmp_path)
     run(tb.toy("toy-resume"), storage=j)
     wider = tb.toy("toy-resume")
     wider.space = lambda block, kind: ParamSpace(tb.ToyParams, (("tile", (16, 32, 64, 128)), ("stages", (1, 2, 3))))
-    with pytest.raises(UnsupportedSchedule, match=r"j\.log: study .* sampled \S*tile over"):
+    with pytest.raises(ConfigError, match=r"j\.log: study .* sampled \S*tile over"):
         run(wider, storage=j)
     assert run(tb.toy("toy-resume"), storage=j).winner is not None
 
