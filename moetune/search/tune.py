@@ -245,8 +245,9 @@ def _fit_line(points: list[tuple[float, float]], x: float) -> float:
 
 def _share(left_s: float, ests: list[float | None]) -> float | None:
     """The first bucket's share of `left_s` among the buckets still to tune (their one-candidate cost
-    estimates, this one first): an equal part before anything was measured; else a part proportional to
-    its cost among the cheapest buckets whose costs fit together, None when it is not one of them."""
+    estimates, this one first): an equal part, or more where one candidate costs more (a part
+    proportional to its cost among the cheapest buckets whose costs fit together); None when it is not
+    one of those."""
     if ests[0] is None:
         return left_s / len(ests)
     fits, total = [], 0.0
@@ -257,7 +258,7 @@ def _share(left_s: float, ests: list[float | None]) -> float | None:
         total += e
     if not fits or ests[0] > fits[-1]:
         return None
-    return left_s * ests[0] / total
+    return max(left_s / len(ests), left_s * ests[0] / total)
 
 
 def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, int] = (1, 1024), *,
@@ -335,7 +336,7 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
                                          f"{'s' if len(ests) != 1 else ''} left)")
             else:
                 inputs = bucket_inputs(block, b, w, routings=routings, seed=options.seed, sampler=sampler)
-                share = Share(share_s - (left_s - (end - time.monotonic())), est)
+                share = Share(max(share_s - (left_s - (end - time.monotonic())), 1e-3), est)
                 r = _tune_one(block, be, target, b, inputs, timer, options, table, versions, share, every,
                               results, device, progress=_tee(progress, show),
                               event={"index": i, "buckets": len(buckets)}, baseline=base)
