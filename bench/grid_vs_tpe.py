@@ -133,7 +133,7 @@ def run_phase(a) -> dict:
     """One phase in this process: tune (TPE or exhaustive) the selected buckets into its table."""
     from moetune.runtime.table import DispatchTable
     from moetune.runtime.versions import device_identity
-    from moetune.search.study import TuneOptions, tune_block
+    from moetune.search import TuneOptions, tune_block
 
     block, backend, device, target = _setup(a)
     (lo, hi), at = _tokens(a)
@@ -241,8 +241,8 @@ def back_to_back(a, block, backend, device, target) -> list[dict]:
 
 def _retime_pair(a, b, be, bk, w, timer, routings, tpe_s, grid_s) -> dict:
     """The two winners of one bucket checked again, then timed in alternating rounds on the same cases."""
+    from moetune.search import bucket_inputs
     from moetune.search.objective import Objective
-    from moetune.search.study import bucket_inputs
 
     inputs = bucket_inputs(b, bk, w, routings=routings, seed=a.seed + 1)  # cases neither phase timed
     obj = Objective(b, be, timer, inputs.cases, inputs.check_tokens, seed=a.seed + 2, keep_going=True)

@@ -30,6 +30,15 @@ def explain(model, *, print_: bool = True, check: bool = True):
     return _explain(model, print_=print_, check=check)
 
 
+def tune(model, *, backend=None, target=None, tokens=(1, 1024), budget_s=60.0, cache=None, **kwargs):
+    """Tune a dispatch table for `model` (a model, a MoEBlock or a preset name) on this machine within
+    `budget_s` seconds and write the winners to `cache`; returns the per-bucket results (needs Optuna;
+    see moetune.search.tune.tune)."""
+    from .search.tune import tune as _tune
+
+    return _tune(model, backend=backend, target=target, tokens=tokens, budget_s=budget_s, cache=cache, **kwargs)
+
+
 def capture(model, *, check: bool = True, T_max: int = 4096):
     """Each MoE block of `model` as a `Captured` (imports torch on first use)."""
     from .ir.capture import capture as _capture

@@ -8,8 +8,6 @@ token buckets and, per bucket, the default-schedule pass's Schedule with that ba
 
 from __future__ import annotations
 
-import functools
-
 from ..ir import MoEBlock, Schedule, ScheduledBlock
 from ..passes.pipeline import schedule_block
 from ..passes.policy import representative_tokens
@@ -35,10 +33,19 @@ def backend_for(target: str):
     return get("triton") if kind == "gpu" else get("torch") if kind == "cpu" else None
 
 
-@functools.lru_cache(maxsize=256)
+_PLANS: dict[tuple, tuple[object, ScheduledBlock]] = {}
+
+
 def default_plan(block: MoEBlock, backend, target: str) -> ScheduledBlock:
-    """The final IR of the pass pipeline for `block` on `target` with `backend`'s defaults."""
-    return schedule_block(block, pass_target(target), backend=backend)
+    """The final IR of the pass pipeline for `block` on `target` with `backend`'s defaults (kept per block,
+    backend object and target: compiling many layers of one model runs the pipeline once)."""
+    key = (block, id(backend), target)
+    hit = _PLANS.get(key)
+    if hit is None or hit[0] is not backend:
+        if len(_PLANS) >= 256:
+            _PLANS.clear()
+        hit = _PLANS[key] = (backend, schedule_block(block, pass_target(target), backend=backend))
+    return hit[1]
 
 
 def default_buckets(block: MoEBlock, backend, target: str) -> list[tuple[int, int]]:

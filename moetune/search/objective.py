@@ -1,15 +1,16 @@
 """The objective: build a candidate, check it against the float32 reference, then time it.
 
-Correct before fast (STYLE §10): every candidate is checked on fresh random inputs (new x and routing,
+Correct before fast: every candidate is checked on fresh random inputs (new x and routing,
 never zeros) at the bucket's token counts before it is timed. A candidate that computes a wrong or
 non-finite answer, that the backend refuses, or that runs out of a known resource scores `inf` and
 keeps its reason; it never stops the study. Any other exception is a bug in a kernel: it is re-raised
 as CandidateError with a copy-pasteable repro, unless `keep_going` (then it scores `inf` with the repro
-as its reason). `strict` re-raises every failure, refusals and resource errors included (STYLE §9).
+as its reason). `strict` re-raises every failure, refusals and resource errors included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import textwrap
 import time
@@ -21,7 +22,8 @@ import torch
 
 from ..codegen.backend import Backend
 from ..codegen.common import ExpertsFn, ExpertTensors
-from ..codegen.torch import apply_activation, split_gate_up
+from ..codegen.torch.reference import experts_reference
+from ..codegen.torch.tolerance import worst_error
 from ..ir import MoEBlock, MoetuneError, Schedule, UnsupportedSchedule
 from .timing import Case, Timer, Timing
 
@@ -35,11 +37,6 @@ class CandidateError(MoetuneError):
         self.schedule, self.stage, self.error, self.repro = schedule, stage, error, repro
         super().__init__(f"candidate {schedule.describe()} failed to {stage}: "
                          f"{type(error).__name__}: {error}\nrepro:\n{textwrap.indent(repro, '    ')}")
-
-
-def tolerance(dtype: str) -> float:
-    """Largest accepted ‖out − ref‖ / ‖ref‖ against the float32 reference, by the block's weight dtype."""
-    return {"float32": 1e-4, "float16": 5e-3, "bfloat16": 1e-2}[dtype]
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -74,15 +71,20 @@ def trace_sampler(block: MoEBlock, rows: torch.Tensor) -> RoutingSampler:
 def expert_tensors(block: MoEBlock, device: str | torch.device = "cpu", seed: int = 0) -> ExpertTensors:
     """Random weights in the block's layout and dtype: N(0, 1/D) for gate/up, N(0, 1/F) for down.
 
-    Drawn on the device one expert at a time, so a large block never has an fp32 copy of itself."""
+    Each expert's weights are a different window of one pool of 2·n normal draws (n: one expert's
+    size), so a large block is drawn in the time of two experts and never has an fp32 copy of itself;
+    no two experts are equal, so a kernel reading the wrong expert still fails its check."""
     gen = torch.Generator(device=device).manual_seed(seed)
     dt = TORCH_DTYPES[block.weight_dtype]
     lay = block.layout
 
     def randn(shape, std):
+        n = math.prod(shape[1:])
+        pool = torch.randn(2 * n, generator=gen, device=device) * std
         out = torch.empty(shape, dtype=dt, device=device)
         for e in range(shape[0]):  # [2F, D], [D, F], ... of one expert
-            out[e] = torch.randn(shape[1:], generator=gen, device=device) * std
+            off = (e * n) // shape[0]
+            out[e] = pool[off:off + n].view(shape[1:])
         return out
 
     gu = randn(lay.gate_up_shape(block.E, block.D, block.F), block.D ** -0.5)  # [E, 2F, D] or [E, D, 2F]
@@ -110,35 +112,8 @@ def make_cases(block: MoEBlock, w: ExpertTensors, tokens: int, n: int, gen: torc
 
 
 def reference(block: MoEBlock, case: Case) -> torch.Tensor:
-    """The float32 reference of `case`, [T, D], computed expert by expert: each selected expert's weights
-    are widened to fp32 once and multiply all of its rows. This is `experts_reference`'s formula (the
-    same activation, layout, bias and weight-placement helpers; tests/search/test_objective.py holds
-    the two equal on every layout), without its gather of T·k fp32 weight copies. Chunked over tokens,
-    that gather widened the whole weight tensors once per chunk: on the H200, deepseek-v3's checks at
-    T = 777 kept one bucket's first candidate waiting 313 s (bench/results/h200-retune-s5/call3)."""
-    x, ids, wts, w = case.x, case.ids, case.weights, case.w
-    out = torch.zeros(x.shape[0], block.D, dtype=torch.float32, device=x.device)
-    valid = (ids >= 0) & (ids < block.E)  # ids outside [0, E) contribute nothing
-    tr = block.layout.transposed
-    for e in torch.unique(ids[valid]).tolist():
-        tok, pos = torch.where(ids == e)
-        xs = x[tok].float()  # [m, D]
-        wt = wts[tok, pos].float()[:, None]  # [m, 1]
-        if block.weight_application == "input":
-            xs = xs * wt
-        gu_w = w.gate_up[e].float()  # [2F, D] or [D, 2F]
-        gu = xs @ (gu_w if tr else gu_w.t())  # [m, 2F]
-        if block.layout.has_bias:
-            gu = gu + w.gate_up_bias[e].float()
-        h = apply_activation(block.activation, *split_gate_up(block, gu))  # [m, F]
-        dn_w = w.down[e].float()  # [D, F] or [F, D]
-        y = h @ (dn_w if tr else dn_w.t())  # [m, D]
-        if block.layout.has_bias:
-            y = y + w.down_bias[e].float()
-        if block.weight_application == "output":
-            y = y * wt
-        out.index_add_(0, tok, y)
-    return out
+    """The float32 reference of `case`, [T, D] (moetune.codegen.torch.experts_reference)."""
+    return experts_reference(block, case.x, case.ids, case.weights, case.w)
 
 
 # ------------------------------------------------------------------------------------------ outcome
@@ -152,7 +127,7 @@ class Outcome:
     status: str  # ok | wrong | nonfinite | refused | resource | build_failed | launch_failed
     time_s: float = math.inf
     reason: str = ""
-    rel_err: float | None = None
+    rel_err: float | None = None  # the check's worst error in units of the dtype's tolerance (≤ 1 passes)
     build_s: float = 0.0
     timing: Timing | None = None
 
@@ -200,6 +175,18 @@ def repro(block: MoEBlock, schedule: Schedule, tokens: int, device: str) -> str:
     )
 
 
+@contextlib.contextmanager
+def _threads(n: int | None):
+    """Run with `n` torch threads (None: as they are): the check on the timer's threads."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class Objective:
     """Scores candidates of one bucket: build → check at `check_tokens` → time on `timing_cases`."""
 
@@ -215,9 +202,10 @@ class Objective:
         self.strict, self.keep_going = strict, keep_going
         self.warm_in_build = (self.w.gate_up.device.type != "cpu") if warm_in_build is None else warm_in_build
         self._gen = torch.Generator().manual_seed(seed + 7919)
-        self.tol = tolerance(block.weight_dtype)
         self._pool: dict[int, list[tuple[Case, torch.Tensor]]] = {}
         self._turn = 0
+        self._fns: dict[Schedule, ExpertsFn] = {}  # candidates that passed their check, reused by the final round
+        self.timer_wall: list[float] = []  # wall time of every timer call
 
     # fresh inputs for every candidate; where the fp32 reference is costly (large blocks at large T),
     # a pool of POOL fresh cases per token count, each candidate checked on the next one in turn
@@ -271,6 +259,19 @@ class Objective:
         built = built or self.build(schedule)
         if built.error is not None:
             return self._fail(schedule, built.stage, built.error, built.seconds)
+        with _threads(getattr(self.timer, "threads", None)):
+            failed, worst = self._check(schedule, built)
+        if failed is not None:
+            return failed
+        try:
+            timing = self.time_fn(built.fn, schedule)
+        except Exception as e:  # noqa: BLE001
+            return self._fail(schedule, "launch while timing", e, built.seconds)
+        self._fns[schedule] = built.fn
+        return Outcome(schedule, "ok", timing.median_s, rel_err=worst, build_s=built.seconds, timing=timing)
+
+    def _check(self, schedule: Schedule, built: Built) -> tuple[Outcome | None, float]:
+        """(the failed check's outcome or None, the worst error in units of the tolerance)."""
         fn = built.fn
         worst = 0.0
         for T in self.check_tokens:
@@ -279,26 +280,32 @@ class Objective:
                 with torch.inference_mode():
                     out = fn(case.x, case.ids, case.weights, case.w)  # [T, D]
             except Exception as e:  # noqa: BLE001
-                return self._fail(schedule, f"launch at T={T}", e, built.seconds)
+                return self._fail(schedule, f"launch at T={T}", e, built.seconds), worst
             if tuple(out.shape) != (T, self.block.D):
                 why = f"T={T}: output shape {tuple(out.shape)}, expected {(T, self.block.D)}"
-                return Outcome(schedule, "wrong", reason=why, build_s=built.seconds)
-            out = out.float()
+                return Outcome(schedule, "wrong", reason=why, build_s=built.seconds), worst
             if not bool(torch.isfinite(out).all()):
                 return Outcome(schedule, "nonfinite", reason=f"T={T}: output has NaN or inf",
-                               build_s=built.seconds)
-            err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+                               build_s=built.seconds), worst
+            err = worst_error(out, ref)
             worst = max(worst, err)
-            if not err < self.tol:
-                return Outcome(schedule, "wrong", reason=f"T={T}: ‖out−ref‖/‖ref‖ = {err:.3g} ≥ {self.tol:g} "
-                                                         f"({self.block.weight_dtype})",
-                               rel_err=err, build_s=built.seconds)
-        try:
-            timing = self.timer(fn, self.timing_cases, schedule)
-        except Exception as e:  # noqa: BLE001
-            return self._fail(schedule, "launch while timing", e, built.seconds)
-        return Outcome(schedule, "ok", timing.median_s, rel_err=worst, build_s=built.seconds, timing=timing)
+            if not err <= 1:
+                return Outcome(schedule, "wrong", reason=f"T={T}: worst error {err:.3g}× the {out.dtype} "
+                                                         "tolerance of moetune.codegen.torch.tolerance",
+                               rel_err=err, build_s=built.seconds), err
+        return None, worst
 
-    def time_fn(self, fn: ExpertsFn, schedule: Schedule | None = None) -> Timing:
-        """Time a function that is not a candidate (the baseline) on the same cases."""
-        return self.timer(fn, self.timing_cases, schedule)
+    def fn_of(self, schedule: Schedule) -> ExpertsFn:
+        """The built kernel of a candidate that passed its check here (built again if it was not kept)."""
+        fn = self._fns.get(schedule)
+        if fn is None:
+            fn = self._fns[schedule] = self.backend.build(self.block, schedule)
+        return fn
+
+    def time_fn(self, fn: ExpertsFn, schedule: Schedule | None = None, cases: Sequence[Case] | None = None) -> Timing:
+        """Time `fn` on the timing cases (or `cases`); the wall time of the call is kept in `timer_wall`."""
+        t0 = time.perf_counter()
+        try:
+            return self.timer(fn, self.timing_cases if cases is None else cases, schedule)
+        finally:
+            self.timer_wall.append(time.perf_counter() - t0)

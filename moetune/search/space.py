@@ -1,7 +1,7 @@
 """The search space of one bucket: the passes' candidate schedules × the backend's kernel parameters.
 
 The passes say which schedule kinds are worth trying in a bucket and with which IR-level knobs
-(`CandidateSpace`: kind, hybrid row thresholds, fusion); the backend says what its kernel for each
+(`CandidateSpace`: kind, hybrid row thresholds); the backend says what its kernel for each
 kind can tune (`ParamSpace`: tiles, warps, stages, split-K). A `SearchSpace` crosses the two into a
 conditional Optuna space:
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..codegen.backend import Backend
 from ..codegen.common import ParamSpace
-from ..ir import Bucket, Fusion, MoEBlock, Schedule, UnsupportedSchedule
+from ..ir import Bucket, MoEBlock, Schedule, UnsupportedSchedule
 
 _PRIMITIVE = (type(None), bool, int, float, str)
 
@@ -32,7 +32,6 @@ class KindSpace:
 
     kind: str
     row_thresholds: tuple[int, ...]
-    fusion: Fusion
     params: ParamSpace
     rule: str = ""
 
@@ -151,7 +150,7 @@ class SearchSpace:
     def _schedule(self, ks: KindSpace, values: dict) -> Schedule:
         rt = values.pop(f"{ks.kind}:row_threshold", None)
         params = ks.params.make(**{n.split(":", 1)[1]: v for n, v in values.items()})
-        return Schedule(ks.kind, row_threshold=rt, fusion=ks.fusion, backend=self.backend, params=params)
+        return Schedule(ks.kind, row_threshold=rt, backend=self.backend, params=params)
 
     def grid(self) -> Iterator[Schedule | UnsupportedSchedule]:
         """Every point of the space in order; a combination the params class refuses yields the error."""
@@ -181,7 +180,7 @@ def key(schedule: Schedule) -> str:
     """A stable identity of a candidate (to avoid timing the same point twice)."""
     p = schedule.params
     pv = () if p is None else tuple((f.name, getattr(p, f.name)) for f in dataclasses.fields(p))
-    return repr((schedule.backend, schedule.kind, schedule.row_threshold, schedule.fusion, pv))
+    return repr((schedule.backend, schedule.kind, schedule.row_threshold, pv))
 
 
 def _window(values: tuple, anchor, width: int) -> tuple[int, int]:
@@ -279,7 +278,7 @@ def build_space(block: MoEBlock, backend: Backend, bucket: Bucket) -> SearchSpac
             refusals.append((cand.kind, f"rule {cand.rule}: duplicate candidate of kind {cand.kind}, "
                                         "first kept"))
             continue
-        kinds.append(KindSpace(cand.kind, rts, cand.fusion, backend.space(block, cand.kind), cand.rule))
+        kinds.append(KindSpace(cand.kind, rts, backend.space(block, cand.kind), cand.rule))
     if not kinds:
         reasons = "; ".join(f"{k}: {r}" for k, r in refusals) or "the passes proposed no candidate"
         raise UnsupportedSchedule(f"bucket {bucket.label} of {block.name or block.signature_hash()}: "

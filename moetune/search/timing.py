@@ -1,10 +1,11 @@
-"""Timers: how long one experts call takes, the way `../shared/notes/gpu.md` demands on a GPU.
+"""Timers: how long one experts call takes.
 
 A timer times `fn(x [T, D], ids [T, k], weights [T, k], w)` over a list of pre-generated cases (x and
 routing), rotating through them so that no two consecutive reps see the same routing, and returns the
 median. Three kinds:
 
-    CpuTimer        warm-up, then median of `reps` host-timed calls (perf_counter_ns), rotated cases
+    CpuTimer        warm-up, then median of `reps` host-timed calls (perf_counter_ns), rotated cases,
+                    both cut short once they pass `max_time_s` (a slow call is timed a few times only)
     CudaGraphTimer  one CUDA graph per case, L2 defeated by *reading* a 256 MB buffer before every rep,
                     CUDA events around each replay, ≥ 100 reps (device time): the median of each case's
                     replays, averaged over the cases (`routing_mean`); plus the plain host-launched time
@@ -47,8 +48,7 @@ class Case:
 def routing_mean(times: Sequence[float], n_cases: int) -> float:
     """The mean over the cases of each case's median rep (rep i ran case i mod n_cases): the expected time
     of a call over the routings, with each routing's outliers dropped. A plain median of all reps picks one
-    mode when the routings differ in cost: at mixtral-8x7b T = 2 a routing touches 3 or 4 experts (0.43 /
-    0.54 of them), and the median of 32 routings' replays was a three-expert one, 20 % under the mean."""
+    mode when the routings differ in cost (at a small T, routings that touch fewer experts are faster)."""
     per = [statistics.median(times[i::n_cases]) for i in range(min(n_cases, len(times)))]
     return statistics.fmean(per)
 
@@ -77,14 +77,16 @@ def _iqr(xs: list[float]) -> float:
 
 @dataclass(frozen=True)
 class CpuTimer:
-    """Host timing for CPU kernels: warm-up calls, then the median of `reps` calls (at most
-    `max_time_s` of timed calls), rotating through the cases, with `threads` torch threads (1 by
-    default: on a small shared machine more threads mostly measure the neighbours)."""
+    """Host timing for CPU kernels: up to `warmup` calls (fewer once they pass `max_time_s`, at least
+    one), then the median of `reps` calls (stopping once they pass `max_time_s`, after at least
+    `min_reps`), rotating through the cases, with `threads` torch threads (1 by default: on a small
+    shared machine more threads mostly measure the neighbours)."""
 
     warmup: int = 3
     reps: int = 21
     max_time_s: float = 0.5
     threads: int | None = 1
+    min_reps: int = 3
 
     @property
     def name(self) -> str:
@@ -97,18 +99,21 @@ class CpuTimer:
         try:
             times: list[float] = []
             spent = 0.0
+            warm = 0
             with torch.inference_mode():
-                for i in range(self.warmup):
-                    c = cases[i % len(cases)]
+                t_warm = time.perf_counter()
+                while warm < self.warmup and (warm == 0 or time.perf_counter() - t_warm <= self.max_time_s):
+                    c = cases[warm % len(cases)]
                     fn(c.x, c.ids, c.weights, c.w)
+                    warm += 1
                 for i in range(self.reps):
-                    c = cases[(i + self.warmup) % len(cases)]
+                    c = cases[(i + warm) % len(cases)]
                     t0 = time.perf_counter_ns()
                     fn(c.x, c.ids, c.weights, c.w)
                     dt = (time.perf_counter_ns() - t0) * 1e-9
                     times.append(dt)
                     spent += dt
-                    if spent > self.max_time_s and len(times) >= 5:
+                    if spent > self.max_time_s and len(times) >= self.min_reps:
                         break
         finally:
             torch.set_num_threads(before)
@@ -117,7 +122,7 @@ class CpuTimer:
 
 @dataclass
 class CudaGraphTimer:
-    """gpu.md's method: a CUDA graph per case, L2 flushed by reading a 256 MB buffer before every rep,
+    """A CUDA graph per case, L2 flushed by reading a 256 MB buffer before every rep,
     CUDA events around each replay, `reps` replays in rotation; summarised by `routing_mean` (each case's
     median, averaged over the cases). Also the plain host-launched median."""
 

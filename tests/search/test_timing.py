@@ -79,15 +79,47 @@ def test_cuda_graph_timer_on_a_gpu():  # pragma: no cover - GPU only
 def test_routing_mean_weighs_every_routing_and_drops_each_ones_outliers():
     from moetune.search.timing import routing_mean
 
-    # 4 routings, 3 reps each in rotation; routings 0 and 1 are 3-expert ones (10 µs), 2 and 3 four-expert
-    # ones (14 µs); one rep of routing 1 is a 90 µs outlier
+    # 4 routings, 3 reps each in rotation; routings 0 and 1 are cheap (10), 2 and 3 dear (14); one rep of
+    # routing 1 is an outlier (90)
     times = [10e-6, 10e-6, 14e-6, 14e-6] * 3
     times[5] = 90e-6  # rep 5 → routing 1
     assert routing_mean(times, 4) == pytest.approx(12e-6)  # the mean over routings, outlier dropped
-    # a plain median of the reps sits in one mode when the two kinds are not split evenly
-    skewed = [10e-6] * 3 + [14e-6] * 1
-    import statistics
-
-    assert statistics.median(skewed * 3) == pytest.approx(10e-6)
+    skewed = [10e-6] * 3 + [14e-6] * 1  # three cheap routings, one dear: a median of the reps says 10
     assert routing_mean(skewed * 3, 4) == pytest.approx(11e-6)
     assert routing_mean([5e-6, 7e-6], 4) == pytest.approx(6e-6)  # fewer reps than routings
+
+
+def test_cpu_timer_does_not_time_the_warm_up():
+    """A first call that compiles (slow) must not reach the median."""
+    calls = []
+
+    def fn(x, ids, weights, w):
+        calls.append(1)
+        time.sleep(0.1 if len(calls) == 1 else 0.002)
+
+    t = CpuTimer(warmup=1, reps=5, max_time_s=5.0)(fn, cases(2))
+    assert len(calls) == 6 and t.reps == 5 and t.median_s < 0.02
+
+
+def test_cpu_timer_of_a_slow_call_stays_near_its_time_cap():
+    """A call slower than the cap: one warm-up, `min_reps` reps, not warmup + 21 reps."""
+    calls = []
+
+    def fn(x, ids, weights, w):
+        calls.append(1)
+        time.sleep(0.03)
+
+    t0 = time.monotonic()
+    t = CpuTimer(warmup=3, reps=21, max_time_s=0.02, min_reps=3)(fn, cases(2))
+    assert len(calls) == 4 and t.reps == 3 and time.monotonic() - t0 < 0.3
+    assert 0.03 <= t.median_s < 0.06
+
+
+def test_cpu_timer_reports_the_spread_of_its_reps():
+    delays = iter([0.001, 0.001, 0.02, 0.001, 0.02, 0.001, 0.02, 0.001, 0.02])
+
+    def fn(x, ids, weights, w):
+        time.sleep(next(delays))
+
+    t = CpuTimer(warmup=1, reps=8, max_time_s=5.0)(fn, cases(2))
+    assert t.spread_s > 0.01  # the interquartile range of 1 ms and 20 ms reps

@@ -3,7 +3,7 @@
     out_t = Σ_j w_tj · down[e_tj] · act(gate[e_tj]·x_t, up[e_tj]·x_t)          (weight on the output)
     out_t = Σ_j down[e_tj] · act(gate[e_tj]·(w_tj x_t), up[e_tj]·(w_tj x_t))    (weight on the input)
 
-Written for clarity, not speed: a loop over (token, expert) pairs done as one gathered bmm in fp32.
+Written for clarity, not speed: a loop over the experts in fp32.
 """
 
 from __future__ import annotations
@@ -35,33 +35,29 @@ def experts_reference(
 ) -> torch.Tensor:
     """Float32 result [T, D] of the routed experts for x [T, D], ids [T, k], weights [T, k].
 
-    Ids outside [0, E) (expert-parallel sentinels) contribute nothing.
+    Computed expert by expert: each selected expert's weights are widened to float32 once and multiply
+    all of its rows (no per-row copy of the weights). Ids outside [0, E) (expert-parallel sentinels)
+    contribute nothing.
     """
-    T, k = ids.shape
-    x32 = x.float()
+    out = torch.zeros(x.shape[0], block.D, dtype=torch.float32, device=x.device)  # [T, D]
     valid = (ids >= 0) & (ids < block.E)  # [T, k]
-    e = ids.clamp(0, block.E - 1).reshape(-1)  # [T·k]
-    wt = torch.where(valid, weights.float(), torch.zeros((), dtype=torch.float32)).reshape(-1, 1)  # [T·k, 1]
-    xs = x32.repeat_interleave(k, dim=0)  # [T·k, D]
-    if block.weight_application == "input":
-        xs = xs * wt
-    gu_w = w.gate_up.float()[e]  # [T·k, 2F, D] or [T·k, D, 2F]
-    dn_w = w.down.float()[e]  # [T·k, D, F] or [T·k, F, D]
-    if block.layout.transposed:
-        gu = torch.bmm(xs.unsqueeze(1), gu_w).squeeze(1)  # [T·k, 2F]
-    else:
-        gu = torch.bmm(gu_w, xs.unsqueeze(2)).squeeze(2)  # [T·k, 2F]
-    if block.layout.has_bias:
-        gu = gu + w.gate_up_bias.float()[e]
-    h = apply_activation(block.activation, *split_gate_up(block, gu))  # [T·k, F]
-    if block.layout.transposed:
-        y = torch.bmm(h.unsqueeze(1), dn_w).squeeze(1)  # [T·k, D]
-    else:
-        y = torch.bmm(dn_w, h.unsqueeze(2)).squeeze(2)  # [T·k, D]
-    if block.layout.has_bias:
-        y = y + w.down_bias.float()[e]
-    if block.weight_application == "output":
-        y = y * wt
-    else:
-        y = y * valid.reshape(-1, 1)
-    return y.view(T, k, block.D).sum(1)  # [T, D]
+    tr = block.layout.transposed
+    for e in torch.unique(ids[valid]).tolist():
+        tok, pos = torch.where(ids == e)  # the m rows routed to expert e
+        xs = x[tok].float()  # [m, D]
+        wt = weights[tok, pos].float()[:, None]  # [m, 1]
+        if block.weight_application == "input":
+            xs = xs * wt
+        gu_w = w.gate_up[e].float()  # [2F, D] or [D, 2F]
+        gu = xs @ (gu_w if tr else gu_w.t())  # [m, 2F]
+        if block.layout.has_bias:
+            gu = gu + w.gate_up_bias[e].float()
+        h = apply_activation(block.activation, *split_gate_up(block, gu))  # [m, F]
+        dn_w = w.down[e].float()  # [D, F] or [F, D]
+        y = h @ (dn_w if tr else dn_w.t())  # [m, D]
+        if block.layout.has_bias:
+            y = y + w.down_bias[e].float()
+        if block.weight_application == "output":
+            y = y * wt
+        out.index_add_(0, tok, y)
+    return out
