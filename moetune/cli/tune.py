@@ -23,6 +23,7 @@ import dataclasses
 import math
 import sys
 import time
+from pathlib import Path
 
 from ..ir import DTYPES, ConfigError, IRError, Schedule, TunerUnavailable, UnsupportedSchedule
 from .common import (
@@ -143,7 +144,7 @@ def _target(name: str | None, device: str) -> str:
 def _search():
     """The search's tune_block, TuneOptions and BucketResult; TunerUnavailable without Optuna."""
     try:
-        from ..search.study import BucketResult, TuneOptions, tune_block
+        from ..search import BucketResult, TuneOptions, tune_block
     except ModuleNotFoundError as e:
         if e.name != "optuna":
             raise
@@ -199,6 +200,14 @@ def table_lines(results: list, device: str) -> list[str]:
     return lines
 
 
+def _command_started() -> float | None:
+    """When this process is the `moetune` command, its start: the budget then counts the imports too."""
+    from ..search.tune import process_started
+
+    p = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    return process_started() if p is not None and (p.name == "moetune" or "moetune" in p.parts[-3:-1]) else None
+
+
 def run(args: argparse.Namespace) -> int:
     from ..runtime.table import DispatchTable
     from ..runtime.versions import device_identity
@@ -228,21 +237,9 @@ def run(args: argparse.Namespace) -> int:
           + (f", storage {args.storage}" if args.storage else "")
           + (f", space capped at {options.space_cap} points per bucket" if options.space_cap else ""))
     print(f"  {block.signature()}")
-    tty = sys.stdout.isatty()
     t0 = time.monotonic()
-    state = {"i": 0, "n": 0}
 
-    def progress(ev: dict) -> None:
-        if not tty:
-            return
-        lo_, hi_ = ev["bucket"]
-        pct = f"{100 * ev['floor_s'] / ev['best_s']:.0f}% of floor" if math.isfinite(ev["best_s"]) else ""
-        sys.stdout.write(f"\r  [{state['i'] + 1}/{state['n'] or '?'}] [{lo_},{hi_}] "
-                         f"{ev['evaluated']} candidates, best {_us(ev['best_s'])} µs {pct}   ")
-        sys.stdout.flush()
-
-    def on_bucket(i: int, n: int, r: BucketResult) -> None:
-        state["i"], state["n"] = i + 1, n
+    def on_bucket(i: int, n: int, r: BucketResult) -> None:  # the search's display shows progress and ETAs
         fails = ", ".join(f"{v} {k}" for k, v in sorted(r.failures.items()))
         pct = r.pct_of_floor
         line = (f"  [{i + 1}/{n}] bucket [{r.bucket[0]},{r.bucket[1]}] T={r.tokens}: "
@@ -251,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
                 + f", default {_us(r.default_time_s)} µs; {r.stopped}"
                 + (f"; failed: {fails}" if fails else "")
                 + f"  [{time.monotonic() - t0:.0f} s]")
-        print(("\r" if tty else "") + line + (" " * 8 if tty else ""), flush=True)
+        print(line, flush=True)
         for j, (s, t_s, edge) in enumerate(r.finalists if len(r.finalists) > 1 else ()):
             at = "".join(f", {_us(v)} at T={t}" for t, v in sorted(edge.items()))
             print(f"      {'winner ' if j == 0 else 'final  '} {_us(t_s)} µs{at}: {s.describe()}", flush=True)
@@ -260,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
 
     with DispatchTable(cache) as table:
         results = tune_block(block, backend, target, (lo, hi), trace=args.trace, table=table, options=options,
-                             budget_s=budget, progress=progress, on_bucket=on_bucket, at_tokens=at_tokens)
+                             budget_s=budget, on_bucket=on_bucket, at_tokens=at_tokens, started=_command_started())
     print()
     print("\n".join(table_lines(results, f"{dev_name} ({cap})")))
     written = sum(r.written for r in results)

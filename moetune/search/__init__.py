@@ -4,7 +4,7 @@
 """
 
 from .options import BucketResult, TuneOptions
-from .tune import BucketInputs, bucket_inputs, representative_tokens, tune_block, tune_bucket
+from .tune import BucketInputs, bucket_inputs, tune_block, tune_bucket
 
-__all__ = ["BucketInputs", "BucketResult", "TuneOptions", "bucket_inputs", "representative_tokens",
+__all__ = ["BucketInputs", "BucketResult", "TuneOptions", "bucket_inputs",
            "tune_block", "tune_bucket"]

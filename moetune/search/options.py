@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..ir import Bucket, ConfigError, Roofline, Schedule
+from ..passes.policy import representative_tokens
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class BucketResult:
         e = next(p for p in entries if p.bucket_lo <= tokens <= p.bucket_hi)
         parts = () if len(entries) == 1 else tuple(
             (p.bucket_lo, p.bucket_hi, p.schedule(block), p.time_us * 1e-6,
-             tokens if p is e else round(math.sqrt(p.bucket_lo * p.bucket_hi))) for p in entries)
+             tokens if p is e else representative_tokens(p.bucket_lo, p.bucket_hi)) for p in entries)
         return cls((bucket.lo, bucket.hi), tokens, e.schedule(block), e.time_us * 1e-6, bucket.floor,
                    default_time_s=_s(e.default_time_us), baseline=e.baseline or "–",
                    baseline_time_s=_s(e.baseline_time_us), trials=e.trials or 0,

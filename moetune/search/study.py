@@ -148,18 +148,3 @@ def placeholder(trial) -> Schedule:
         return Schedule(kind)
     rt = trial.params.get(f"{kind}:row_threshold")
     return Schedule(kind, row_threshold=rt if isinstance(rt, int) and rt >= 2 else 2)
-
-
-_MOVED = {"TuneOptions": "options", "BucketResult": "options", "tune_block": "tune", "tune_bucket": "tune",
-          "bucket_inputs": "tune", "BucketInputs": "tune", "representative_tokens": "tune",
-          "default_schedules": "seeds", "runtime_default": "seeds", "probe_counts": "finalists",
-          "split_parts": "finalists"}
-
-
-def __getattr__(name: str):
-    """The names this module held before the search was split by concern (`moetune.search` exports them)."""
-    if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module(f".{_MOVED[name]}", __package__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

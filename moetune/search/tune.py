@@ -35,6 +35,7 @@ import torch
 
 from ..codegen.backend import Backend, get
 from ..ir import Bucket, CacheError, ConfigError, IRError, MoEBlock, Schedule, TunerUnavailable, UnsupportedSchedule
+from ..passes.policy import representative_tokens
 from ..passes.targets import floor as target_floor
 from ..runtime.table import DispatchEntry, DispatchTable
 from ..runtime.versions import Versions
@@ -63,7 +64,7 @@ class BucketInputs:
 def _work(block: MoEBlock, target: str, bucket: Bucket) -> tuple[float, float]:
     """What one candidate's cost in a bucket is scaled by across buckets: the roofline floors of its
     timing count and check counts (their token counts on a target without roofs), and those counts."""
-    counts = (representative_tokens(bucket), bucket.lo, bucket.hi)
+    counts = (representative_tokens(bucket.lo, bucket.hi), bucket.lo, bucket.hi)
     try:
         floors = math.fsum(target_floor(block, target, t).time_s for t in counts)
     except IRError:
@@ -71,18 +72,9 @@ def _work(block: MoEBlock, target: str, bucket: Bucket) -> tuple[float, float]:
     return floors, float(sum(counts))
 
 
-def representative_tokens(bucket: Bucket) -> int:
-    """The token count a bucket is timed at: its floor's (or its statistics'), else the geometric middle."""
-    if bucket.floor is not None and bucket.floor.tokens in bucket:
-        return bucket.floor.tokens
-    if bucket.stats is not None:
-        return bucket.stats.tokens
-    return max(bucket.lo, min(bucket.hi, round(math.sqrt(bucket.lo * bucket.hi))))
-
-
 def bucket_inputs(block: MoEBlock, bucket: Bucket, w, *, routings: int, seed: int = 0,
                   sampler: RoutingSampler | None = None) -> BucketInputs:
-    T = representative_tokens(bucket)
+    T = representative_tokens(bucket.lo, bucket.hi)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + bucket.lo)
     cases = make_cases(block, w, T, routings, gen, sampler)
     return BucketInputs(T, tuple(cases), tuple(sorted({bucket.lo, T, bucket.hi})), sampler)
@@ -314,7 +306,7 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
     costs, results, last_s = _Costs(), [], 0.0
     for i, b in enumerate(buckets):
         now = time.monotonic()
-        rep = representative_tokens(b)
+        rep = representative_tokens(b.lo, b.hi)
         if (b.lo, b.hi) in kept:  # resumed: the table already holds this bucket's current winner(s)
             r = BucketResult.kept(b, rep, kept[(b.lo, b.hi)], block)
         elif options.time_limit_s is not None and results and now - t0 + last_s > options.time_limit_s:

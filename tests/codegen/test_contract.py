@@ -102,8 +102,8 @@ def test_each_bucket_study_starts_from_every_kinds_default(name):
     default of each kind the bucket offers."""
     pytest.importorskip("triton")
     from moetune.passes.pipeline import schedule_block
+    from moetune.search.seeds import default_schedules
     from moetune.search.space import build_space
-    from moetune.search.study import default_schedules
 
     be = get("triton")
     block = preset(name)

@@ -10,7 +10,8 @@ from moetune.codegen.backend import get
 from moetune.ir import ConfigError, Schedule, UnsupportedSchedule
 from moetune.ir.presets import preset
 from moetune.passes.pipeline import schedule_block
-from moetune.search import TuneOptions, bucket_inputs, representative_tokens, tune_bucket
+from moetune.passes.policy import representative_tokens
+from moetune.search import TuneOptions, bucket_inputs, tune_bucket
 from moetune.search.objective import expert_tensors
 from moetune.search.seeds import default_schedules, runtime_default
 from moetune.search.space import build_space, cap_space, key
@@ -31,7 +32,7 @@ def test_the_sub_grid_holds_the_default_and_stays_within_the_cap(lo, cap):
     bucket = QWEN_BUCKETS[lo]
     full = build_space(QWEN, be, bucket)
     default = runtime_default(QWEN, be, "h200", bucket)
-    anchors = default_schedules(QWEN, be, full, representative_tokens(bucket), first=default)
+    anchors = default_schedules(QWEN, be, full, representative_tokens(bucket.lo, bucket.hi), first=default)
     capped = cap_space(full, cap, anchors)
     assert capped == cap_space(full, cap, anchors)  # deterministic
     assert capped.size() <= max(cap, len(full.kinds)) and capped.full_size == full.size() > capped.size()

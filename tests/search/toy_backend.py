@@ -15,6 +15,7 @@ from moetune.codegen.backend import register
 from moetune.codegen.common import ParamSpace
 from moetune.codegen.torch import experts_reference
 from moetune.ir import Bucket, CandidateSpace, MoEBlock, Roofline, Schedule, UnsupportedSchedule
+from moetune.passes.policy import representative_tokens
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ BLOCK = MoEBlock(E=8, k=2, D=32, F=16, weight_dtype="float32", routing_weight_dt
 
 def bucket(lo: int = 1, hi: int = 8, floor_s: float = 1e-6, rts: tuple[int, ...] = (2, 4, 16)) -> Bucket:
     """A bucket as the passes make one: candidates of the three kinds and a floor of `floor_s` seconds."""
-    T = max(lo, min(hi, 4))
+    T = representative_tokens(lo, hi)
     roof = Roofline("toy-target", T, bytes=floor_s * 1e12, flops=1.0, bandwidth=1e12, peak_flops=1e15)
     return Bucket(lo, hi, floor=roof, candidates=(
         CandidateSpace("grouped_gemm", rule="toy"), CandidateSpace("stream_gemv", rule="toy"),
