@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import platform
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,33 +67,10 @@ def kernel_source_hash(backend: str) -> str:
         be = get(backend)
     except (MoetuneError, ImportError) as e:
         raise CacheError(f"backend {backend!r}: no kernel sources found ({e})") from e
-    declared = getattr(be, "sources", None)  # FALLBACK: `be.sources` once every backend declares them
-    parts = []
-    for kind in sorted(SCHEDULE_KINDS):
-        files = declared(kind) if declared is not None else _sources_by_import(be, kind)  # FALLBACK
-        parts.append(f"{kind}={files_hash(files)}")
-    return ";".join(parts)
-
-
-def _sources_by_import(be, kind: str) -> tuple[Path, ...]:
-    """FALLBACK for a backend without `sources(kind)`; delete once every backend declares its sources.
-
-    The files a kind's kernels were taken to depend on before backends declared them: every *.py of the
-    backend's folder and codegen/common.py, less the other kinds' own files (`<kind>.py`) that the kind's own
-    file does not import; every file for a kind without a file of its own."""
-    import re
-
-    try:
-        folder = Path(sys.modules[type(be).__module__].__file__).resolve().parent
-    except (KeyError, TypeError) as e:
-        raise CacheError(f"backend {be.name!r}: no kernel sources found ({e})") from e
-    files = {*folder.rglob("*.py"), Path(__file__).resolve().parents[1] / "codegen" / "common.py"}
-    own = {f.stem: f for f in files if f.parent == folder and f.stem in SCHEDULE_KINDS}
-    if kind not in own:
-        return tuple(sorted(files))
-    text = own[kind].read_text()
-    uses = {k for k in own if re.search(rf"from \.{k}\b|from \. import [^\n]*\b{k}\b", text)} | {kind}
-    return tuple(sorted(f for f in files if f not in own.values() or f.stem in uses))
+    sources = getattr(be, "sources", None)
+    if sources is None:
+        raise CacheError(f"backend {backend!r} declares no kernel sources (Backend.sources(kind))")
+    return ";".join(f"{kind}={files_hash(sources(kind))}" for kind in sorted(SCHEDULE_KINDS))
 
 
 def kernel_hash_part(kernel_hash: str, kind: str) -> str:

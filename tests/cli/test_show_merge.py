@@ -34,7 +34,7 @@ def table(tmp_path):
 def test_show_prints_each_winner_and_its_parameters_whole(table, capsys):
     assert main(["show", str(table)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == f"{table}: 3 entries in dispatch_v1"
+    assert lines[0] == f"{table}: 3 entries in dispatch_v2"
     with DispatchTable(table, create=False) as t:
         entries = t.entries()
     for e in entries:

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(autouse=True)
 def no_tuning(monkeypatch):
     """Every case here must be refused before tune_block is called."""
-    import moetune.search.study as study
+    import moetune.search as study
 
     def refuse(*a, **k):
         raise AssertionError("tune_block was called")

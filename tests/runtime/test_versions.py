@@ -4,12 +4,11 @@ library identities, and `judge`'s reasons for not using an entry."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import pytest
 
 from moetune.codegen.backend import register
-from moetune.codegen.torch.backend import BACKEND as TORCH
+from moetune.codegen.torch import BACKEND as TORCH
 from moetune.ir import MoEBlock
 from moetune.runtime.table import DispatchEntry
 from moetune.runtime.versions import (
@@ -104,30 +103,6 @@ def test_kernel_hash_covers_exactly_the_declared_files_of_each_kind(tmp_path):
     be.files = {k: tuple(reversed(v)) for k, v in be.files.items()}  # the order declared does not count
     assert parts() == again
     kernel_source_hash.cache_clear()
-
-
-def test_fallback_sources_of_a_backend_without_declared_ones(tmp_path, monkeypatch):
-    """FALLBACK (delete with `versions._sources_by_import`): a kind's own file, the files it imports and the
-    backend's shared files; every file for a kind without a file of its own."""
-    from moetune.runtime.versions import _sources_by_import
-
-    pkg = tmp_path / "toykernels"
-    pkg.mkdir()
-    for name, text in (("__init__.py", "class Toy:\n    name = 'toy-fallback'\n"), ("_common.py", "A = 1\n"),
-                       ("stream_gemv.py", "from ._common import A\n"), ("grouped_gemm.py", "from ._common import A\n"),
-                       ("hybrid.py", "from .stream_gemv import A\n")):
-        (pkg / name).write_text(text)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import toykernels
-
-    be = toykernels.Toy()
-    names = {k: {f.name for f in _sources_by_import(be, k)} for k in KINDS}
-    base = {"__init__.py", "_common.py", "common.py"}
-    assert names == {"grouped_gemm": base | {"grouped_gemm.py"}, "stream_gemv": base | {"stream_gemv.py"},
-                     "hybrid": base | {"hybrid.py", "stream_gemv.py"}}
-    (pkg / "grouped_gemm.py").unlink()
-    assert {f.name for f in _sources_by_import(be, "grouped_gemm")} == base | {"stream_gemv.py", "hybrid.py"}
-    del sys.modules["toykernels"]
 
 
 def test_every_backend_hashes_one_part_per_kind():

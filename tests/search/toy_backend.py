@@ -8,6 +8,7 @@ purpose at the points named in `faults`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -75,6 +76,9 @@ class ToyBackend:
 
     def cost(self, block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
         return (1.0, 1.0)
+
+    def sources(self, kind: str) -> tuple[Path, ...]:
+        return (Path(__file__),)
 
 
 def toy(name: str, **kw) -> ToyBackend:
