@@ -11,6 +11,8 @@ with a `KernelKind` naming what it provides for its kind:
     sources         the files whose code the kind's kernels are made of, declared beside the kernel
                     (module-level SOURCES, names in the kernel file's folder): what versions the kind
     refusal         refusal(block) -> str | None             why the kind cannot run the block (None: it can)
+    formats         the weight-format schemes its kernels read (MoEBlock.weight_format.scheme); a block
+                    of another format is refused with that reason, so a new format adds kernel files
 
 A hybrid default's row threshold is the schedule policy's (`moetune.passes.policy.hybrid_threshold`), not
 a kernel's choice.
@@ -57,6 +59,7 @@ class KernelKind:
     cost: Callable[[MoEBlock, Schedule, int], tuple[float, float]]
     sources: tuple[Path, ...]
     refusal: Callable[[MoEBlock], str | None] = _accepts
+    formats: tuple[str, ...] = ("none",)
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -66,13 +69,23 @@ class KernelKind:
             raise UnsupportedSchedule(f"kernel kind {self.kind}: declared sources missing: {', '.join(missing)}")
 
 
+def _format_refusal(backend: str, k: KernelKind, block: MoEBlock) -> str | None:
+    scheme = block.weight_format.scheme
+    if scheme in k.formats:
+        return None
+    return (f"{backend} {k.kind} reads {', '.join(k.formats)} weights, not {block.weight_format} "
+            f"(scheme {scheme!r})")
+
+
 class KernelBackend:
     """A Backend (moetune.codegen.backend) made of its kernel files' KernelKinds.
 
-    Subclasses set `name`, `KINDS` and `TARGET` (the target description whose device limits the spaces
-    and defaults read) and override `available()`."""
+    Subclasses set `name`, `library` (what compiles its kernels, whose version a timing records), `KINDS`
+    and `TARGET` (the target description whose device limits the spaces and defaults read) and override
+    `available()`."""
 
     name: str = ""
+    library: str = ""
     KINDS: tuple[KernelKind, ...] = ()
     TARGET: str = "cpu"
 
@@ -84,7 +97,7 @@ class KernelBackend:
         return None
 
     def kinds(self, block: MoEBlock) -> dict[str, str | None]:
-        return {name: k.refusal(block) for name, k in self._kinds.items()}
+        return {name: _format_refusal(self.name, k, block) or k.refusal(block) for name, k in self._kinds.items()}
 
     def kind(self, kind: str) -> KernelKind:
         if kind not in self._kinds:
@@ -104,6 +117,9 @@ class KernelBackend:
 
     def build(self, block: MoEBlock, schedule: Schedule) -> ExpertsFn:
         k, schedule = self._resolve(block, schedule, block.T_max)
+        why = _format_refusal(self.name, k, block)
+        if why:
+            raise UnsupportedSchedule(why)
         k.space(block, self.target).admit(schedule.params)
         return k.build(block, schedule)
 

@@ -28,7 +28,7 @@ SCHEDULE_KINDS: tuple[ScheduleKind, ...] = ("grouped_gemm", "stream_gemv", "hybr
 class Schedule:
     kind: ScheduleKind
     row_threshold: int | None = None  # hybrid: experts with ≥ this many rows take GEMM tiles
-    backend: str | None = None  # "torch" | "triton" | "pallas"; None while backend-neutral
+    backend: str | None = None  # a registered backend's name ("torch", "triton"); None while backend-neutral
     params: Any = None  # the backend's frozen parameter dataclass, or None
 
     def __post_init__(self) -> None:

@@ -248,7 +248,7 @@ def compile(
     """Run `model`'s captured MoE experts through moetune; returns the same model object.
 
     cache    a dispatch-table file (runtime/table.py); None: every bucket on the default heuristic
-    backend  "torch" | "triton" | "pallas"; None: triton for CUDA weights when usable, else torch
+    backend  "torch" | "triton"; None: triton for CUDA weights when usable, else torch
     target   the table's target name; None: from the weights' device ("cpu", "h200", …)
 
     Blocks capture refuses stay as they are (`moetune.explain(model)` gives the reason). Compiling

@@ -84,8 +84,14 @@ def kernel_hash_part(kernel_hash: str, kind: str) -> str:
 
 
 def backend_version(backend: str) -> str:
-    """The version of the library that compiles the backend's kernels ("none" where it is absent)."""
-    lib = {"torch": "torch", "triton": "triton", "pallas": "jax"}.get(backend, backend)
+    """The version of the library that compiles the backend's kernels (its `library`, else its name;
+    "none" where it is absent)."""
+    from ..codegen.backend import get
+
+    try:
+        lib = getattr(get(backend), "library", backend)
+    except MoetuneError:
+        lib = backend
     try:
         mod = __import__(lib)
     except ImportError:

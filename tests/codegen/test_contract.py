@@ -111,3 +111,20 @@ def test_each_bucket_study_starts_from_every_kinds_default(name):
         space = build_space(block, be, b)
         first = default_schedules(block, be, space, (b.lo + b.hi) // 2)
         assert sorted(s.kind for s in first) == sorted(ks.kind for ks in space.kinds), b.label
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_weight_format_no_kernel_reads_is_refused_with_the_reason(name):
+    """The weight-format seam: a quantised block is refused by every kind that does not declare its scheme,
+    at `kinds` (so the defaults and the search pass it over) and at `build`."""
+    from moetune.ir import UnsupportedSchedule, WeightFormat
+
+    be = get(name)
+    fmt = WeightFormat("float8_e4m3fn", "fp8_block", (128, 128), "float32")
+    q = MoEBlock(E=8, k=2, D=256, F=128, weight_dtype="float8_e4m3fn", weight_format=fmt)
+    plain = MoEBlock(E=8, k=2, D=256, F=128)
+    for kind, why in be.kinds(q).items():
+        assert why and "fp8_block" in why, (kind, why)
+        with pytest.raises(UnsupportedSchedule, match="fp8_block"):
+            be.build(q, be.default(plain, kind, 1))
+    assert all(why is None for why in be.kinds(plain).values())

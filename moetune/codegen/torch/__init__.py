@@ -25,6 +25,7 @@ class TorchBackend(KernelBackend):
     """Runs wherever moetune is imported (its target: the CPU's description)."""
 
     name = "torch"
+    library = "torch"
     KINDS = (grouped_gemm.KIND, stream_gemv.KIND, hybrid.KIND)
     TARGET = "cpu"
 

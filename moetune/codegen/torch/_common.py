@@ -19,7 +19,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from ...ir import DTYPE_BYTES, MoEBlock, UnsupportedSchedule
-from ..common import ExpertTensors
+from ..common import ExpertTensors, ParamSpace
 from .reference import apply_activation, split_gate_up
 
 Combine = Literal["unsort_sum", "index_add"]
@@ -54,6 +54,15 @@ def gather_refusal(block: MoEBlock, chunk: int) -> str | None:
         f"{per_expert / 2**20:.1f} MiB = {need / 2**20:.1f} MiB of weights, limit "
         f"{GATHER_WORKSPACE_BYTES / 2**20:.0f} MiB (GATHER_WORKSPACE_BYTES); {knob}"
     )
+
+
+def gathered_space(kind: str, block: MoEBlock, params: type, choices: tuple) -> ParamSpace:
+    """The space of a kind that gathers one expert's weights per chunk of pairs (stream_gemv, the hybrid's
+    light part); UnsupportedSchedule with the reason where one expert's copy is over the workspace bound."""
+    why = gather_refusal(block, 1)
+    if why:
+        raise UnsupportedSchedule(f"torch {kind} refused: {why}")
+    return ParamSpace(params, choices)
 
 
 def chunks(block: MoEBlock) -> tuple[int, ...]:

@@ -33,6 +33,7 @@ from ._common import (
     empty_out,
     ffn_flops,
     gather_refusal,
+    gathered_space,
     grouped_mm_refusal,
     input_rows,
     pairs,
@@ -66,10 +67,7 @@ def refusal(block: MoEBlock) -> str | None:
 
 
 def space(block: MoEBlock, target: Target) -> ParamSpace:
-    why = refusal(block)
-    if why:
-        raise UnsupportedSchedule(f"torch hybrid refused: {why}")
-    return ParamSpace(HybridParams, (("heavy", impls(block)), ("chunk", chunks(block))))
+    return gathered_space("hybrid", block, HybridParams, (("heavy", impls(block)), ("chunk", chunks(block))))
 
 
 def default_params(block: MoEBlock, T: int, target: Target) -> HybridParams:

@@ -32,6 +32,7 @@ from ._common import (
     empty_out,
     ffn_flops,
     gather_refusal,
+    gathered_space,
     input_rows,
     kn,
     pairs,
@@ -57,10 +58,7 @@ def refusal(block: MoEBlock) -> str | None:
 
 
 def space(block: MoEBlock, target: Target) -> ParamSpace:
-    why = refusal(block)
-    if why:
-        raise UnsupportedSchedule(f"torch stream_gemv refused: {why}")
-    return ParamSpace(GatheredParams, (("chunk", chunks(block)),))
+    return gathered_space("stream_gemv", block, GatheredParams, (("chunk", chunks(block)),))
 
 
 def default_params(block: MoEBlock, T: int, target: Target) -> GatheredParams:

@@ -30,6 +30,7 @@ from .stream_gemv import GemvParams
 
 class TritonBackend(KernelBackend):
     name = "triton"
+    library = "triton"
     KINDS = (stream_gemv.KIND, grouped_gemm.KIND, hybrid.KIND)
     TARGET = "h200"
 
