@@ -1,4 +1,4 @@
-"""Typed errors that carry the object, the value, the limit and the knob (STYLE §14)."""
+"""Typed errors that carry the object, the value, the limit and the knob."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ non-matrix-unit rate (fp32 CUDA cores on a GPU): the limit of a streaming GEMV, 
 multiply-adds there.
 
 Floor of one call of the routed experts at T tokens (the router and the shared experts are not part
-of it: they run outside transformers' experts hook, and gpu.md times the routed experts alone):
+of it: they run outside transformers' experts hook, which covers the routed experts alone):
 
     bytes = distinct_experts · weight_bytes_per_expert         (every selected expert read once, scales too)
           + 2 · T·D · bytes_per_activation                     (x in, y out)
@@ -84,11 +84,11 @@ TARGETS: dict[str, Target] = {
         Target("tpu-v7", "tpu", bandwidth=7.37e12, peak_flops=2307e12, memory_bytes=192 * 2**30,
                source="Google Cloud TPU7x (Ironwood) docs: 2307 TFLOP/s bf16 (4614 fp8), 7.37 TB/s "
                       "HBM, 192 GiB; not measured"),
-        # No datasheet figures: the floor uses the measured ones (python -m moetune.passes.measure_cpu on
-        # the 2-core CI machine, best of three runs; a shared machine, noisy).
+        # No datasheet figures: the floor uses the measured ones (python -m moetune.passes.measure_cpu,
+        # the best of three runs).
         Target("cpu", "cpu", bandwidth=9.28e9, peak_flops=244.5e9, measured_bandwidth=9.28e9,
                measured_flops=244.5e9,
-               source="measured on the 2-core CI machine by moetune.passes.measure_cpu "
+               source="measured by moetune.passes.measure_cpu "
                       "(numpy stream add, torch fp32 mm); no datasheet"),
     )
 }

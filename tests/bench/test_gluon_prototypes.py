@@ -1,4 +1,4 @@
-"""The Gluon prototypes in bench/ (measured on the H200 in sessions 10-12) compile for sm_90 on this CPU machine.
+"""The Gluon prototypes in bench/ compile for sm_90 on this CPU machine.
 
 proto_gluon_gemm.py (warp-specialised gate/up GEMM): one m64n256 wgmma per K step over the [2, BN, BK] box, two
 TMA loads per K step issued by the producer partition, register reallocation between the partitions.

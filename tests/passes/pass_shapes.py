@@ -1,4 +1,4 @@
-"""The four shapes of ../shared/notes/gpu.md, as MoEBlocks (E, k, D, F; bf16 weights)."""
+"""Four real models' expert shapes, as MoEBlocks (E, k, D, F; bf16 weights)."""
 
 from moetune.ir import MoEBlock
 

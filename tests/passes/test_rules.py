@@ -1,4 +1,4 @@
-"""Specialisation rules and pass: Before (buckets) / Expected (candidate kinds), the gpu.md shapes,
+"""Specialisation rules and pass: Before (buckets) / Expected (candidate kinds), four real shapes,
 and a Zipf-skewed trace moving the boundaries."""
 
 import dataclasses
@@ -91,7 +91,7 @@ def test_gpu_shapes_gemv_then_hybrid_then_gemm(name):
     hyb = []
     for b in sb.buckets:
         rho = b.stats.rows_per_active
-        if rho <= 1.1:  # one-row: GEMV, and 16-row GEMM tiles (as fast on the H200, rules/grouped_gemm.py)
+        if rho <= 1.1:  # one-row: GEMV, and 16-row GEMM tiles (as fast on a GPU, rules/grouped_gemm.py)
             assert "stream_gemv" in kinds(b) and "grouped_gemm" in kinds(b), (b.label, rho)
         if rho >= 20:
             assert "grouped_gemm" in kinds(b) and "stream_gemv" not in kinds(b), (b.label, rho)

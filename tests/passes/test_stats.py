@@ -58,8 +58,8 @@ def test_uniform_closed_form(E, k, T):
 
 
 def test_qwen35_three_tokens_figure():
-    # gpu.md: "at T=3, qwen3.5-397b-a17b selects 29.5 distinct experts of 30 selections (1.8 % shared)";
-    # by hand: 512·(1 − (502/512)^3) = 29.42, i.e. 1.9 % shared (the note rounds loosely)
+    # at T = 3, qwen3.5-397b-a17b (E = 512, k = 10) makes 30 selections; the distinct experts by hand:
+    # 512·(1 − (502/512)^3) = 29.42, i.e. 1.9 % shared
     d = uniform(512, 10).distinct(3)
     assert d == pytest.approx(29.42, abs=0.01)
     assert 0.015 < 1 - d / 30 < 0.025

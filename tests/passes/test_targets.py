@@ -1,4 +1,4 @@
-"""The target table and `floor`: the gpu.md floors reproduced, hand arithmetic, the roofline pass."""
+"""The target table and `floor`: reference floors of four real shapes, hand arithmetic, the roofline pass."""
 
 import dataclasses
 
@@ -11,8 +11,8 @@ from moetune.passes.roofline import roofline
 from moetune.passes.stats import uniform
 from moetune.passes.targets import TARGETS, floor, get_target
 
-# ../shared/notes/gpu.md "Where today's implementations stand": floor µs at datasheet rates, measured
-# over random uniform routings (so a few % from the expectation where distinct experts vary most)
+# Reference floors, µs at the datasheet rates, averaged over random uniform routings (so a few % from the
+# expectation `floor` takes where the number of distinct experts varies most)
 GPU_FLOORS = [
     ("qwen3-30b-a3b", 1, 15.7), ("qwen3-30b-a3b", 8, 102), ("qwen3-30b-a3b", 64, 248),
     ("qwen3-30b-a3b", 1024, 253),
@@ -24,7 +24,7 @@ GPU_FLOORS = [
 
 
 @pytest.mark.parametrize("name,T,floor_us", GPU_FLOORS)
-def test_floor_reproduces_gpu_notes(name, T, floor_us):
+def test_floor_reproduces_the_reference_floors(name, T, floor_us):
     f = floor(gpu_block(name), "h200", T)
     assert f.time_s * 1e6 == pytest.approx(floor_us, rel=0.015)
     assert f.target == "h200" and f.tokens == T

@@ -119,7 +119,7 @@ def test_put_replaces_an_entry_measured_with_other_kernels_but_merge_does_not(tm
     new = entry(1, 4, 9.0)
     with DispatchTable(tmp_path / "d.sqlite") as t:
         t.put(old)
-        assert t.put(new)  # the old measurement says nothing about today's kernels
+        assert t.put(new)  # a timing of other kernels says nothing about these
         assert t.entries()[0].time_us == 9.0
         slower_old = entry(1, 4, 20.0, versions=other(kernel_hash="0ld"))
         assert not t.put(slower_old, replace_stale=False)  # merge: only the time decides
@@ -156,7 +156,7 @@ def test_two_processes_writing_one_file_lose_nothing(tmp_path):
 
     path = tmp_path / "d.sqlite"
     n = 80
-    ctx = mp.get_context("fork")  # the children need no torch threads; fork spares a 10 s import
+    ctx = mp.get_context("fork")  # the children need no torch threads; fork spares them the import
     procs = [ctx.Process(target=_writer, args=(str(path), w, n)) for w in (0, 1)]
     for p in procs:
         p.start()
