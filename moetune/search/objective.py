@@ -287,7 +287,7 @@ class Objective:
             if not bool(torch.isfinite(out).all()):
                 return Outcome(schedule, "nonfinite", reason=f"T={T}: output has NaN or inf",
                                build_s=built.seconds), worst
-            err = worst_error(out, ref)
+            err = worst_error(out, ref, tf32=self.device.startswith("cuda"))
             worst = max(worst, err)
             if not err <= 1:
                 return Outcome(schedule, "wrong", reason=f"T={T}: worst error {err:.3g}× the {out.dtype} "

@@ -17,3 +17,11 @@ def test_worst_error_scales_and_catches_nan():
     assert worst_error(torch.tensor([[float("nan"), 0.0]]), ref) == float("inf")
     with pytest.raises(KeyError, match="float64"):
         tolerances(torch.float64)
+
+
+def test_tf32_loosens_float32_only():
+    assert tolerances(torch.float32, tf32=True) == tolerances(torch.float16)
+    assert tolerances(torch.bfloat16, tf32=True) == tolerances(torch.bfloat16)
+    ref = torch.tensor([[100.0, 1.0]])
+    out = torch.tensor([[100.0, 1.2]])  # 2e-3 of the scale: beyond float32, within TF32
+    assert worst_error(out, ref) > 1 and worst_error(out, ref, tf32=True) <= 1

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("moetune.codegen.triton")
-from triton_cases import DEV, ON_GPU, SCHEDULES, make_problem, rel_err, tolerances  # noqa: E402
+from triton_cases import DEV, ON_GPU, SCHEDULES, make_problem, within  # noqa: E402
 
 from moetune.codegen.common import ExpertTensors  # noqa: E402
 from moetune.codegen.torch.reference import experts_reference  # noqa: E402
@@ -31,7 +31,7 @@ def test_hypothesis_routing(E, k, T, seed, sched):
     ids = ids.to(DEV)
     out = BACKEND.build(block, SCHEDULES[sched])(x, ids, weights, w)
     ref = experts_reference(block, x, ids, weights, w)
-    assert rel_err(out, ref) < tolerances(torch.float32)
+    assert within(out, ref)
 
 
 def test_registered_on_import():
@@ -62,7 +62,7 @@ def test_default_schedule_builds_and_costs(kind, tokens):
 def test_bf16_on_gpu(sched):
     block, x, ids, weights, w = make_problem(16, 4, 256, 192, 24, "uniform", torch.bfloat16, {})
     out = BACKEND.build(block, SCHEDULES[sched])(x, ids, weights, w)
-    assert rel_err(out, experts_reference(block, x, ids, weights, w)) < tolerances(torch.bfloat16)
+    assert within(out, experts_reference(block, x, ids, weights, w))
 
 
 @pytest.mark.parametrize("kind", ["stream_gemv", "grouped_gemm", "hybrid"])
@@ -70,7 +70,7 @@ def test_bf16_on_gpu(sched):
 def test_default_schedule_matches_reference(kind, T, poisoned):
     block, x, ids, weights, w = make_problem(6, 2, 64, 48, T, "uniform", torch.float32, {})
     out = BACKEND.build(block, BACKEND.default(block, kind, T))(x, ids, weights, w)
-    assert rel_err(out, experts_reference(block, x, ids, weights, w)) < tolerances(torch.float32)
+    assert within(out, experts_reference(block, x, ids, weights, w))
 
 
 @pytest.mark.parametrize("sched", ["gemv_routed_expert_split", "gemv_fused_token", "gemm_m16", "hybrid_r2"])
@@ -97,8 +97,7 @@ def test_one_kernel_follows_the_weights_it_is_handed(sched):
     for i, (xi, wi) in enumerate(calls):
         assert wi.gate_up.stride() == calls[0][1].gate_up.stride() or i == 1
         out = fn(xi, ids, weights.to(xi.dtype), wi)
-        err = rel_err(out, experts_reference(block, xi, ids, weights.to(xi.dtype), wi))
-        assert err < tolerances(xi.dtype), f"call {i}: rel err {err:.2e}"
+        assert within(out, experts_reference(block, xi, ids, weights.to(xi.dtype), wi)), f"call {i}"
     with pytest.raises(IRError, match="gate_up"):
         fn(x, ids, weights, ExpertTensors(w.gate_up[:, :-1], w.down))
     with pytest.raises(UnsupportedSchedule, match="ids"):
