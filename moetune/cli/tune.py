@@ -94,11 +94,9 @@ def default_backend() -> str:
 
 def default_target(device: str) -> str:
     """The same target name `moetune.compile` looks the table up under for this device."""
-    import torch
+    from ..runtime.versions import target_of
 
-    from ..runtime.compiled import _target
-
-    return _target(torch.device(device))
+    return target_of(device)
 
 
 def usable_backend(name: str | None) -> tuple[str, str]:

@@ -41,6 +41,7 @@ from ..codegen.backend import Backend, get
 from ..codegen.common import ExpertTensors
 from ..ir import MoEBlock, MoetuneError
 from .dispatch import Dispatcher
+from .versions import target_of
 
 IMPLEMENTATION = "moetune"
 CACHE_VARIABLE = "MOETUNE_CACHE"  # the dispatch table of a model compiled on its first call
@@ -225,17 +226,6 @@ def _pick_backend(name: str | None, device: torch.device) -> Backend:
     return get("torch")
 
 
-def _target(device: torch.device) -> str:
-    """The dispatch-table target of a device: "cpu", or the GPU's short name ("h200")."""
-    if device.type != "cuda":
-        return device.type
-    name = torch.cuda.get_device_name(device).lower()
-    for known in ("h200", "h100", "a100", "b200"):
-        if known in name:
-            return known
-    return name.replace(" ", "-")
-
-
 def compile(
     model: torch.nn.Module,
     cache: str | None = None,
@@ -293,7 +283,7 @@ def _compile(
             state.backend = be.name
             key = (c.block.signature(), be.name)
             if key not in dispatchers:
-                tgt = target or _target(device)
+                tgt = target or target_of(str(device))
                 if cache is None:
                     dispatchers[key] = Dispatcher.default(c.block, be, target=tgt)
                 else:

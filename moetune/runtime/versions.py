@@ -124,6 +124,14 @@ def device_identity(device: str = "cpu") -> tuple[str, str]:
     return f"cpu: {name}", platform.machine()
 
 
+def target_of(device: str = "cpu") -> str:
+    """The dispatch-table target of a device ("cpu", "cuda[:i]"): "cpu", or the GPU's short name ("h200")."""
+    if not device.startswith("cuda"):
+        return device.split(":")[0]
+    name = device_identity(device)[0].lower()
+    return next((known for known in ("h200", "h100", "a100", "b200") if known in name), name.replace(" ", "-"))
+
+
 def judge(entry: DispatchEntry, current: Versions) -> str | None:
     """None when `entry` is sound here; else why not: "foreign: …" (another device), "stale: …" (other
     kernel sources), or "retime: …" (the same kernel sources compiled by another version of the backend's

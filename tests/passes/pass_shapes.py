@@ -1,13 +1,10 @@
-"""Four real models' expert shapes, as MoEBlocks (E, k, D, F; bf16 weights)."""
+"""Four real models' expert shapes, as MoEBlocks (the shipped presets' E, k, D, F; bf16 weights)."""
 
 from moetune.ir import MoEBlock
+from moetune.ir.presets import preset
 
-GPU_SHAPES = {
-    "qwen3-30b-a3b": (128, 8, 2048, 768),
-    "deepseek-v3": (256, 8, 7168, 2048),
-    "qwen3.5-397b-a17b": (512, 10, 4096, 1024),
-    "mixtral-8x7b": (8, 2, 4096, 14336),
-}
+GPU_SHAPES = {name: (b.E, b.k, b.D, b.F) for name, b in (
+    (n, preset(n)) for n in ("qwen3-30b-a3b", "deepseek-v3", "qwen3.5-397b-a17b", "mixtral-8x7b"))}
 
 
 def gpu_block(name: str, T_max: int = 4096) -> MoEBlock:

@@ -121,3 +121,10 @@ def test_device_and_library_identities():
     assert backend_version("no-such-library") == "none"
     v = Versions.current("torch", "cpu")
     assert (v.device, v.capability) == (name, cap) and v.kernel_hash == kernel_source_hash("torch")
+
+
+def test_target_of_a_device_is_the_table_target_compile_uses():
+    from moetune.runtime.versions import target_of
+
+    assert target_of("cpu") == "cpu"
+    assert target_of("meta") == "meta"
