@@ -405,12 +405,12 @@ def tune(model, *, backend: str | None = None, target: str | None = None, tokens
     `target`: the one `moetune.compile` looks the table up under for this device; `cache`: a table file or
     an open DispatchTable the winners are written to (None: nothing written). The budget is shared by
     every block's buckets. Returns the per-bucket results, block after block; `kwargs` go to `tune_block`."""
-    from ..runtime.compiled import _target
+    from ..runtime.versions import target_of
 
     blocks = _blocks(model)
     backend = backend or ("triton" if torch.cuda.is_available() else "torch")
     device = (options.device if options and options.device else None) or ("cpu" if backend == "torch" else "cuda")
-    target = target or _target(torch.device(device))
+    target = target or target_of(device)
     if cache is None or isinstance(cache, DispatchTable):
         return _tune_blocks(blocks, backend, target, tokens, budget_s, cache, options, kwargs)
     with DispatchTable(cache) as table:
