@@ -1,0 +1,53 @@
+"""What the README promises a newcomer runs: the main job, and the Python snippet of "Use" on a tiny model."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+
+
+def _block(marker: str) -> str:
+    """The first fenced block after `marker`."""
+    m = re.search(re.escape(marker) + r".*?```\w*\n(.*?)```", README, re.S)
+    assert m, f"README has no fenced block after {marker!r}"
+    return m.group(1)
+
+
+def test_the_main_job_runs_and_its_logits_match(tmp_path):
+    cmd = _block("<!-- ci: main command -->").strip()
+    assert cmd.endswith("moetune demo"), cmd  # the job this test runs, past the install steps
+    out = subprocess.run([sys.executable, "-m", "moetune.cli", "demo", "--cache", str(tmp_path / "demo.sqlite")],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "logits match" in out.stdout and (tmp_path / "demo.sqlite").exists()
+
+
+def test_the_use_snippet_runs_on_a_tiny_model(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from moetune import testing
+    from moetune.runtime.compiled import describe
+
+    snippet = _block("## Use")
+    d = tmp_path / "tiny"
+    testing.build("qwen3_moe").save_pretrained(d)
+    ids = torch.randint(0, testing.VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+    monkeypatch.chdir(tmp_path)  # the snippet's relative cache paths land here
+    code = snippet.replace("from_pretrained(...)", "from_pretrained(d)")
+    code = code.replace("budget_s=60", "budget_s=10")  # the same call, a shorter budget
+    scope = {"AutoModelForCausalLM": AutoModelForCausalLM, "torch": torch, "d": d, "ids": ids}
+    with torch.inference_mode(False), torch.no_grad():
+        exec(compile(code, "README.md: Use", "exec"), scope)  # noqa: S102 - the README's own snippet
+    model = scope["model"]
+    assert "compiled by its first forward" in describe(model)
+    want = AutoModelForCausalLM.from_pretrained(d)(input_ids=ids, use_cache=False).logits
+    got = scope["ep"].module()(input_ids=ids, use_cache=False).logits
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert (tmp_path / "cache" / "cpu.sqlite").exists()
