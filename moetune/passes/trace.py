@@ -195,7 +195,7 @@ def _mask_of(ids, attention_mask, model_name: str):
     if empty:
         raise TraceError(f"{model_name}: attention mask rows {empty} have no real token; "
                          "expected at least one 1 per sequence")
-    return mask.to(torch.int64)
+    return mask.to(ids.device, torch.int64)
 
 
 def record(model, inputs, steps: int = 8, attention_mask=None, name: str = "trace") -> Trace:
