@@ -3,7 +3,9 @@
     moetune record --model-dir DIR [--prompts FILE] [--steps N] -o trace.npz
     moetune record --tiny FAMILY [--steps N] -o trace.npz
 
-Without --prompts the inputs are random token ids. Every file and value is checked before the model
+Without --prompts the inputs are random token ids. Prompts of different lengths are padded on the left;
+the trace holds their real tokens only (the attention mask's ones), and a prompt whose greedy continuation
+reaches the model's end-of-sequence token stops there. Every file and value is checked before the model
 is loaded.
 """
 

@@ -7,7 +7,7 @@ allow_pickle=False), arrays
     version      int   1
     E, k         int   experts, experts per token
     layers       str   [L]      the experts modules' paths, e.g. "model.layers.3.mlp.experts"
-    step_tokens  int64 [S]      tokens T of each recorded forward call (Σ = N)
+    step_tokens  int64 [S]      real tokens T of each recorded forward call (Σ = N; no padding)
     step_phase   int8  [S]      0 prefill (prompt), 1 decode
     ids          int16|int32 [L, N, k]  top-k ids, token rows of the steps one after the other
     meta         str   JSON object: model class, source, date, …
@@ -19,7 +19,8 @@ allow_pickle=False), arrays
 pre-hooks on the hooked experts modules that moetune.ir.capture finds (captured or not: their
 routing ids are valid either way; without capture, the modules with the `has_gate`/`is_transposed`
 attributes that transformers' experts hook sets), which see
-`(hidden_states [T, D], top_k_index [T, k], top_k_weights [T, k])`.
+`(hidden_states [T, D], top_k_index [T, k], top_k_weights [T, k])`, and keeps the rows of real tokens
+only: the attention mask's ones in the prompt, the unfinished sequences' rows in a decode step.
 """
 
 from __future__ import annotations
@@ -166,21 +167,60 @@ def _num_experts(mod) -> int:
     return int(w.shape[0])
 
 
+def _eos_ids(model) -> set[int]:
+    """The token ids that end a sequence: the generation config's eos_token_id, else the config's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def _mask_of(ids, attention_mask, model_name: str):
+    """The attention mask [B, S] as int64 ones (real tokens) and zeros (padding), checked against `ids`."""
+    import torch
+
+    if attention_mask is None:
+        return torch.ones_like(ids)
+    mask = torch.as_tensor(attention_mask)
+    if mask.ndim == 1:
+        mask = mask[None]
+    if mask.shape != ids.shape:
+        raise TraceError(f"{model_name}: attention mask of shape {tuple(mask.shape)} for input ids of shape "
+                         f"{tuple(ids.shape)}; expected one 0/1 entry per token")
+    if not ((mask == 0) | (mask == 1)).all():
+        raise TraceError(f"{model_name}: attention mask holds values other than 0 (padding) and 1 (real token)")
+    empty = (mask.sum(1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise TraceError(f"{model_name}: attention mask rows {empty} have no real token; "
+                         "expected at least one 1 per sequence")
+    return mask.to(ids.device, torch.int64)
+
+
 def record(model, inputs, steps: int = 8, attention_mask=None, name: str = "trace") -> Trace:
     """Run `inputs` (token ids [B, S], or a tokenizer's output with input_ids and attention_mask)
-    through `model`, then `steps` greedy decode steps; trace each hooked MoE layer's routing.
+    through `model`, then up to `steps` greedy decode steps; trace each hooked MoE layer's routing.
 
-    Step 0 is the prompt forward (T = B·S, phase prefill), then one step per decode (T = B).
+    Only real tokens are recorded: step 0 is the prompt forward (T = the attention mask's ones, phase
+    prefill), then one step per decode (T = the sequences not yet finished). Padding, left or right,
+    is dropped, and each token gets the position it has in its own sequence (the mask's cumulative
+    count), so a padded batch records the routing of each sequence run alone. A sequence that emits
+    an end-of-sequence token (the model's generation config) is finished: its later rows are padding.
+    Decoding stops early once every sequence has finished. Right padding suits attention layers; a
+    recurrent (linear-attention) layer's state also runs over trailing padding, so pad such models on
+    the left, as `moetune record` does.
     """
     import torch
 
+    model_name = type(model).__name__
     found = experts_modules(model)
     if not found:
-        raise TraceError(f"{type(model).__name__}: no hooked MoE experts module to trace "
+        raise TraceError(f"{model_name}: no hooked MoE experts module to trace "
                          "(unhooked families such as Llama4 and DBRX are not traced)")
     Es = {_num_experts(m) for _, m in found}
     if len(Es) != 1:
-        raise TraceError(f"{type(model).__name__}: experts modules disagree on E: {sorted(Es)}")
+        raise TraceError(f"{model_name}: experts modules disagree on E: {sorted(Es)}")
     per_layer: list[list[np.ndarray]] = [[] for _ in found]
 
     def hook_for(i: int):
@@ -189,43 +229,58 @@ def record(model, inputs, steps: int = 8, attention_mask=None, name: str = "trac
             per_layer[i].append(idx.detach().to("cpu", torch.int64).numpy().reshape(-1, idx.shape[-1]))
         return hook
 
+    if hasattr(inputs, "keys") and "input_ids" in inputs:  # a tokenizer's BatchEncoding / dict
+        attention_mask = inputs.get("attention_mask", attention_mask)
+        inputs = inputs["input_ids"]
+    ids = torch.as_tensor(inputs)  # [B, S]
+    if ids.ndim == 1:
+        ids = ids[None]
+    mask = _mask_of(ids, attention_mask, model_name)  # [B, S] 1 real token, 0 padding
+    eos = torch.tensor(sorted(_eos_ids(model)), dtype=ids.dtype, device=ids.device)
+    real: list[np.ndarray] = []  # per step, which of the hooked rows are real tokens  [T]
     handles = [m.register_forward_pre_hook(hook_for(i), with_kwargs=True) for i, (_, m) in enumerate(found)]
-    step_tokens, step_phase = [], []
     try:
         with torch.no_grad():
-            if hasattr(inputs, "keys") and "input_ids" in inputs:  # a tokenizer's BatchEncoding / dict
-                attention_mask = inputs.get("attention_mask", attention_mask)
-                inputs = inputs["input_ids"]
-            ids = torch.as_tensor(inputs)  # [B, S]
-            if ids.ndim == 1:
-                ids = ids[None]
-            mask = torch.as_tensor(attention_mask) if attention_mask is not None else torch.ones_like(ids)
-            # mask [B, S]
-            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
-            step_tokens.append(ids.numel())
-            step_phase.append(PHASES["prefill"])
+            pos = (mask.cumsum(1) - 1).clamp(min=0)  # [B, S] each token's position in its own sequence
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+            real.append(mask.flatten().bool().cpu().numpy())
+            last = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # [B] each sequence's last real token
+            logits = out.logits[torch.arange(ids.shape[0], device=last.device), last]  # [B, V]
+            live = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)  # [B] sequences not finished
             for _ in range(steps):
-                nxt = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
-                mask = torch.cat([mask, torch.ones_like(nxt)], 1)  # [B, S+1]
+                nxt = logits.argmax(-1, keepdim=True)  # [B, 1]
+                live &= ~torch.isin(nxt[:, 0], eos)
+                if not live.any():
+                    break
+                pos = mask.sum(1, keepdim=True)  # [B, 1]
+                mask = torch.cat([mask, live[:, None].to(mask.dtype)], 1)  # [B, S+1]
                 # transformers ≥ 5.2x names the KV cache `cache`; older releases `past_key_values`
                 kv = ({"cache": out["cache"]} if "cache" in out
                       else {"past_key_values": out["past_key_values"]})
-                out = model(input_ids=nxt, attention_mask=mask, use_cache=True, **kv)
-                step_tokens.append(nxt.numel())
-                step_phase.append(PHASES["decode"])
+                out = model(input_ids=nxt, attention_mask=mask, position_ids=pos, use_cache=True, **kv)
+                real.append(live.cpu().numpy().copy())
+                logits = out.logits[:, -1]  # [B, V]
     finally:
         for h in handles:
             h.remove()
     calls = {len(c) for c in per_layer}
-    if calls != {len(step_tokens)}:
-        raise TraceError(f"{type(model).__name__}: experts hooks fired {sorted(calls)} times for "
-                         f"{len(step_tokens)} forward calls (layers skipped?)")
+    if calls != {len(real)}:
+        raise TraceError(f"{model_name}: experts hooks fired {sorted(calls)} times for "
+                         f"{len(real)} forward calls (layers skipped?)")
+    rows = [[c[s].shape[0] for s in range(len(real))] for c in per_layer]
+    if any(r != [len(keep) for keep in real] for r in rows):
+        raise TraceError(f"{model_name}: experts hooks saw {rows[0]} token rows per forward call, the "
+                         f"inputs hold {[len(keep) for keep in real]} (batch × length); cannot tell the "
+                         "padding rows apart")
     k = per_layer[0][0].shape[1]
-    arr = np.stack([np.concatenate(c) for c in per_layer])  # [L, N, k]
-    meta = {"model": type(model).__name__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "batch": int(ids.shape[0]), "prompt_len": int(ids.shape[1]), "decode_steps": steps}
+    arr = np.stack([np.concatenate([c[s][keep] for s, keep in enumerate(real)]) for c in per_layer])  # [L, N, k]
+    step_tokens = [int(keep.sum()) for keep in real]
+    meta = {"model": model_name, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "batch": int(ids.shape[0]), "prompt_len": int(ids.shape[1]), "prompt_tokens": step_tokens[0],
+            "decode_steps": len(real) - 1}
     return Trace(E=Es.pop(), k=int(k), layers=tuple(p for p, _ in found),
-                 step_tokens=np.array(step_tokens, np.int64), step_phase=np.array(step_phase, np.int8),
+                 step_tokens=np.array(step_tokens, np.int64),
+                 step_phase=np.array([PHASES["prefill"]] + [PHASES["decode"]] * (len(real) - 1), np.int8),
                  ids=arr, meta=meta, name=name)
 
 

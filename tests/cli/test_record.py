@@ -1,6 +1,7 @@
 """`moetune record`: a tiny model and a saved model folder (with and without a tokenizer) traced to a file;
 every bad file or value is one line on stderr and exit 2, before the model is loaded."""
 
+import numpy as np
 import pytest
 
 from moetune import testing as tm
@@ -21,6 +22,21 @@ def model_dir(tmp_path_factory):
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]")
     assert tok.pad_token is None and tok.eos_token is None
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def padded_dir(model_dir, tmp_path_factory):
+    """The same model and words with a pad token: prompts of different lengths are batched."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("padded")
+    shutil.copytree(model_dir, d, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(d)
+    tok.pad_token = "[UNK]"
     tok.save_pretrained(d)
     return d
 
@@ -58,6 +74,30 @@ def test_one_prompt_needs_no_padding(model_dir, tmp_path, capsys):
     assert main(["record", "--model-dir", str(model_dir), "--prompts", str(prompts), "--steps", "2",
                  "-o", str(out)]) == 0
     assert Trace.load(out).step_tokens.tolist() == [5, 1, 1]
+
+
+def test_padded_prompts_record_their_real_tokens(padded_dir, tmp_path, capsys):
+    """Three prompts left-padded to 7 words record what each records alone; the second one's greedy
+    continuation is mixtral's eos token (2), so it ends after its prompt."""
+    prompts = ["w5 w6 w7 w8 w9", "w10 w11", "w12 w13 w14 w15 w16 w17 w18"]
+    alone = []
+    for i, p in enumerate(prompts):
+        (tmp_path / f"{i}.txt").write_text(p + "\n")
+        assert main(["record", "--model-dir", str(padded_dir), "--prompts", str(tmp_path / f"{i}.txt"),
+                     "--steps", "2", "-o", str(tmp_path / f"{i}.npz")]) == 0
+        alone.append(Trace.load(tmp_path / f"{i}.npz"))
+    assert [a.step_tokens.tolist() for a in alone] == [[5, 1, 1], [2], [7, 1, 1]]
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
+    out = tmp_path / "p.npz"
+    capsys.readouterr()
+    assert main(["record", "--model-dir", str(padded_dir), "--prompts", str(tmp_path / "p.txt"), "--steps", "2",
+                 "-o", str(out)]) == 0
+    assert capsys.readouterr().out.endswith(", 3 steps, 18 tokens\n")
+    tr = Trace.load(out)
+    assert tr.step_tokens.tolist() == [14, 2, 2] and tr.meta["prompt_len"] == 7
+    prefill = [a.ids[:, :a.step_tokens[0]] for a in alone]  # [L, n, k] each
+    decode = [a.ids[:, a.step_tokens[0] + s, None] for s in range(2) for a in (alone[0], alone[2])]  # [L, 1, k]
+    np.testing.assert_array_equal(tr.ids, np.concatenate(prefill + decode, 1))
 
 
 def test_prompts_with_a_tokenizer_without_pad_or_eos_token(model_dir, tmp_path, capsys):

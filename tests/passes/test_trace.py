@@ -1,4 +1,5 @@
-"""Routing traces: file format round trip, clear errors for bad files, recording a real tiny model."""
+"""Routing traces: file format round trip, clear errors for bad files, recording a real tiny model (padded
+batches record the real tokens only)."""
 
 import io
 import zipfile
@@ -116,13 +117,109 @@ def test_record_tiny_qwen3_moe_feeds_the_stats_model(tmp_path):
     assert tr.step_tokens.tolist() == [15, 3, 3, 3] and tr.step_phase.tolist() == [0, 1, 1, 1]
     routed = [np.concatenate([seen[2 * s + layer].numpy() for s in range(4)]) for layer in range(2)]
     np.testing.assert_array_equal(tr.ids, np.stack(routed))
-    # a tokenizer-style dict with a left-padded attention mask records the same way
+    # a tokenizer-style dict with a left-padded attention mask: the two padding rows are not recorded
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     tr2 = record(model, {"input_ids": ids, "attention_mask": mask}, steps=1)
-    assert tr2.step_tokens.tolist() == [15, 3] and tr2.ids.shape == (2, 18, 4)
+    assert tr2.step_tokens.tolist() == [13, 3] and tr2.ids.shape == (2, 16, 4)
+    assert tr2.meta["prompt_tokens"] == 13 and tr2.meta["prompt_len"] == 5
     back = Trace.load(tr.save(tmp_path / "q.npz"))
     st = from_trace(back).stats(3)
     assert 3 <= st.distinct_experts <= 12 and st.source.startswith("trace:")
     assert from_trace(back, phase="decode").distinct(3) > 0
 
+
+
+# ---------------------------------------------------------------- padded batches
+
+LENGTHS = (5, 2, 7)  # prompts of different lengths, batched with padding to 7
+
+
+def _prompts():
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 128, (n,), generator=g) for n in LENGTHS]
+
+
+def _padded(seqs, side: str, pad: int = 0):
+    """(ids [B, S], mask [B, S]) of `seqs` padded on `side` with token `pad`."""
+    import torch
+
+    S = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), S), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, s in enumerate(seqs):
+        at = slice(S - len(s), S) if side == "left" else slice(0, len(s))
+        ids[b, at], mask[b, at] = s, 1
+    return ids, mask
+
+
+def _batched(alone: list[Trace]) -> tuple[list[int], np.ndarray]:
+    """The step token counts and ids [L, N, k] a batch of these sequences records: per step, the rows
+    of every sequence still running at that step, in batch order."""
+    def rows(tr: Trace, s: int) -> np.ndarray:
+        at = int(tr.step_tokens[:s].sum())
+        return tr.ids[:, at:at + int(tr.step_tokens[s])]
+
+    steps = max(tr.steps for tr in alone)
+    per_step = [[rows(tr, s) for tr in alone if tr.steps > s] for s in range(steps)]
+    return [sum(r.shape[1] for r in rs) for rs in per_step], np.concatenate([r for rs in per_step for r in rs], 1)
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def tiny(request):
+    testing = pytest.importorskip("moetune.testing")
+    model = testing.build(request.param)
+    model.generation_config.eos_token_id = model.config.eos_token_id = None  # no sequence finishes
+    return model
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("pad", [0, 127])
+def test_a_padded_batch_records_each_sequence_as_alone(tiny, side, pad):
+    seqs = _prompts()
+    alone = [record(tiny, s[None], steps=3) for s in seqs]
+    assert [tr.step_tokens.tolist() for tr in alone] == [[n, 1, 1, 1] for n in LENGTHS]
+    ids, mask = _padded(seqs, side, pad)
+    tr = record(tiny, ids, steps=3, attention_mask=mask)
+    want_tokens, want_ids = _batched(alone)
+    assert tr.step_tokens.tolist() == want_tokens == [sum(LENGTHS), 3, 3, 3]
+    assert tr.step_phase.tolist() == [0, 1, 1, 1]
+    np.testing.assert_array_equal(tr.ids, want_ids)
+    assert tr.meta["prompt_tokens"] == sum(LENGTHS) and tr.meta["decode_steps"] == 3
+
+
+def test_a_finished_sequence_records_no_further_rows(tiny):
+    seqs = _prompts()
+    first = [int(tiny(input_ids=s[None]).logits[0, -1].argmax()) for s in seqs]  # greedy token after each prompt
+    tiny.generation_config.eos_token_id = first[1]  # the second sequence ends at once
+    try:
+        alone = [record(tiny, s[None], steps=3) for s in seqs]
+        assert alone[1].steps == 1 and alone[1].meta["decode_steps"] == 0  # nothing to decode
+        for side in ("left", "right"):
+            ids, mask = _padded(seqs, side)
+            tr = record(tiny, ids, steps=3, attention_mask=mask)
+            want_tokens, want_ids = _batched(alone)
+            assert tr.step_tokens.tolist() == want_tokens and want_tokens[1] == 2
+            np.testing.assert_array_equal(tr.ids, want_ids)
+        # every sequence finished: decoding stops after the prompt
+        tiny.generation_config.eos_token_id = sorted(set(first))
+        ids, mask = _padded(seqs, "left")
+        tr = record(tiny, ids, steps=3, attention_mask=mask)
+        assert tr.step_tokens.tolist() == [sum(LENGTHS)] and tr.meta["decode_steps"] == 0
+    finally:
+        tiny.generation_config.eos_token_id = None
+
+
+@pytest.mark.parametrize("mask,words", [
+    ([[1, 1, 1]], "attention mask of shape (1, 3) for input ids of shape (2, 4)"),
+    ([[1, 1, 1, 1], [0, 0, 0, 0]], "attention mask rows [1] have no real token"),
+    ([[1, 1, 1, 1], [0, 2, 1, 1]], "values other than 0 (padding) and 1 (real token)"),
+])
+def test_a_bad_attention_mask_is_refused(tiny, mask, words):
+    import torch
+
+    with pytest.raises(TraceError) as e:
+        record(tiny, torch.zeros(2, 4, dtype=torch.long), steps=1, attention_mask=torch.tensor(mask))
+    assert words in str(e.value)

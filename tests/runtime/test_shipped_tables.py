@@ -1,6 +1,8 @@
 """The tables shipped in cache/ open cleanly, and every GPU entry still matches the tree, checked on a CPU:
 same kernel sources (so the runtime uses it instead of falling back), parameters its backend can rebuild,
-and (with the Triton the digests were made with) the same sm_90 code as the recorded digests.
+and (with the Triton the digests were made with) the same sm_90 code as the recorded digests; and every GPU
+entry serves both the versions it records and those the package pins (pyproject.toml), the latter with one
+note per block that its entries are to be re-timed.
 
 A source edit that leaves every stored winner's sm_90 code unchanged keeps the table current with one
 command, `python -m tests.codegen.relabel cache/h200.sqlite` (tests/codegen/relabel.py)."""
@@ -13,13 +15,16 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import tomllib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from moetune import __version__
 from moetune.ir.presets import PRESETS, preset
-from moetune.runtime.table import TABLE, DispatchTable
-from moetune.runtime.versions import backend_version, kernel_hash_part, kernel_source_hash
+from moetune.runtime.table import TABLE, DispatchTable, load_entries
+from moetune.runtime.versions import Versions, backend_version, judge, kernel_hash_part, kernel_source_hash, serves
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / "cache"
@@ -151,3 +156,46 @@ def test_relabel_moves_rows_only_when_every_digest_is_equal(recorded, tree, tmp_
     digests.unlink()
     assert _relabel(table, digests, "--record").returncode == 0
     assert json.loads(digests.read_text())["digests"] == now
+
+
+def _pins() -> dict[str, str]:
+    """The versions pyproject.toml pins, by package name: {"torch": "2.13.0", "triton": "3.7.1", …}."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]
+    return {name.strip(): version.strip() for name, sep, version in (r.partition("==") for r in reqs) if sep}
+
+
+def test_h200_table_serves_its_own_versions_and_the_package_pins():
+    """Every row of the shipped H200 table is used on an H200 running this tree, whether it has the libraries
+    the rows record (the tuning machine's) or those the package installs: the latter says, once per block,
+    that the entries were timed with another Triton."""
+    pytest.importorskip("triton")  # the backend that declares the kernel sources
+    pins = _pins()
+    tree = kernel_source_hash("triton")
+    installed = Versions(__version__, tree, f"triton {pins['triton']}", pins["torch"], "NVIDIA H200", "sm_90")
+    with DispatchTable(H200, create=False) as t:
+        rows = t.entries(target="h200", backend="triton")
+    assert rows
+    kept = {replace(e.versions, moetune=__version__, kernel_hash=tree) for e in rows}  # the tuning machine's
+    assert len(kept) == 1, f"{H200.name}: the rows record {len(kept)} sets of versions: {kept}"
+    recorded = kept.pop()
+    assert recorded.backend_version != installed.backend_version, \
+        "the rows record the pinned Triton: this test no longer sees another library version"
+    retime = f"retime: tuned with {recorded.backend_version}, this is {installed.backend_version}"
+    for e in rows:
+        where = f"{H200.name} [{e.bucket_lo},{e.bucket_hi}] {e.signature_text}"
+        assert judge(e, recorded) is None, where
+        why = judge(e, installed)
+        assert serves(why) and why == retime, f"{where}: {why}"
+
+    blocks = {b.signature_hash(): b for b in map(preset, PRESETS)}
+    assert {e.signature for e in rows} <= blocks.keys()
+    for sig in sorted({e.signature for e in rows}):
+        block, want = blocks[sig], sorted((e.bucket_lo, e.bucket_hi) for e in rows if e.signature == sig)
+        notes: list[str] = []
+        got = load_entries(H200, block, "h200", "triton", versions=recorded, notes=notes)
+        assert [(lo, hi) for lo, hi, _ in got] == want and notes == [], f"{block.name}: {notes}"
+        got = load_entries(H200, block, "h200", "triton", versions=installed, notes=notes)
+        assert [(lo, hi) for lo, hi, _ in got] == want, f"{block.name} with {installed.backend_version}: {notes}"
+        assert len(notes) == 1 and "not used" not in notes[0], f"{block.name}: {notes}"
+        assert f"{len(want)} {'entry' if len(want) == 1 else 'entries'} used, to be re-timed" in notes[0], notes
