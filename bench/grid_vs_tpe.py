@@ -208,6 +208,7 @@ def back_to_back(a, block, backend, device, target) -> list[dict]:
     from moetune.passes.pipeline import schedule_block
     from moetune.runtime.table import DispatchTable
     from moetune.search.objective import expert_tensors
+    from moetune.search.seeds import runtime_default
     from moetune.search.timing import timer_for
 
     (lo, hi), at = _tokens(a)
@@ -223,8 +224,10 @@ def back_to_back(a, block, backend, device, target) -> list[dict]:
     with DispatchTable(a.tpe_table, create=False) as tt, DispatchTable(a.grid_table, create=False) as gt:
         for bk in buckets:
             sig = b.signature_hash()
+            # a bucket without an entry kept the default (its winner was within the spread of it)
             te, ge = (t.get(target, backend, sig, bk.lo, bk.hi) for t in (tt, gt))
-            if te is None or ge is None:
+            default = runtime_default(b, be, target, bk)
+            if default is None and (te is None or ge is None):
                 out.append(
                     {
                         "bucket": [bk.lo, bk.hi],
@@ -233,7 +236,8 @@ def back_to_back(a, block, backend, device, target) -> list[dict]:
                 )
                 continue
             try:
-                out.append(_retime_pair(a, b, be, bk, w, timer, routings, te.schedule(b), ge.schedule(b)))
+                ts, gs = (default if e is None else e.schedule(b) for e in (te, ge))
+                out.append(_retime_pair(a, b, be, bk, w, timer, routings, ts, gs))
             except Exception as e:  # noqa: BLE001 - reported in the record; the phases' own times remain
                 out.append({"bucket": [bk.lo, bk.hi], "error": f"{type(e).__name__}: {e}"[:500]})
     return out

@@ -1,7 +1,8 @@
 """`moetune show TABLE`: a dispatch table's winners, grouped by (target, backend, block).
 
-Each entry is one line (bucket, kind, time, floor, % of floor, default, vs default, baseline, vs
-baseline, when tuned) with the winner's parameters whole on the line below it.
+Each entry is one line (bucket, kind, time, floor, % of floor, default, vs default, the spread it was
+judged against, baseline, vs baseline, when tuned) with the winner's parameters whole on the line below
+it. `--json`: one JSON array of the rows, each an object of every column, for scripts.
 """
 
 from __future__ import annotations
@@ -16,11 +17,22 @@ from .common import existing_file
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="list a dispatch table's contents")
     p.add_argument("path", help="a dispatch table (.sqlite)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON array of the rows, each with every column (params as stored: a JSON text)")
     return p
 
 
 def _fmt(v: float | None, spec: str = ".1f") -> str:
     return "–" if v is None else format(v, spec)
+
+
+def rows_json(path: str | os.PathLike) -> str:
+    """The table's rows as one JSON array, each row an object of every column in the table's order."""
+    from ..runtime.table import COLUMNS, DispatchTable
+
+    with DispatchTable(path, create=False) as t:
+        rows = [e.row() for e in t.entries()]
+    return json.dumps([{c: r[c] for c in COLUMNS} for r in rows], indent=1, ensure_ascii=False)
 
 
 def show(path: str | os.PathLike) -> str:
@@ -44,7 +56,8 @@ def show(path: str | os.PathLike) -> str:
                       f"  device {v.device} ({v.capability}), {libs}, moetune {v.moetune}, "
                       f"kernels {v.kernel_hash}",
                       f"  {'bucket':>12}  {'winner':<16} {'time µs':>9} {'floor µs':>9} {'% floor':>8} "
-                      f"{'default µs':>10} {'vs default':>10} {'baseline µs':>11} {'vs baseline':>11}"
+                      f"{'default µs':>10} {'vs default':>10} {'spread µs':>9} {'baseline µs':>11} "
+                      f"{'vs baseline':>11}"
                       "  tuned at"]
         vs_d = None if not e.default_time_us else e.default_time_us / e.time_us
         vs_b = None if not e.baseline_time_us else e.baseline_time_us / e.time_us
@@ -52,7 +65,8 @@ def show(path: str | os.PathLike) -> str:
         lines.append(
             f"  {f'[{e.bucket_lo},{e.bucket_hi}]':>12}  {kind:<16} {_fmt(e.time_us):>9} "
             f"{_fmt(e.floor_us, '.2f'):>9} {_fmt(e.pct_of_floor):>7}% {_fmt(e.default_time_us):>10} "
-            f"{_fmt(vs_d, '.2f'):>9}× {_fmt(e.baseline_time_us):>11} {_fmt(vs_b, '.2f'):>10}×  {e.tuned_at}"
+            f"{_fmt(vs_d, '.2f'):>9}× {_fmt(e.spread_us, '.2f'):>9} {_fmt(e.baseline_time_us):>11} "
+            f"{_fmt(vs_b, '.2f'):>10}×  {e.tuned_at}"
         )
         if e.params:
             lines.append(" " * 16 + ", ".join(f"{k}={v}" for k, v in json.loads(e.params).items()))
@@ -61,5 +75,5 @@ def show(path: str | os.PathLike) -> str:
 
 def run(args: argparse.Namespace) -> int:
     existing_file(args.path, "TABLE", "a dispatch table written by `moetune tune`")
-    print(show(args.path))
+    print(rows_json(args.path) if args.json else show(args.path))
     return 0

@@ -7,8 +7,10 @@
                  [--at-tokens N,N] [--no-edge-timing] [--no-split] [--no-local-search]
 
 One line per bucket while it tunes, then a table: bucket, winner, time, floor, % of floor, vs the
-default heuristic, vs transformers' baseline; the device is named. Winners go to `--cache`
-(default cache/<target>.sqlite; cache/<target>-tiny.sqlite for --tiny), replacing only slower entries.
+default heuristic, the spread of the final timings, vs transformers' baseline; the device is named.
+Winners go to `--cache` (default cache/<target>.sqlite; cache/<target>-tiny.sqlite for --tiny), replacing
+only slower entries; a winner that does not beat the default by more than the spread of the final round's
+timings is not written (the bucket keeps the default, and its line says so with the numbers).
 `--exhaustive` times every point of each bucket's space (to check the TPE winner against a grid).
 `--space-cap N` tunes each bucket over a deterministic sub-grid of at most N points around the default
 heuristic (search.space.cap_space), the same for TPE and `--exhaustive`, so that a grid stays in reach.
@@ -158,6 +160,14 @@ def _ratio(a: float | None, b: float) -> str:
     return "–" if a is None or not math.isfinite(b) or b <= 0 else f"{a / b:.2f}×"
 
 
+def spread_pct(r) -> str:
+    """A result's spread as a percentage of the default's time (of the winner's without one)."""
+    ref = r.default_time_s if r.default_time_s else r.time_s
+    if r.spread_s is None or not ref or not math.isfinite(ref):
+        return "–"
+    return f"{100.0 * r.spread_s / ref:.1f}%"
+
+
 def winner_text(s: Schedule | None) -> tuple[str, str]:
     """(kind with its row threshold, every parameter as name=value) of a winner."""
     if s is None:
@@ -172,7 +182,7 @@ def table_lines(results: list, device: str) -> list[str]:
     """The final table: one line per bucket (and per part of a split bucket), each winner's parameters
     whole on the line below it."""
     hdr = (f"{'bucket':>12} {'T':>5}  {'winner':<16} {'time µs':>9} {'floor µs':>9} {'% floor':>8} "
-           f"{'vs default':>10} {'vs baseline':>11}  stopped")
+           f"{'vs default':>10} {'spread':>7} {'vs baseline':>11}  stopped")
     lines = [hdr, "-" * len(hdr)]
     indent = " " * 20
     for r in results:
@@ -181,7 +191,7 @@ def table_lines(results: list, device: str) -> list[str]:
         lines.append(
             f"{f'[{r.bucket[0]},{r.bucket[1]}]':>12} {r.tokens:>5}  {head:<16} {_us(r.time_s):>9} "
             f"{_us(r.floor.time_s if r.floor else None):>9} {('–' if pct is None else f'{pct:.1f}%'):>8} "
-            f"{_ratio(r.default_time_s, r.time_s):>10} {_ratio(r.baseline_time_s, r.time_s):>11}  "
+            f"{_ratio(r.default_time_s, r.time_s):>10} {spread_pct(r):>7} {_ratio(r.baseline_time_s, r.time_s):>11}  "
             f"{r.stopped}")
         if params:
             lines.append(indent + params)
@@ -194,7 +204,9 @@ def table_lines(results: list, device: str) -> list[str]:
     base = next((r.baseline for r in results), "")
     lines.append(f"device: {device}; time: at the bucket's T (GPU: each routing's median replay, averaged "
                  f"over the routings; CPU: the median call); floor at the target's roofs; "
-                 f"vs default: the untuned heuristic's time / winner's; vs baseline: {base} / winner's")
+                 f"vs default: the untuned heuristic's time / winner's; spread: how far the winner's and the "
+                 f"default's final timings disagree, % of the default's (a winner must beat the default by more); "
+                 f"vs baseline: {base} / winner's")
     return lines
 
 
@@ -243,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
         line = (f"  [{i + 1}/{n}] bucket [{r.bucket[0]},{r.bucket[1]}] T={r.tokens}: "
                 f"{r.evaluated} candidates ({r.trials} trials), best {_us(r.time_s)} µs"
                 + (f" ({pct:.1f}% of floor)" if pct is not None else "")
-                + f", default {_us(r.default_time_s)} µs; {r.stopped}"
+                + f", default {_us(r.default_time_s)} µs, spread {_us(r.spread_s)} µs ({spread_pct(r)}); {r.stopped}"
                 + (f"; failed: {fails}" if fails else "")
                 + f"  [{time.monotonic() - t0:.0f} s]")
         print(line, flush=True)
@@ -260,7 +272,8 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(table_lines(results, f"{dev_name} ({cap})")))
     written = sum(r.written for r in results)
     print(f"\n{written} of {len(results)} bucket winners written to {cache} "
-          f"(an entry is replaced by a faster one, or by a winner chosen against it here); "
+          f"(an entry is replaced by a faster one, or by a winner chosen against it here; a winner within the "
+          f"spread of the default is not written: the default serves its bucket); "
           f"total {time.monotonic() - t0:.0f} s")
     left = [r for r in results if r.stopped.startswith("not tuned: time limit")]
     if left:

@@ -4,12 +4,15 @@ One versioned table, `dispatch_v2`, with typed columns (sqlite-utils), in WAL mo
 
     key     target, backend, signature (MoEBlock.signature_hash()), bucket_lo, bucket_hi
     winner  kind, row_threshold, params_type, params (JSON)
-    timing  time_us, floor_us, pct_of_floor, default_time_us, baseline_time_us, baseline, timer, trials
+    timing  time_us, floor_us, pct_of_floor, default_time_us, baseline_time_us, baseline, timer, trials,
+            spread_us (the spread of the winner's and the default's re-timings it was judged against)
     context signature_text, moetune, kernel_hash, backend_version, torch, device, capability, tuned_at
             (what the timing depends on: `versions.Versions`)
 
 A file of the previous version, `dispatch_v1` (the same columns and a `fusion` one, which no kernel
 reads), is read as it is, and moved to `dispatch_v2` in one transaction when it is opened for writing.
+A `dispatch_v2` file written before a column of `ADDED` existed is read with that column NULL, and gains
+it when opened for writing.
 
 An entry is replaced only by a faster one (`put`), or by any new one when the stored entry was measured
 with another kernel source, backend version or device (it no longer says anything about this code), or
@@ -68,8 +71,10 @@ COLUMNS: dict[str, type] = {
     "device": str,
     "capability": str,
     "tuned_at": str,
+    "spread_us": float,
 }
-V1_COLUMNS = {**COLUMNS, "fusion": str}
+ADDED = ("spread_us",)  # nullable columns added to TABLE after its first files: NULL where a file lacks them
+V1_COLUMNS = {**{c: t for c, t in COLUMNS.items() if c not in ADDED}, "fusion": str}
 NOT_NULL = set(PK) | {"signature_text", "kind", "time_us", "kernel_hash", "backend_version",
                       "device", "capability", "tuned_at"}
 _VERSION_COLUMNS = ("kernel_hash", "backend_version", "device", "capability")
@@ -116,13 +121,14 @@ class DispatchEntry:
     trials: int | None
     versions: Versions
     tuned_at: str
+    spread_us: float | None = None  # the spread of the re-timings the winner beat the default by more than
 
     @classmethod
     def of(
         cls, *, target: str, block: MoEBlock, bucket: tuple[int, int], schedule: Schedule, time_us: float,
         versions: Versions, floor_us: float | None = None, default_time_us: float | None = None,
         baseline_time_us: float | None = None, baseline: str | None = None, timer: str | None = None,
-        trials: int | None = None, tuned_at: str | None = None,
+        trials: int | None = None, tuned_at: str | None = None, spread_us: float | None = None,
     ) -> DispatchEntry:
         if schedule.backend is None:
             raise CacheError(f"entry {target}/{bucket}: schedule {schedule.describe()} names no backend")
@@ -137,7 +143,7 @@ class DispatchEntry:
             pct_of_floor=None if not floor_us else 100.0 * floor_us / time_us,
             default_time_us=default_time_us, baseline_time_us=baseline_time_us, baseline=baseline,
             timer=timer, trials=trials, versions=versions,
-            tuned_at=tuned_at or _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+            tuned_at=tuned_at or _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), spread_us=spread_us,
         )
 
     @property
@@ -266,7 +272,7 @@ class DispatchTable:
         """Create `TABLE` and move the rows of a `V1` table into it (their fusion column dropped, a row
         `TABLE` already holds kept), in one transaction: a reader sees either table whole."""
         names = set(self.db.table_names())
-        if TABLE in names and V1 not in names:
+        if TABLE in names and V1 not in names and not self._lacking(TABLE):
             return
         self._conn.execute("BEGIN IMMEDIATE")
         try:
@@ -275,8 +281,10 @@ class DispatchTable:
                 if name in names:
                     self._check_columns(name, want)
             self._conn.execute(_CREATE)
+            for c in self._lacking(TABLE):
+                self._conn.execute(f"ALTER TABLE [{TABLE}] ADD COLUMN [{c}] {_SQL_TYPES[COLUMNS[c]]}")
             if V1 in names:
-                cols = ", ".join(COLUMNS)
+                cols = ", ".join(c for c in COLUMNS if c not in ADDED)  # the added ones NULL
                 self._conn.execute(f"INSERT OR IGNORE INTO {TABLE} ({cols}) SELECT {cols} FROM {V1}")
                 self._conn.execute(f"DROP TABLE {V1}")
             self._conn.execute("COMMIT")
@@ -284,9 +292,15 @@ class DispatchTable:
             self._conn.execute("ROLLBACK")
             raise
 
+    def _lacking(self, name: str) -> tuple[str, ...]:
+        """The columns of `ADDED` that table `name` does not have (a file written before they existed)."""
+        have = {c.name for c in self.db[name].columns}
+        return tuple(c for c in ADDED if c not in have)
+
     def _check_columns(self, name: str, want: dict[str, type]) -> None:
+        """Table `name` has the columns `want` (those of `ADDED` may be missing: they read as NULL)."""
         have = {c.name: c.type.upper() for c in self.db[name].columns}
-        want_sql = {c: _SQL_TYPES[t] for c, t in want.items()}
+        want_sql = {c: _SQL_TYPES[t] for c, t in want.items() if c in have or c not in ADDED}
         if have != want_sql:
             diff = sorted(set(have.items()) ^ set(want_sql.items()))
             raise CacheError(f"dispatch table {self.path}: table {name} has other columns than expected: "
@@ -305,8 +319,9 @@ class DispatchTable:
         self._check_columns(self.source, COLUMNS if self.source == TABLE else V1_COLUMNS)
 
     def _writable(self) -> None:
-        """Before a write: the file holds `TABLE` (a file opened with create=False may hold `V1` only)."""
-        if self.source != TABLE:
+        """Before a write: the file holds `TABLE` with every column (a file opened with create=False may
+        hold `V1` only, or a `TABLE` lacking the columns of `ADDED`)."""
+        if self.source != TABLE or self._lacking(TABLE):
             try:
                 self._setup()
             except sqlite3.Error as e:
@@ -405,7 +420,9 @@ class DispatchTable:
             if val is not None:
                 where.append(f"{col} = ?")
                 args.append(val)
-        sql = (f"SELECT {', '.join(COLUMNS)} FROM {self.source}" + (f" WHERE {' AND '.join(where)}" if where else "")
+        lacking = self._lacking(self.source)
+        cols = ", ".join(f"NULL AS {c}" if c in lacking else c for c in COLUMNS)
+        sql = (f"SELECT {cols} FROM {self.source}" + (f" WHERE {' AND '.join(where)}" if where else "")
                + " ORDER BY target, backend, signature, bucket_lo")
         try:
             return [DispatchEntry.from_row(r) for r in self.db.query(sql, args)]

@@ -5,6 +5,9 @@ at other token counts of the bucket too (`probe_counts`), the one that holds bes
 A finalist's time is the median of its search time and `retime_rounds` rounds (every other round in
 reverse order, so that drift cancels). The round fits in what is left of the bucket's share: rounds,
 then token counts, are dropped when the next would not fit, and the notes say so.
+
+The best finalist wins only when it beats the default, re-timed in the same rounds, by more than the
+spread of those timings (`spread`, `against_default`); else the bucket keeps the default, and says why.
 """
 
 from __future__ import annotations
@@ -28,11 +31,36 @@ Finals = tuple[tuple[Schedule, float, dict[int, float]], ...]
 
 @dataclass(frozen=True)
 class FinalRound:
-    winner: Schedule | None
+    winner: Schedule | None  # the default itself when `kept` says why
     time_s: float
     default_time_s: float | None
     finals: Finals  # (candidate, time at the representative T, {other T: time}), winner first
     notes: tuple[str, ...] = ()  # what the budget cut short
+    spread_s: float | None = None  # the larger spread of the winner's and the default's timings (`spread`)
+    kept: str = ""  # why the bucket keeps the default (nothing to write): the numbers it was judged by
+
+
+def spread(times: Sequence[float], iqr_s: Sequence[float] = ()) -> float:
+    """How far one candidate's timings in the final round disagree: the range of the medians its time is
+    the median of (its search timing and the re-timings), or with one timing only, that timing's
+    interquartile range of its reps (`Timing.spread_s`)."""
+    ok = [t for t in times if math.isfinite(t)]
+    if len(ok) > 1:
+        return max(ok) - min(ok)
+    return max((s for s in iqr_s if math.isfinite(s)), default=0.0)
+
+
+def against_default(best_s: float, default_s: float, spread_s: float) -> str:
+    """Why a bucket keeps its default when its best finalist (`best_s`) does not beat the default
+    (`default_s`) by more than `spread_s`; "" when it does."""
+    if default_s - best_s > spread_s:
+        return ""
+    pct = 100.0 * spread_s / default_s
+    if best_s > default_s:
+        return (f"kept the default: the best finalist {100.0 * (best_s - default_s) / default_s:.1f} % slower, "
+                f"spread {pct:.1f} %")
+    return (f"kept the default: the best finalist {100.0 * (default_s - best_s) / default_s:.1f} % faster, "
+            f"within the spread {pct:.1f} %")
 
 
 def probe_counts(lo: int, hi: int, rep: int, interior: int) -> list[int]:
@@ -60,12 +88,19 @@ def final_round(st: Study, objective: Objective, outcomes: dict[str, Outcome], d
         finalists.setdefault(dk, default)
     if not finalists:
         return FinalRound(None, math.inf, None, ())
+    notes: list[str] = []
+    if default is not None and not default_ok:
+        notes.append("not judged against the default: "
+                     + (f"it {outcomes[dk].status}" if dk in outcomes else "it was not timed"))
     if len(finalists) == 1 and not options.storage and next(iter(finalists)) in outcomes:
         (k, s), = finalists.items()
-        t = outcomes[k].time_s
-        return FinalRound(s, t, t if k == dk else None, ((s, t, {}),))
-    notes: list[str] = []
+        out = outcomes[k]
+        sp = spread([out.time_s], [out.timing.spread_s] if out.timing is not None else [])
+        kept = "kept the default: the only finalist" if k == dk else ""
+        return FinalRound(s, out.time_s, out.time_s if k == dk else None, ((s, out.time_s, {}),), tuple(notes),
+                          sp, kept)
     times: dict[str, list[float]] = {}
+    iqrs: dict[str, list[float]] = {}
     for k, s in finalists.items():
         out = outcomes.get(k)
         if out is None or not out.ok:  # another worker's candidate: check it here before trusting it
@@ -76,6 +111,7 @@ def final_round(st: Study, objective: Objective, outcomes: dict[str, Outcome], d
             if not out.ok:
                 continue
         times[k] = [out.time_s]
+        iqrs[k] = [out.timing.spread_s] if out.timing is not None else []
     if not times:
         return FinalRound(None, math.inf, None, (), tuple(notes))
     call = share.timing_s()
@@ -84,9 +120,11 @@ def final_round(st: Study, objective: Objective, outcomes: dict[str, Outcome], d
     rounds = max(0, min(options.retime_rounds, fit))
     if rounds < options.retime_rounds:
         notes.append(f"finalists re-timed in {rounds} of {options.retime_rounds} rounds (budget)")
-    for r in range(rounds):  # back to back; every other round in reverse, so drift cancels
+    for r in range(rounds):  # back to back, the default among them; every other round in reverse, so drift cancels
         for k in (list(times) if r % 2 == 0 else list(times)[::-1]):
-            times[k].append(objective.time_fn(objective.fn_of(finalists[k]), finalists[k]).median_s)
+            tm = objective.time_fn(objective.fn_of(finalists[k]), finalists[k])
+            times[k].append(tm.median_s)
+            iqrs[k].append(tm.spread_s)
     med = {k: statistics.median(v) for k, v in times.items()}
     wk = min(med, key=med.get)
     at: dict[int, dict[str, float]] = {}
@@ -101,9 +139,16 @@ def final_round(st: Study, objective: Objective, outcomes: dict[str, Outcome], d
         at = dict(sorted(at.items()))
         if at:
             wk = robust(med, at)
+    judged = default_ok and dk in med
+    sp = max(spread(times[k], iqrs[k]) for k in {wk, dk if judged else wk})
+    kept = ""
+    if judged:
+        kept = "kept the default: it is the fastest finalist" if wk == dk else against_default(med[wk], med[dk], sp)
+        if kept:
+            wk = dk
     order = [wk] + sorted((k for k in med if k != wk), key=med.get)
     finals = tuple((finalists[k], med[k], {t: r[k] for t, r in at.items()}) for k in order)
-    return FinalRound(finalists[wk], med[wk], med[dk] if default_ok and dk in med else None, finals, tuple(notes))
+    return FinalRound(finalists[wk], med[wk], med[dk] if judged else None, finals, tuple(notes), sp, kept)
 
 
 def _time_at(objective: Objective, s: Schedule, cases: list[Case]) -> float:

@@ -88,6 +88,7 @@ class BucketResult:
     # order; these are the table's entries then. Empty: the bucket was not split.
     parts: tuple[tuple[int, int, Schedule, float, int], ...] = ()
     elapsed_s: float = 0.0  # wall time this bucket took
+    spread_s: float | None = None  # the spread of the winner's and the default's final timings (finalists.spread)
 
     @classmethod
     def untuned(cls, bucket: Bucket, tokens: int, why: str, elapsed_s: float = 0.0) -> BucketResult:
@@ -104,7 +105,7 @@ class BucketResult:
              tokens if p is e else representative_tokens(p.bucket_lo, p.bucket_hi)) for p in entries)
         return cls((bucket.lo, bucket.hi), tokens, e.schedule(block), e.time_us * 1e-6, bucket.floor,
                    default_time_s=_s(e.default_time_us), baseline=e.baseline or "–",
-                   baseline_time_s=_s(e.baseline_time_us), trials=e.trials or 0,
+                   baseline_time_s=_s(e.baseline_time_us), trials=e.trials or 0, spread_s=_s(e.spread_us),
                    stopped=f"kept: current table entr{'ies' if parts else 'y'} tuned {e.tuned_at}", parts=parts)
 
     @property

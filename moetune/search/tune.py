@@ -10,9 +10,11 @@ A bucket's tuning:
    the winners of the two neighbouring buckets (seeds.py).
 2. Rounds of candidates are built, checked and timed until one stop reason holds (loop.py).
 3. The best few are re-timed beside the default, at the bucket's other token counts too; the one that
-   holds best wins, or the bucket is split into parts (finalists.py). The winner is written to the table
-   with its time at the representative count, floor, default time and baseline time; a written entry
-   replaces the older entries it overlaps.
+   holds best wins, or the bucket is split into parts (finalists.py). A winner that does not beat the
+   default by more than the spread of those re-timings is not written: the bucket keeps the default, and
+   its result says why. Else the winner is written to the table with its time at the representative
+   count, floor, default time, baseline time and that spread; a written entry replaces the older entries
+   it overlaps.
 
 The budget is kept as a whole: `tune_block` gives each bucket still to tune an equal share of what is
 left, a bucket whose one candidate would not fit in its share (estimated from the buckets before it) is
@@ -130,8 +132,10 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
         bucket=(bucket.lo, bucket.hi), tokens=inputs.tokens, winner=fr.winner, time_s=fr.time_s, floor=bucket.floor,
         default=default, default_time_s=fr.default_time_s, baseline=blabel, baseline_time_s=base_s,
         trials=len(st.trials), evaluated=len(outcomes), failures=loop.failures,
-        stopped="; ".join((loop.stopped, *notes, *fr.notes)), space=space.describe(), finalists=fr.finals,
-        elapsed_s=share.spent())
+        stopped="; ".join(x for x in (loop.stopped, *notes, *fr.notes, fr.kept) if x), space=space.describe(),
+        finalists=fr.finals, elapsed_s=share.spent(), spread_s=fr.spread_s)
+    if fr.kept:  # the runtime's default serves the bucket: nothing to write
+        return result
     split = options.split if options.split is not None else objective.device.startswith("cuda")
     if split and fr.winner is not None:
         result = dataclasses.replace(result, parts=split_parts(bucket.lo, bucket.hi, inputs.tokens, fr.finals,
@@ -170,7 +174,8 @@ def _write(table: DispatchTable, result: BucketResult, block: MoEBlock, target: 
             floor_us=(floor_s * 1e6 if floor_s is not None else None) if T == rep else _floor_us(block, target, T),
             default_time_us=None if default_s is None else default_s * 1e6,
             baseline_time_us=base_s * 1e6 if base_s is not None and T == rep else None,
-            baseline=result.baseline, timer=getattr(timer, "name", type(timer).__name__), trials=result.trials)
+            baseline=result.baseline, timer=getattr(timer, "name", type(timer).__name__), trials=result.trials,
+            spread_us=None if fr.spread_s is None else fr.spread_s * 1e6)
 
     if not result.parts:
         e = entry(result.bucket, fr.winner, fr.time_s, rep, fr.default_time_s)

@@ -1,4 +1,5 @@
-"""`moetune show` and `moetune merge`: every entry with its parameters whole; bad files are one line, exit 2."""
+"""`moetune show` and `moetune merge`: every entry with its parameters whole and its spread, or (`--json`) every
+row with every column; bad files are one line, exit 2."""
 
 from __future__ import annotations
 
@@ -15,18 +16,20 @@ from moetune.runtime.versions import Versions
 BLOCK = MoEBlock(E=16, k=4, D=64, F=40, weight_dtype="float32", routing_weight_dtype="float32", name="t")
 
 
-def entry(lo: int, hi: int, time_us: float, kind: str, backend: str = "triton") -> DispatchEntry:
+def entry(lo: int, hi: int, time_us: float, kind: str, backend: str = "triton",
+          spread_us: float | None = None) -> DispatchEntry:
     return DispatchEntry.of(target="h200", block=BLOCK, bucket=(lo, hi), schedule=get(backend).default(BLOCK, kind, hi),
                             time_us=time_us, versions=Versions.current("torch", "cpu"), floor_us=2.0,
                             default_time_us=20.0, baseline_time_us=30.0, baseline="transformers:batched_mm",
-                            timer="cpu", trials=7)
+                            timer="cpu", trials=7, spread_us=spread_us)
 
 
 @pytest.fixture
 def table(tmp_path):
     path = tmp_path / "a.sqlite"
     with DispatchTable(path) as t:
-        for e in (entry(1, 1, 4.0, "stream_gemv"), entry(2, 7, 8.0, "hybrid"), entry(8, 64, 10.0, "grouped_gemm")):
+        for e in (entry(1, 1, 4.0, "stream_gemv", spread_us=0.37), entry(2, 7, 8.0, "hybrid"),
+                  entry(8, 64, 10.0, "grouped_gemm", spread_us=1.25)):
             t.put(e)
     return path
 
@@ -44,6 +47,25 @@ def test_show_prints_each_winner_and_its_parameters_whole(table, capsys):
         assert "50.0%" in row or "20.0%" in row or "25.0%" in row
         want = ", ".join(f"{k}={v}" for k, v in json.loads(e.params).items())
         assert params == want and len(want) > 44  # the whole params, not cut to a column's width
+        assert row.split()[7] == ("–" if e.spread_us is None else f"{e.spread_us:.2f}")  # after vs default
+    header = next(ln for ln in lines if "vs default" in ln).split()
+    i = header.index("spread")
+    assert header[i - 2:i + 2] == ["vs", "default", "spread", "µs"]
+
+
+def test_show_json_is_every_row_with_every_column(table, capsys):
+    from moetune.runtime.table import COLUMNS
+
+    assert main(["show", "--json", str(table)]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    with DispatchTable(table, create=False) as t:
+        entries = t.entries()
+    assert isinstance(rows, list) and len(rows) == len(entries) == 3
+    for r, e in zip(rows, entries, strict=True):
+        assert list(r) == list(COLUMNS)
+        assert DispatchEntry.from_row(r) == e  # nothing lost: the rows rebuild the entries
+    assert [r["spread_us"] for r in rows] == [0.37, None, 1.25]
+    assert json.loads(rows[1]["params"]) == json.loads(entries[1].params)
 
 
 def test_merge_writes_the_faster_entries_and_shows_them(table, tmp_path, capsys):

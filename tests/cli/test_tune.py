@@ -48,42 +48,66 @@ def test_tune_prints_a_line_per_bucket_and_the_final_table(tuned):
     assert any(" at T=" in ln for ln in winners)
 
 
+def _buckets(out: str) -> dict[tuple[int, int], bool]:
+    """Each bucket of the progress lines, and whether its default was kept (its winner within the spread)."""
+    import re
+
+    found = {}
+    for ln in out.splitlines():
+        m = re.search(r"\] bucket \[(\d+),(\d+)\]", ln)
+        if m:
+            found[(int(m[1]), int(m[2]))] = "kept the default" in ln
+    return found
+
+
 def test_the_table_holds_every_bucket_and_the_runtime_reads_it(tuned):
+    """Every bucket is the table's (its winner beat the default by more than the spread) or the default's
+    (its line says so, with the numbers): together they cover the range, without a gap or an overlap."""
     _, out, path = tuned
     block = tiny_block(FAMILY)
     with DispatchTable(path, create=False) as t:
         rows = t.entries("cpu", "torch", block.signature_hash())
     spans = [(e.bucket_lo, e.bucket_hi) for e in rows]
-    assert spans[0][0] == 1 and spans[-1][1] == 8
-    assert all(b[0] == a[1] + 1 for a, b in zip(spans, spans[1:], strict=False))  # no gap, no overlap
+    buckets = _buckets(out)
+    assert spans == [b for b, kept in sorted(buckets.items()) if not kept]
+    every = sorted(buckets)
+    assert every[0][0] == 1 and every[-1][1] == 8
+    assert all(b[0] == a[1] + 1 for a, b in zip(every, every[1:], strict=False))  # no gap, no overlap
     for e in rows:
         assert e.time_us > 0 and e.floor_us > 0 and e.default_time_us > 0 and e.baseline_time_us > 0
         assert e.pct_of_floor == pytest.approx(100 * e.floor_us / e.time_us)
         assert e.timer.startswith("cpu:") and e.versions.device.startswith("cpu:")
+        assert e.spread_us is not None and e.default_time_us - e.time_us > e.spread_us
     with warnings.catch_warnings():
         warnings.simplefilter("error", CacheWarning)
         got = load_entries(path, block, "cpu", "torch")
     assert [(lo, hi) for lo, hi, _ in got] == spans
 
 
-def test_resume_keeps_every_current_bucket(tuned, capsys):
-    rc, _, path = tuned
+def test_resume_keeps_every_current_bucket(tuned, capsys, tmp_path):
+    import shutil
+
+    rc, _, tuned_path = tuned
+    path = tmp_path / "copy.sqlite"  # the re-tune of a bucket left to the default may write it
+    shutil.copy(tuned_path, path)
+    with DispatchTable(path, create=False) as t:
+        stored = {e.bucket for e in t.entries()}
     assert cli_main(["tune", "--tiny", FAMILY, "--tokens", "1-8", "--budget", "12s", "--cache", str(path),
                      "--resume", "--time-limit", "1m"]) == 0
     out = capsys.readouterr().out
     progress = [ln for ln in out.splitlines() if "] bucket [" in ln]
-    assert progress and all("kept: current table entry" in ln for ln in progress)
+    assert progress and stored
+    for (lo, hi), ln in zip(sorted(_buckets(out)), progress, strict=True):  # a bucket left to the default is tuned
+        assert ("kept: current table entry" in ln) == ((lo, hi) in stored)
 
 
 def test_at_tokens_retunes_only_the_buckets_holding_them(tuned, capsys, tmp_path):
     import shutil
 
-    _, _, path = tuned
+    _, tuned_out, path = tuned
     copy = tmp_path / "copy.sqlite"
     shutil.copy(path, copy)
-    with DispatchTable(copy) as t:
-        spans = [e.bucket for e in t.entries()]
-    hit = next(b for b in spans if b[0] <= 5 <= b[1])
+    hit = next(b for b in _buckets(tuned_out) if b[0] <= 5 <= b[1])  # its entry's, or its default's
     assert cli_main(["tune", "--tiny", FAMILY, "--tokens", "1-8", "--budget", "6s", "--cache", str(copy),
                      "--at-tokens", "5"]) == 0
     out = capsys.readouterr().out
@@ -137,9 +161,11 @@ def test_a_compiled_tiny_model_with_the_tuned_table_gives_the_same_logits(tuned)
 
         ps = plans(model)
         assert ps, "no block was compiled"
-        for p in ps:  # every tuned bucket runs the table's schedule
-            tuned = [r.source for r in p.dispatcher.routes if r.hi <= 8]
-            assert tuned and set(tuned) == {"table"}
+        with DispatchTable(path, create=False) as t:
+            stored = {e.bucket for e in t.entries()}
+        for p in ps:  # every bucket with an entry runs the table's schedule, the others the default
+            tuned = {(r.lo, r.hi): r.source for r in p.dispatcher.routes if r.hi <= 8}
+            assert tuned and all((s == "table") == (b in stored) for b, s in tuned.items())
         with torch.inference_mode():
             got = model(input_ids=ids, use_cache=False).logits.float()
     finally:

@@ -16,6 +16,7 @@ from moetune.cli import main as cli_main
 from moetune.codegen.torch import BACKEND as TORCH
 from moetune.ir import CacheError, MoEBlock, Schedule
 from moetune.runtime.table import (
+    ADDED,
     COLUMNS,
     PK,
     TABLE,
@@ -318,7 +319,7 @@ def _v1_file(path: Path, entries=V1_ENTRIES) -> Path:
     with conn:
         conn.execute(V1_SCHEMA)
         for e in entries:
-            row = dict(e.row(), fusion=FUSION_V1)
+            row = {c: v for c, v in e.row().items() if c not in ADDED} | {"fusion": FUSION_V1}
             conn.execute(f"INSERT INTO dispatch_v1 ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
                          list(row.values()))
     conn.close()
@@ -349,10 +350,11 @@ def test_a_v1_file_is_read_as_it_is(tmp_path):
 @pytest.mark.parametrize("how", ["create", "put"])
 def test_a_v1_file_moves_to_v2_when_opened_for_writing(tmp_path, how):
     """Opened for writing (or written through a read-only handle), a v1 file's rows move to dispatch_v2, every
-    column but fusion the same, and the v1 table goes."""
+    column but fusion the same (spread_us, which v1 did not have, NULL), and the v1 table goes."""
     path = _v1_file(tmp_path / "old.sqlite")
     conn = sqlite3.connect(path)
-    before = conn.execute(f"SELECT {', '.join(COLUMNS)} FROM dispatch_v1 ORDER BY bucket_lo").fetchall()
+    v1_cols = ", ".join(c for c in COLUMNS if c not in ADDED)
+    before = conn.execute(f"SELECT {v1_cols} FROM dispatch_v1 ORDER BY bucket_lo").fetchall()
     conn.close()
     with DispatchTable(path, create=how == "create") as t:
         if how == "put":
@@ -361,9 +363,11 @@ def test_a_v1_file_moves_to_v2_when_opened_for_writing(tmp_path, how):
         assert t.source == TABLE
     assert _tables(path) == {TABLE}
     conn = sqlite3.connect(path)
-    after = conn.execute(f"SELECT {', '.join(COLUMNS)} FROM {TABLE} ORDER BY bucket_lo").fetchall()
+    after = conn.execute(f"SELECT {v1_cols} FROM {TABLE} ORDER BY bucket_lo").fetchall()
+    spreads = conn.execute(f"SELECT spread_us FROM {TABLE} ORDER BY bucket_lo").fetchall()
     conn.close()
     assert after[:3] == before and len(after) == 3 + (how == "put")
+    assert spreads[:3] == [(None,)] * 3
     with DispatchTable(path, create=False) as t:
         assert t.entries()[:3] == V1_ENTRIES
 
@@ -513,3 +517,60 @@ def test_merge_drops_what_a_newer_overlapping_entry_of_the_same_versions_hides(t
     with DispatchTable(c, create=False) as t:
         got = sorted((e.bucket, e.versions.kernel_hash == HERE.kernel_hash) for e in t.entries())
     assert got == [((1, 3), False), ((1, 7), True), ((8, 11), True), ((12, 17), True), ((18, 40), True)]
+
+
+# ------------------------------------------------------------------- the spread column (added to v2)
+
+
+def test_the_spread_round_trips(tmp_path):
+    """An entry's spread (of the re-timings its winner was judged against) is stored and read back; NULL when
+    not given."""
+    import dataclasses
+
+    with DispatchTable(tmp_path / "d.sqlite") as t:
+        t.put(dataclasses.replace(entry(1, 1, 4.0), spread_us=0.25))
+        t.put(entry(2, 7, 6.0))
+    with DispatchTable(tmp_path / "d.sqlite", create=False) as t:
+        assert {e.bucket: e.spread_us for e in t.entries()} == {(1, 1): 0.25, (2, 7): None}
+
+
+def _v2_without_spread(path: Path) -> Path:
+    """A dispatch_v2 file as written before the spread column existed."""
+    with DispatchTable(path) as t:
+        for e in V1_ENTRIES:
+            t.put(e)
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute(f"ALTER TABLE {TABLE} DROP COLUMN spread_us")
+    conn.close()
+    return path
+
+
+def _columns(path: Path) -> list[str]:
+    conn = sqlite3.connect(path)
+    cols = [r[1] for r in conn.execute(f"PRAGMA table_info({TABLE})")]
+    conn.close()
+    return cols
+
+
+def test_a_v2_file_without_the_spread_column_reads_it_as_null_and_gains_it_when_written(tmp_path):
+    """A reader of an older v2 file sees every row with spread_us None and leaves the file as it was; a
+    writer (opening it for writing, or writing through a read-only handle) adds the column, every row kept."""
+    path = _v2_without_spread(tmp_path / "old.sqlite")
+    assert "spread_us" not in _columns(path)
+    with DispatchTable(path, create=False) as t:
+        assert t.entries() == V1_ENTRIES and all(e.spread_us is None for e in t.entries())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(load_entries(path, BLOCK, "cpu", "torch")) == 3
+    assert "spread_us" not in _columns(path)
+    with DispatchTable(path) as t:
+        assert "spread_us" in _columns(path) and t.entries() == V1_ENTRIES
+    again = _v2_without_spread(tmp_path / "again.sqlite")
+    import dataclasses
+
+    with DispatchTable(again, create=False) as t:
+        assert t.put(dataclasses.replace(entry(17, 32, 3.0), spread_us=0.5))
+        assert {e.bucket: e.spread_us for e in t.entries()} == {(1, 1): None, (2, 7): None, (8, 16): None,
+                                                               (17, 32): 0.5}
+    assert _columns(again) == list(COLUMNS)
