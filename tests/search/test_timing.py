@@ -42,7 +42,8 @@ def test_cpu_timer_stops_at_its_time_cap():
         time.sleep(0.01)
 
     t = CpuTimer(warmup=0, reps=1000, max_time_s=0.05)(fn, cases(2))
-    assert 5 <= t.reps < 20
+    assert 3 <= t.reps < 20  # at least its minimum of 3 reps, far fewer than the 1000 asked for
+    assert len(calls) < 40
 
 
 def test_cpu_timer_runs_on_its_threads_and_restores_them():
