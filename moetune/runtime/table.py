@@ -35,7 +35,7 @@ import json
 import os
 import sqlite3
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -425,7 +425,7 @@ class DispatchTable:
                f"ON CONFLICT ({', '.join(PK)}) DO UPDATE SET {updates} WHERE {cond}")
         return self._conn.execute(sql, [row[c] for c in cols]).rowcount
 
-    def _split_around(self, entry: DispatchEntry, among) -> int:
+    def _split_around(self, entry: DispatchEntry, among: Callable[[DispatchEntry], bool]) -> int:
         """Inside a transaction: the one place rows give way to a written entry. Each other row of the
         entry's (target, backend, block) that overlaps it and that `among(row)` accepts is replaced by what
         of it lies outside the entry (`_outside`: none, one or two rows, every field but the bucket kept).
