@@ -1,5 +1,6 @@
-"""`moetune merge A B … -o OUT`: the faster entry of each key; a bucket split in one table and whole in
-the other keeps the newer tuning (moetune.runtime.table.merge). Prints the merged table."""
+"""`moetune merge A B … -o OUT`: the faster entry of each key; where entries overlap, the newer splits the
+older around itself, so every token count covered stays covered (moetune.runtime.table.merge). OUT is
+replaced only once the merge is complete. Prints what was read, what OUT holds, and the merged table."""
 
 from __future__ import annotations
 
@@ -22,8 +23,12 @@ def run(args: argparse.Namespace) -> int:
     for path in args.inputs:
         existing_file(path, "TABLE", "a dispatch table written by `moetune tune`")
     writable_file(args.output, "-o")
-    read, written, dropped = merge(args.inputs, args.output)
-    print(f"merged {len(args.inputs)} table(s) into {args.output}: {read} entries read, {written} written"
-          + (f", {dropped} dropped (overlapped by newer entries of the same versions)" if dropped else ""))
+    m = merge(args.inputs, args.output)
+    fates = [f"{n} {what}" for n, what in ((m.trimmed, "trimmed around newer entries that overlap them"),
+                                           (m.replaced, "replaced by a faster entry of their bucket or newer "
+                                                        "entries over all of it")) if n]
+    print(f"merged {len(args.inputs)} table(s) into {args.output}: {m.read} entries read"
+          + (f" (and {m.held} it held)" if m.held else "") + f", it holds {m.rows}"
+          + (f"; of those read, {', '.join(fates)}" if fates else ""))
     print(show(args.output))
     return 0

@@ -18,7 +18,9 @@ An entry is replaced only by a faster one (`put`), or by any new one when the st
 with another kernel source, backend version or device (it no longer says anything about this code), or
 when the tuner that writes it measured the stored winner itself, on the same cases, and chose against it
 (`put(..., replace=True)`: its choice also weighs the bucket's edges, so its time may be the higher).
-Several tuners may write one file at once: each `put` is one atomic statement and waits for the lock.
+An entry written over rows of other buckets splits them around itself (`DispatchTable._split_around`):
+a table never loses coverage, and rows of the same versions never overlap. Several tuners may write one
+file at once: each `put_all` is one transaction and waits for the lock.
 
 This module is what a deployment reads: it imports neither the search nor Optuna.
 
@@ -29,15 +31,17 @@ This module is what a deployment reads: it imports neither the search nor Optuna
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import json
 import os
 import sqlite3
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from ..ir import CacheError, MoEBlock, MoetuneError, Schedule
 from .versions import Versions, judge, serves
@@ -211,6 +215,25 @@ class Lookup:
         return f"dispatch table {self.path}: " + "; ".join(said) if said else None
 
 
+def _same_versions(a: DispatchEntry, b: DispatchEntry) -> bool:
+    return all(getattr(a.versions, c) == getattr(b.versions, c) for c in _VERSION_COLUMNS)
+
+
+def _rank(e: DispatchEntry) -> tuple:
+    """The order writes give way in: an entry tuned later (then one of a higher bucket) wins, as in `lookup`."""
+    return (e.tuned_at, e.bucket_lo, e.bucket_hi)
+
+
+def _outside(e: DispatchEntry, lo: int, hi: int) -> list[DispatchEntry]:
+    """What of `e` lies outside [lo, hi]: up to two entries, its schedule, timing and versions kept."""
+    out = []
+    if e.bucket_lo < lo:
+        out.append(dataclasses.replace(e, bucket_hi=min(e.bucket_hi, lo - 1)))
+    if e.bucket_hi > hi:
+        out.append(dataclasses.replace(e, bucket_lo=max(e.bucket_lo, hi + 1)))
+    return out
+
+
 # -------------------------------------------------------------------------------------------- table
 
 
@@ -351,64 +374,94 @@ class DispatchTable:
     # writing
     def put(self, entry: DispatchEntry, *, replace_stale: bool = True, replace: bool = False,
             supersede: bool = False) -> bool:
-        """Insert, or replace the stored entry of the same key when `entry` is faster (or, with
-        `replace_stale`, when the stored one was measured with other kernels, libraries or device; with
-        `replace`, always). With `supersede`, a written entry also deletes the entries of other buckets of
-        its (target, backend, block) that overlap it (a bucket re-tuned whole, or split in parts: the
-        lookup would reject those older rows anyway). Returns whether the row was written."""
+        """Write one entry (`put_all`); whether it was written."""
+        return self.put_all([entry], replace_stale=replace_stale, replace=replace, supersede=supersede)[0]
+
+    def put_all(self, entries: Iterable[DispatchEntry], *, replace_stale: bool = True, replace: bool = False,
+                supersede: bool = False) -> list[bool]:
+        """Write `entries` in order, in one transaction (all of them or none); whether each was written.
+
+        An entry replaces the stored one of its key when it is faster (or, with `replace_stale`, when the
+        stored one was measured with other kernels, libraries or device; with `replace`, always). A written
+        entry splits the other rows of its (target, backend, block) that overlap it and were measured with
+        the same versions around itself (`_split_around`): what lies outside it stays, every field but the
+        bucket unchanged, and a row wholly inside it goes, so every token count covered before stays
+        covered. With `supersede` (a tuner's write: it re-tuned that range) rows of other versions are
+        split too."""
         self._writable()
-        row = entry.row()
-        cols = list(COLUMNS)
-        updates = ", ".join(f"{c} = excluded.{c}" for c in cols if c not in PK)
-        cond = "1" if replace else f"excluded.time_us < {TABLE}.time_us"
-        if replace_stale:
-            cond += "".join(f" OR excluded.{c} IS NOT {TABLE}.{c}" for c in _VERSION_COLUMNS)
-        sql = (f"INSERT INTO {TABLE} ({', '.join(cols)}) VALUES ({', '.join('?' for _ in cols)}) "
-               f"ON CONFLICT ({', '.join(PK)}) DO UPDATE SET {updates} WHERE {cond}")
-        try:
-            cur = self.db.execute(sql, [row[c] for c in cols])
-        except sqlite3.Error as e:
-            raise CacheError(f"dispatch table {self.path}: write failed ({e})") from e
-        if cur.rowcount > 0 and supersede:
-            try:
-                self.db.execute(
-                    f"DELETE FROM {TABLE} WHERE target = ? AND backend = ? AND signature = ? AND bucket_lo <= ? "
-                    "AND bucket_hi >= ? AND NOT (bucket_lo = ? AND bucket_hi = ?)",
-                    [entry.target, entry.backend, entry.signature, entry.bucket_hi, entry.bucket_lo,
-                     entry.bucket_lo, entry.bucket_hi])
-            except sqlite3.Error as e:
-                raise CacheError(f"dispatch table {self.path}: write failed ({e})") from e
-        if cur.rowcount > 0:
+        with self._transaction():
+            written = [self._write(e, replace_stale, replace, supersede) for e in entries]
+        if any(written):
             self._checkpoint()
-        return cur.rowcount > 0
+        return written
 
     def prune_overlapped(self) -> int:
-        """Delete the rows no lookup can use: those overlapping a newer row of their (target, backend,
-        block) measured with the same kernels, backend version and device (where the older one is usable,
-        the newer one is too, and the lookup keeps the newer). Returns how many rows went."""
+        """Split every row around the newer rows of its (target, backend, block) that overlap it and were
+        measured with the same versions (a file written before writes split: the lookup would reject such a
+        row whole); one transaction. Returns how many rows were trimmed or went."""
         self._writable()
-        groups: dict[tuple, list[DispatchEntry]] = {}
-        for e in self.entries():
-            groups.setdefault((e.target, e.backend, e.signature), []).append(e)
-        gone = []
-        for es in groups.values():
-            kept: list[DispatchEntry] = []
-            for e in sorted(es, key=lambda e: (e.tuned_at, e.bucket_lo), reverse=True):  # as `lookup` ranks them
-                same = [k for k in kept
-                        if all(getattr(k.versions, c) == getattr(e.versions, c) for c in _VERSION_COLUMNS)]
-                if any(k.bucket_lo <= e.bucket_hi and e.bucket_lo <= k.bucket_hi for k in same):
-                    gone.append(e)
-                else:
-                    kept.append(e)
-        try:
-            for e in gone:
-                self.db.execute(f"DELETE FROM {TABLE} WHERE {' AND '.join(f'{c} = ?' for c in PK)}",
-                                [e.target, e.backend, e.signature, e.bucket_lo, e.bucket_hi])
-        except sqlite3.Error as err:
-            raise CacheError(f"dispatch table {self.path}: write failed ({err})") from err
-        if gone:
+        n = 0
+        with self._transaction():
+            for e in sorted(self.entries(), key=_rank):  # oldest first: each row splits the older ones
+                if self.get(e.target, e.backend, e.signature, e.bucket_lo, e.bucket_hi) != e:
+                    continue
+                n += self._split_around(e, lambda old, e=e: _same_versions(old, e) and _rank(old) < _rank(e))
+        if n:
             self._checkpoint()
-        return len(gone)
+        return n
+
+    @contextlib.contextmanager
+    def _transaction(self):
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            raise CacheError(f"dispatch table {self.path}: write failed ({e})") from e
+
+    def _write(self, entry: DispatchEntry, replace_stale: bool, replace: bool, supersede: bool) -> bool:
+        """Inside a transaction: the upsert of `put_all`, then the split of what it overlaps."""
+        cond = "1" if replace else f"excluded.time_us < {TABLE}.time_us"
+        if replace_stale and not replace:
+            cond += "".join(f" OR excluded.{c} IS NOT {TABLE}.{c}" for c in _VERSION_COLUMNS)
+        if self._upsert(entry, cond) == 0:
+            return False
+        self._split_around(entry, lambda old: supersede or _same_versions(old, entry))
+        return True
+
+    def _upsert(self, entry: DispatchEntry, cond: str) -> int:
+        row, cols = entry.row(), list(COLUMNS)
+        updates = ", ".join(f"{c} = excluded.{c}" for c in cols if c not in PK)
+        sql = (f"INSERT INTO {TABLE} ({', '.join(cols)}) VALUES ({', '.join('?' for _ in cols)}) "
+               f"ON CONFLICT ({', '.join(PK)}) DO UPDATE SET {updates} WHERE {cond}")
+        return self._conn.execute(sql, [row[c] for c in cols]).rowcount
+
+    def _split_around(self, entry: DispatchEntry, among: Callable[[DispatchEntry], bool]) -> int:
+        """Inside a transaction: the one place rows give way to a written entry. Each other row of the
+        entry's (target, backend, block) that overlaps it and that `among(row)` accepts is replaced by what
+        of it lies outside the entry (`_outside`: none, one or two rows, every field but the bucket kept).
+        A remainder whose key a row of other versions already holds (rows of other versions may overlap)
+        keeps the newer of the two. Returns how many rows were trimmed or went."""
+        where = " AND ".join(f"{c} = ?" for c in PK)
+        overlapping = [DispatchEntry.from_row(r) for r in self.db.query(
+            f"SELECT {', '.join(COLUMNS)} FROM {TABLE} WHERE target = ? AND backend = ? AND signature = ? "
+            "AND bucket_lo <= ? AND bucket_hi >= ? AND NOT (bucket_lo = ? AND bucket_hi = ?)",
+            [entry.target, entry.backend, entry.signature, entry.bucket_hi, entry.bucket_lo,
+             entry.bucket_lo, entry.bucket_hi])]
+        n = 0
+        for old in overlapping:
+            if not among(old):
+                continue
+            self._conn.execute(f"DELETE FROM {TABLE} WHERE {where}",
+                               [old.target, old.backend, old.signature, old.bucket_lo, old.bucket_hi])
+            for part in _outside(old, entry.bucket_lo, entry.bucket_hi):
+                self._upsert(part, f"excluded.tuned_at > {TABLE}.tuned_at")
+            n += 1
+        return n
 
     # reading
     def entries(self, target: str | None = None, backend: str | None = None,
@@ -508,17 +561,75 @@ def load_entries(path: str | os.PathLike, block: MoEBlock, target: str, backend:
     return list(found.usable)
 
 
-def merge(inputs: Iterable[str | os.PathLike], output: str | os.PathLike) -> tuple[int, int, int]:
-    """Merge tables into `output`, keeping the faster entry of each key, then dropping the rows a newer
-    overlapping one of the same versions makes unusable (a bucket split in one table, whole in the other:
-    `DispatchTable.prune_overlapped`); (rows read, rows written, rows dropped)."""
-    read = written = 0
-    with DispatchTable(output) as out:
-        for src in inputs:
-            with DispatchTable(src, create=False) as t:
-                for e in t.entries():
-                    read += 1
-                    written += out.put(e, replace_stale=False)
-        dropped = out.prune_overlapped()
-    return read, written, dropped
+class Merged(NamedTuple):
+    """What a merge read and what the file it wrote holds (counted from that file)."""
 
+    read: int  # rows read from the inputs
+    held: int  # rows the output file held before, merged with them
+    rows: int  # rows the output file holds now
+    trimmed: int  # rows read or held of which the output keeps a part: split around newer entries
+    replaced: int  # rows read or held of which it keeps nothing: a faster entry of their bucket, or newer ones over it
+
+
+def merge(inputs: Iterable[str | os.PathLike], output: str | os.PathLike) -> Merged:
+    """Merge tables into `output` (with the rows it already holds): the faster entry of each key, written
+    oldest first, so that where entries of the same versions overlap the newer one splits the older
+    (`DispatchTable.put_all`): every token count any of them covered stays covered, by the newest entry
+    covering it. The result is written to a file beside `output` and renamed over it once complete: a
+    merge that fails (an unreadable input) leaves `output` as it was."""
+    output = Path(output)
+    held = _rows_of(output) if output.exists() else []
+    read = [e for src in inputs for e in _rows_of(src)]
+    best: dict[tuple, DispatchEntry] = {}
+    for e in held + read:  # only the time decides between two entries of one key (a tie keeps the first)
+        k = tuple(getattr(e, c) for c in PK)
+        if k not in best or e.time_us < best[k].time_us:
+            best[k] = e
+    part = output.with_name(f".{output.name}.merging-{os.getpid()}")
+    try:
+        with DispatchTable(part) as out:
+            out.db.execute("PRAGMA synchronous = OFF")  # a file no one reads yet: synced once, below
+            out.put_all(sorted(best.values(), key=_rank), replace=True)  # a key met again is a remainder's
+        _fsync(part)
+        os.replace(part, output)
+        _fsync(output.parent)
+    finally:
+        for side in ("", "-wal", "-shm"):
+            Path(f"{part}{side}").unlink(missing_ok=True)
+    now = _rows_of(output)
+    trimmed, replaced = _fates(held + read, now)
+    return Merged(len(read), len(held), len(now), trimmed, replaced)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rows_of(path: str | os.PathLike) -> list[DispatchEntry]:
+    with DispatchTable(path, create=False) as t:
+        return t.entries()
+
+
+def _fates(before: list[DispatchEntry], after: list[DispatchEntry]) -> tuple[int, int]:
+    """Of the distinct rows `before`: how many `after` keeps a part of only (its rows of the same fields
+    but the bucket, inside it), and how many it keeps nothing of."""
+    def fields(e: DispatchEntry) -> tuple:
+        return tuple(v for c, v in e.row().items() if c not in ("bucket_lo", "bucket_hi"))
+
+    whole = {tuple(e.row().values()) for e in after}
+    buckets: dict[tuple, list[tuple[int, int]]] = {}
+    for e in after:
+        buckets.setdefault(fields(e), []).append(e.bucket)
+    trimmed = replaced = 0
+    for e in {tuple(e.row().values()): e for e in before}.values():
+        if tuple(e.row().values()) in whole:
+            continue
+        if any(e.bucket_lo <= lo and hi <= e.bucket_hi for lo, hi in buckets.get(fields(e), ())):
+            trimmed += 1
+        else:
+            replaced += 1
+    return trimmed, replaced

@@ -164,7 +164,8 @@ def _baseline(block: MoEBlock, objective: Objective, options: TuneOptions, share
 def _write(table: DispatchTable, result: BucketResult, block: MoEBlock, target: str, versions: Versions,
            timer: Timer, fr: FinalRound, outcomes: dict[str, Outcome], space: SearchSpace,
            default: Schedule | None) -> bool:
-    """Write the winner's entry, or one entry per part of a split bucket; whether any was written."""
+    """Write the winner's entry, or one entry per part of a split bucket (in one transaction); whether any
+    was written. What the entries overlap is split around them (`DispatchTable.put_all`)."""
     floor_s = result.floor.time_s if result.floor is not None else None
     base_s, rep = result.baseline_time_s, result.tokens
 
@@ -182,10 +183,8 @@ def _write(table: DispatchTable, result: BucketResult, block: MoEBlock, target: 
         return table.put(e, replace=_judged_here(table, e, block, outcomes, space), supersede=True)
     # each part's entry replaces what overlaps it: it was chosen against those finalists here
     d_row = next(({rep: t} | at for f, t, at in fr.finals if default is not None and key(f) == key(default)), {})
-    written = False
-    for lo, hi, s, t_s, T in result.parts:
-        written = table.put(entry((lo, hi), s, t_s, T, d_row.get(T)), replace=True, supersede=True) or written
-    return written
+    parts = [entry((lo, hi), s, t_s, T, d_row.get(T)) for lo, hi, s, t_s, T in result.parts]
+    return any(table.put_all(parts, replace=True, supersede=True))  # the parts go in together or not at all
 
 
 def _floor_us(block: MoEBlock, target: str, tokens: int) -> float | None:

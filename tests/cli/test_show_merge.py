@@ -75,7 +75,8 @@ def test_merge_writes_the_faster_entries_and_shows_them(table, tmp_path, capsys)
     out = tmp_path / "sub" / "c.sqlite"
     assert main(["merge", str(table), str(b), "-o", str(out)]) == 0
     text = capsys.readouterr().out
-    assert text.startswith(f"merged 2 table(s) into {out}: 4 entries read, 4 written")
+    assert text.startswith(f"merged 2 table(s) into {out}: 4 entries read, it holds 3; of those read, 1 replaced "
+                           "by a faster entry of their bucket")
     with DispatchTable(out, create=False) as t:
         assert {e.bucket: e.time_us for e in t.entries()} == {(1, 1): 3.0, (2, 7): 8.0, (8, 64): 10.0}
 

@@ -427,7 +427,8 @@ def test_merge_keeps_the_faster_of_each_key(tmp_path, capsys):
     with DispatchTable(c, create=False) as t:
         got = {e.bucket: (e.time_us, e.kind) for e in t.entries()}
     assert got == {(1, 1): (3.0, "stream_gemv"), (2, 2): (1.0, "stream_gemv"), (3, 7): (2.0, "stream_gemv")}
-    assert merge([a], c) == (2, 0, 0)  # nothing faster in a
+    # nothing faster in a: a's [1,1] loses to the faster one c holds, its [2,2] is c's own row
+    assert merge([a], c) == (2, 3, 3, 0, 1)
 
 
 def test_show_lists_every_entry_with_floor_default_baseline_and_device(tmp_path, capsys):
@@ -450,36 +451,133 @@ def test_runtime_table_imports_neither_search_nor_optuna():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_overlapping_entries_of_two_tuning_runs_keep_the_newer(tmp_path):
-    path = tmp_path / "d.sqlite"
+def _raw_rows(path: Path, entries) -> None:
+    """Rows as a writer that did not split them left them (they may overlap)."""
+    with DispatchTable(path):
+        pass
+    conn = sqlite3.connect(path)
+    with conn:
+        for e in entries:
+            row = e.row()
+            conn.execute(f"INSERT INTO {TABLE} ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+                         list(row.values()))
+    conn.close()
+
+
+OLD, NEW = "2026-01-01T00:00:00+00:00", "2026-02-01T00:00:00+00:00"
+
+
+def test_overlapping_rows_of_two_tuning_runs_keep_the_newer_in_lookup_and_in_prune(tmp_path):
+    """Rows that overlap (left by a writer that did not split them): the lookup keeps the newer and says
+    which it left out; prune_overlapped splits the older around the newer, so the lookup then serves all."""
     import dataclasses
 
-    old = [dataclasses.replace(entry(lo, hi, 1.0), tuned_at="2026-01-01T00:00:00+00:00")
-           for lo, hi in ((1, 1), (2, 2), (3, 7), (8, 8))]
-    new = [dataclasses.replace(entry(lo, hi, 2.0), tuned_at="2026-02-01T00:00:00+00:00")
-           for lo, hi in ((3, 7), (8, 17))]
+    path = tmp_path / "d.sqlite"
+    old = [dataclasses.replace(entry(lo, hi, 1.0), tuned_at=OLD) for lo, hi in ((1, 1), (2, 2), (3, 7), (8, 20))]
+    new = [dataclasses.replace(entry(lo, hi, 2.0), tuned_at=NEW) for lo, hi in ((3, 7), (8, 17))]
+    _raw_rows(path, old[:3] + [old[3]])
     with DispatchTable(path) as t:
-        for e in old + new:
-            t.put(e)
-    with pytest.warns(CacheWarning, match=r"\[8,8\] overlaps \[8,17\]"):
+        t.db.execute(f"DELETE FROM {TABLE} WHERE bucket_lo = 3")
+        t.db.conn.commit()
+    _raw_rows(path, new)
+    with pytest.warns(CacheWarning, match=r"\[8,20\] overlaps \[8,17\]"):
         got = load_entries(path, BLOCK, "cpu", "torch")
     assert [(lo, hi) for lo, hi, _ in got] == [(1, 1), (2, 2), (3, 7), (8, 17)]
+    with DispatchTable(path) as t:
+        assert t.prune_overlapped() == 1
+        assert {e.bucket: e.tuned_at for e in t.entries()} == {(1, 1): OLD, (2, 2): OLD, (3, 7): NEW, (8, 17): NEW,
+                                                              (18, 20): OLD}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = load_entries(path, BLOCK, "cpu", "torch")
+    assert [(lo, hi) for lo, hi, _ in got] == [(1, 1), (2, 2), (3, 7), (8, 17), (18, 20)]
 
 
-def test_a_superseding_entry_deletes_the_older_ones_it_overlaps(tmp_path):
-    """put(supersede=True) (a tuner's write): the buckets it overlaps go, a bucket it does not touch stays,
-    and a slower entry that is not written deletes nothing; plain put keeps overlapping rows."""
+def test_a_written_entry_splits_the_rows_it_overlaps_around_itself(tmp_path):
+    """A written entry trims what it overlaps: the part outside it stays, every field but the bucket the
+    same; a row wholly inside it goes; a row it does not touch stays; an entry not written (slower) changes
+    nothing. A plain put splits rows of the same versions only, supersede (a tuner's write) all rows."""
     with DispatchTable(tmp_path / "d.sqlite") as t:
         for lo, hi in ((1, 1), (2, 7), (8, 17), (18, 40)):
             t.put(entry(lo, hi, 5.0))
-        assert t.put(entry(2, 3, 4.0))  # plain: [2, 7] stays beside it
-        assert {e.bucket for e in t.entries()} == {(1, 1), (2, 3), (2, 7), (8, 17), (18, 40)}
-        assert t.put(entry(4, 17, 4.0), supersede=True)  # a split part over [2, 7] and [8, 17]
-        assert {e.bucket for e in t.entries()} == {(1, 1), (2, 3), (4, 17), (18, 40)}
-        assert t.put(entry(1, 3, 9.0), supersede=True)  # a new bucket: written, [1, 1] and [2, 3] go
-        assert {e.bucket for e in t.entries()} == {(1, 3), (4, 17), (18, 40)}
-        assert not t.put(entry(4, 17, 8.0), supersede=True)  # slower than the stored [4, 17]: nothing changes
-        assert {e.bucket for e in t.entries()} == {(1, 3), (4, 17), (18, 40)}
+        before = t.get("cpu", "torch", BLOCK.signature_hash(), 2, 7)
+        assert t.put(entry(2, 3, 4.0))
+        assert {e.bucket for e in t.entries()} == {(1, 1), (2, 3), (4, 7), (8, 17), (18, 40)}
+        import dataclasses
+
+        assert t.get("cpu", "torch", BLOCK.signature_hash(), 4, 7) == dataclasses.replace(before, bucket_lo=4)
+        assert t.put(entry(5, 12, 4.0), supersede=True)  # over [4, 7] and [8, 17]
+        assert {e.bucket for e in t.entries()} == {(1, 1), (2, 3), (4, 4), (5, 12), (13, 17), (18, 40)}
+        assert t.put(entry(1, 4, 9.0), supersede=True)  # a new bucket: [1, 1], [2, 3], [4, 4] inside it go
+        assert {e.bucket for e in t.entries()} == {(1, 4), (5, 12), (13, 17), (18, 40)}
+        assert not t.put(entry(5, 12, 8.0), supersede=True)  # slower than the stored [5, 12]: nothing changes
+        assert {e.bucket for e in t.entries()} == {(1, 4), (5, 12), (13, 17), (18, 40)}
+        assert t.put(entry(20, 30, 1.0, versions=other(kernel_hash="0ld")))  # other kernels: beside [18, 40]
+        assert {e.bucket for e in t.entries()} >= {(18, 40), (20, 30)}
+        assert t.put(entry(25, 35, 1.0), supersede=True)  # splits both versions' rows
+        assert {e.bucket for e in t.entries()} == {(1, 4), (5, 12), (13, 17), (18, 24), (20, 24), (25, 35),
+                                                   (36, 40)}
+
+
+def test_the_issue_case_merge_and_tune_write_keep_the_older_tables_edges(tmp_path):
+    """A table tuned for T = 1…1024 holds [48,98]; one tuned later for 1…64 ends with [37,64]. Merged, or
+    written by a tuner over it, [65,98] keeps the older winner: every T covered before stays covered."""
+    import dataclasses
+
+    a, b, c = (tmp_path / f"{n}.sqlite" for n in "abc")
+    wide = [(1, 8), (9, 47), (48, 98), (99, 1024)]
+    narrow = [(1, 8), (9, 36), (37, 64)]
+    with DispatchTable(a) as t:
+        for lo, hi in wide:
+            t.put(dataclasses.replace(entry(lo, hi, 5.0, kind="grouped_gemm"), tuned_at=OLD))
+    with DispatchTable(b) as t:
+        for lo, hi in narrow:
+            t.put(dataclasses.replace(entry(lo, hi, 6.0), tuned_at=NEW))
+    m = merge([a, b], c)
+    with DispatchTable(c, create=False) as t:
+        got = {e.bucket: (e.kind, e.tuned_at) for e in t.entries()}
+    assert got == {(1, 8): ("grouped_gemm", OLD), (9, 36): ("stream_gemv", NEW), (37, 64): ("stream_gemv", NEW),
+                   (65, 98): ("grouped_gemm", OLD), (99, 1024): ("grouped_gemm", OLD)}
+    assert m == (7, 0, 5, 1, 2)  # [9,47] goes ([9,36], [37,64] over it), b's slower [1,8] loses, [48,98] trimmed
+    served = {lo for lo, hi, _ in load_entries(c, BLOCK, "cpu", "torch")}
+    assert served == {1, 9, 37, 65, 99}
+    with DispatchTable(a) as t:  # the tuner's write (supersede) over a's rows
+        for lo, hi in narrow:
+            t.put(entry(lo, hi, 6.0), replace=True, supersede=True)
+        assert [e.bucket for e in t.entries()] == [(1, 8), (9, 36), (37, 64), (65, 98), (99, 1024)]
+
+
+def test_a_failed_merge_leaves_the_output_as_it_was(tmp_path, capsys):
+    """An input that cannot be read stops the merge before the output changes; nothing is left beside it."""
+    a, bad, c = tmp_path / "a.sqlite", tmp_path / "bad.sqlite", tmp_path / "c.sqlite"
+    with DispatchTable(a) as t:
+        t.put(entry(1, 4, 5.0))
+    with DispatchTable(c) as t:
+        t.put(entry(5, 8, 5.0))
+    _garbage(bad)
+    before = c.read_bytes()
+    with pytest.raises(CacheError, match="bad.sqlite"):
+        merge([a, bad], c)
+    assert cli_main(["merge", str(a), str(bad), "-o", str(c)]) == 2
+    assert "bad.sqlite" in capsys.readouterr().err
+    assert c.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.sqlite", "bad.sqlite", "c.sqlite"]
+    fresh = tmp_path / "new.sqlite"
+    with pytest.raises(CacheError):
+        merge([a, bad], fresh)
+    assert not fresh.exists()
+
+
+def test_a_bucket_s_parts_go_in_together_or_not_at_all(tmp_path):
+    """put_all is one transaction: a part that cannot be written takes the others (and their splits) back."""
+    path = tmp_path / "d.sqlite"
+    with DispatchTable(path) as t:
+        t.put(entry(1, 16, 5.0))
+        t.db.execute(f"CREATE TRIGGER fail BEFORE INSERT ON {TABLE} WHEN NEW.bucket_lo = 9 "
+                     "BEGIN SELECT RAISE(ABORT, 'refused'); END")
+        with pytest.raises(CacheError, match="refused"):
+            t.put_all([entry(1, 8, 4.0), entry(9, 16, 4.0)], replace=True, supersede=True)
+        assert [e.bucket for e in t.entries()] == [(1, 16)]
 
 
 def test_parts_tile_a_bucket_exactly(tmp_path):
@@ -497,23 +595,22 @@ def test_parts_tile_a_bucket_exactly(tmp_path):
         assert parts(40, 50) == []
 
 
-def test_merge_drops_what_a_newer_overlapping_entry_of_the_same_versions_hides(tmp_path):
-    """One table split a bucket that the other holds whole: the merged file keeps the newer tuning, as the
-    lookup would, and drops the rows it hides; a row of other kernels is kept (it may be the usable one
-    where those kernels run), and so is a row nothing overlaps."""
+def test_merge_splits_what_a_newer_overlapping_entry_of_the_same_versions_overlaps(tmp_path):
+    """One table split a bucket that the other holds whole: the merged file keeps the newer tuning where
+    they overlap, as the lookup would; a row of other kernels is kept (it may be the usable one where those
+    kernels run), and so is a row nothing overlaps."""
     import dataclasses
 
     a, b, c = (tmp_path / f"{n}.sqlite" for n in "abc")
-    old, new = "2026-01-01T00:00:00+00:00", "2026-02-01T00:00:00+00:00"
     with DispatchTable(a) as t:
-        t.put(dataclasses.replace(entry(8, 17, 5.0), tuned_at=old))
-        t.put(dataclasses.replace(entry(18, 40, 5.0), tuned_at=old))
-        t.put(dataclasses.replace(entry(1, 3, 5.0, versions=other(kernel_hash="older")), tuned_at=old))
+        t.put(dataclasses.replace(entry(8, 17, 5.0), tuned_at=OLD))
+        t.put(dataclasses.replace(entry(18, 40, 5.0), tuned_at=OLD))
+        t.put(dataclasses.replace(entry(1, 3, 5.0, versions=other(kernel_hash="older")), tuned_at=OLD))
     with DispatchTable(b) as t:
-        t.put(dataclasses.replace(entry(8, 11, 6.0), tuned_at=new))
-        t.put(dataclasses.replace(entry(12, 17, 6.0), tuned_at=new))
-        t.put(dataclasses.replace(entry(1, 7, 6.0), tuned_at=new))
-    assert merge([a, b], c) == (6, 6, 1)
+        t.put(dataclasses.replace(entry(8, 11, 6.0), tuned_at=NEW))
+        t.put(dataclasses.replace(entry(12, 17, 6.0), tuned_at=NEW))
+        t.put(dataclasses.replace(entry(1, 7, 6.0), tuned_at=NEW))
+    assert merge([a, b], c) == (6, 0, 5, 0, 1)  # [8,17]: wholly under [8,11] and [12,17]
     with DispatchTable(c, create=False) as t:
         got = sorted((e.bucket, e.versions.kernel_hash == HERE.kernel_hash) for e in t.entries())
     assert got == [((1, 3), False), ((1, 7), True), ((8, 11), True), ((12, 17), True), ((18, 40), True)]
