@@ -134,8 +134,8 @@ def target_of(device: str = "cpu") -> str:
 
 def judge(entry: DispatchEntry, current: Versions) -> str | None:
     """None when `entry` is sound here; else why not: "foreign: …" (another device), "stale: …" (other
-    kernel sources), or "retime: …" (the same kernel sources compiled by another version of the backend's
-    library: still used, see `serves`, though its timing may no longer be the fastest)."""
+    kernel sources), or "retime: …" (the same kernel sources timed with another version of the backend's
+    library or of torch: still used, see `serves`, though its timing may no longer be the fastest)."""
     v = entry.versions
     if (v.device, v.capability) != (current.device, current.capability):
         return (f"foreign: tuned on {v.device} ({v.capability}), "
@@ -143,8 +143,10 @@ def judge(entry: DispatchEntry, current: Versions) -> str | None:
     was, now = kernel_hash_part(v.kernel_hash, entry.kind), kernel_hash_part(current.kernel_hash, entry.kind)
     if was != now:
         return f"stale: {entry.kind} kernel sources {was} changed to {now}"
-    if v.backend_version != current.backend_version:
-        return f"retime: tuned with {v.backend_version}, this is {current.backend_version}"
+    libs = [f"{a} → {b}" for a, b in ((v.backend_version, current.backend_version),
+                                        (f"torch {v.torch}", f"torch {current.torch}")) if a != b]
+    if libs:
+        return f"retime: same kernel sources, timed with other libraries ({'; '.join(dict.fromkeys(libs))})"
     return None
 
 

@@ -181,7 +181,8 @@ def test_h200_table_serves_its_own_versions_and_the_package_pins():
     recorded = kept.pop()
     assert recorded.backend_version != installed.backend_version, \
         "the rows record the pinned Triton: this test no longer sees another library version"
-    retime = f"retime: tuned with {recorded.backend_version}, this is {installed.backend_version}"
+    retime = (f"retime: same kernel sources, timed with other libraries ({recorded.backend_version} → "
+              f"{installed.backend_version}; torch {recorded.torch} → torch {installed.torch})")
     for e in rows:
         where = f"{H200.name} [{e.bucket_lo},{e.bucket_hi}] {e.signature_text}"
         assert judge(e, recorded) is None, where

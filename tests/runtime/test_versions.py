@@ -40,8 +40,9 @@ JUDGE_CASES = [
     ({"device": "NVIDIA H200"}, "foreign"),
     ({"capability": "sm_90"}, "foreign"),
     ({"kernel_hash": "deadbeefdeadbeef"}, "stale: stream_gemv kernel sources"),
-    ({"backend_version": "torch 2.0.0"}, "retime: tuned with torch 2.0.0"),  # used: see `serves`
-    ({"moetune": "0.0.1", "torch": "2.0.0"}, None),  # code identity: the kernel hash, not the version
+    ({"backend_version": "torch 2.0.0"}, "retime: same kernel sources, timed with other libraries (torch 2.0.0 → "),
+    ({"torch": "2.0.0"}, "retime: same kernel sources, timed with other libraries (torch 2.0.0 → "),  # used
+    ({"moetune": "0.0.1"}, None),  # code identity: the kernel hash, not the package version
 ]
 
 
