@@ -1,5 +1,5 @@
 """`moetune merge A B … -o OUT`: the faster entry of each key; where entries overlap, the newer splits the
-older around itself, so every token count covered stays covered (moetune.runtime.table.merge). OUT is
+older around itself, so every token count covered stays covered (moetune.runtime.merge). OUT is
 replaced only once the merge is complete. Prints what was read, what OUT holds, and the merged table."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..runtime.table import merge
+    from ..runtime.merge import merge
 
     for path in args.inputs:
         existing_file(path, "TABLE", "a dispatch table written by `moetune tune`")

@@ -15,6 +15,7 @@ import pytest
 from moetune.cli import main as cli_main
 from moetune.codegen.torch import BACKEND as TORCH
 from moetune.ir import CacheError, MoEBlock, Schedule
+from moetune.runtime.merge import merge
 from moetune.runtime.table import (
     ADDED,
     COLUMNS,
@@ -25,7 +26,6 @@ from moetune.runtime.table import (
     DispatchEntry,
     DispatchTable,
     load_entries,
-    merge,
 )
 from moetune.runtime.versions import Versions
 
