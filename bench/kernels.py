@@ -9,8 +9,9 @@ Method (../shared/notes/gpu.md "How to time"):
   * warm-up, median of ≥ 100 reps; every variant checked against a float32 reference first
     (‖out − ref‖/‖ref‖ < 1e-2 for bf16); peak extra device memory of one eager call;
   * ceilings (Triton streaming read, device copy, bf16 matmul) measured and printed first;
-  * floor = max(bytes / 4.8e12, flops / 989e12) with bytes = distinct experts · 3·D·F·2 + x in/out +
-    routing, distinct averaged over the 32 routings; flops = 6·T·k·D·F.
+  * floor: the package's (moetune.passes.targets.floor on the h200 target: max(bytes / 4.8 TB/s,
+    flops / 989 TFLOP/s)) with the distinct experts averaged over the 32 routings; the shapes are the
+    package's presets.
 
 Baselines: transformers.integrations.moe.grouped_mm_experts_forward and batched_mm_experts_forward
 called on a stand-in module (gate_up_proj, down_proj, act_fn and the flags they read), in graph mode;
@@ -43,18 +44,15 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moetune.codegen.common import ExpertTensors  # noqa: E402
-from moetune.ir import MoEBlock, Schedule  # noqa: E402
+from moetune.ir import MoEBlock, RoutingStats, Schedule  # noqa: E402
+from moetune.ir.presets import preset  # noqa: E402
+from moetune.passes.targets import floor  # noqa: E402
 from moetune.search.objective import reference  # noqa: E402
 from moetune.search.timing import Case, routing_mean  # noqa: E402
 
-SHAPES = {  # name: (E, k, D, F)
-    "qwen3-30b-a3b": (128, 8, 2048, 768),
-    "deepseek-v3": (256, 8, 7168, 2048),
-    "qwen3.5-397b-a17b": (512, 10, 4096, 1024),
-    "mixtral-8x7b": (8, 2, 4096, 14336),
-}
+SHAPES = {name: (b.E, b.k, b.D, b.F) for name, b in (  # name: (E, k, D, F), the package's presets
+    (n, preset(n)) for n in ("qwen3-30b-a3b", "deepseek-v3", "qwen3.5-397b-a17b", "mixtral-8x7b"))}
 TOKENS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-HBM_BW, BF16_FLOPS = 4.8e12, 989e12
 # gpu.md, "best open-source" graph-mode µs per cell (the bar to beat)
 BEST_OPEN = {
     "qwen3-30b-a3b": (37.0, 53.7, 70.0, 84.3, 137, 206, 272, 307, 313, 344, 364, 433),
@@ -240,8 +238,13 @@ def extra_memory(fn, x, ids, wt, w) -> int:
 
 
 def floor_us(E, k, D, F, T, distinct) -> float:
-    by = distinct * 3 * D * F * 2 + 2 * T * D * 2 + T * k * (8 + 2)
-    return max(by / HBM_BW, 6.0 * T * k * D * F / BF16_FLOPS) * 1e6
+    """The package's roofline floor (moetune.passes.targets.floor on the h200 target, bf16) with the
+    distinct experts measured over the timed routings."""
+    block = MoEBlock(E=E, k=k, D=D, F=F)
+    rows = T * k / distinct
+    stats = RoutingStats(tokens=T, distinct_experts=distinct, rows_per_active=rows, max_rows=rows,
+                         source="the timed routings")
+    return floor(block, "h200", T, stats).time_s * 1e6
 
 
 # ------------------------------------------------------------------------------------------ variants
