@@ -88,10 +88,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def default_backend() -> str:
-    """triton where a CUDA GPU is visible, torch otherwise."""
-    import torch
+    """The backend this machine tunes with by default (moetune.runtime.default.machine_backend)."""
+    from ..runtime.default import machine_backend
 
-    return "triton" if torch.cuda.is_available() else "torch"
+    return machine_backend()
 
 
 def default_target(device: str) -> str:
@@ -121,7 +121,9 @@ def usable_backend(name: str | None) -> tuple[str, str]:
     if reason:
         raise TunerUnavailable(f"--backend {name!r}: not usable here ({reason}); expected --backend torch "
                                "on this machine")
-    device = "cpu" if name == "torch" else "cuda"
+    from ..runtime.default import backend_device
+
+    device = backend_device(name)
     if device == "cuda" and not torch.cuda.is_available():
         raise TunerUnavailable(f"--backend {name!r}: tuning times the kernels on a CUDA GPU and none is "
                                "visible here (torch.cuda.is_available() is False); expected --backend torch "

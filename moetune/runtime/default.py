@@ -33,6 +33,18 @@ def backend_for(target: str):
     return get("triton") if kind == "gpu" else get("torch") if kind == "cpu" else None
 
 
+def machine_backend() -> str:
+    """The backend this machine tunes and runs with by default: triton where a CUDA GPU is visible, else torch."""
+    import torch
+
+    return "triton" if torch.cuda.is_available() else "torch"
+
+
+def backend_device(backend: str) -> str:
+    """The device a backend's kernels are timed on: the CPU for torch, the CUDA GPU for the others."""
+    return "cpu" if backend == "torch" else "cuda"
+
+
 _PLANS: dict[tuple, tuple[object, ScheduledBlock]] = {}
 
 

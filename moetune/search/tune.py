@@ -39,6 +39,7 @@ from ..codegen.backend import Backend, get
 from ..ir import Bucket, CacheError, ConfigError, IRError, MoEBlock, Schedule, TunerUnavailable, UnsupportedSchedule
 from ..passes.policy import representative_tokens
 from ..passes.targets import floor as target_floor
+from ..runtime.default import backend_device, machine_backend
 from ..runtime.table import DispatchEntry, DispatchTable
 from ..runtime.versions import Versions
 from .baseline import baseline_fn, default_baseline
@@ -282,7 +283,7 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
     why = be.available()
     if why:
         raise TunerUnavailable(f"backend {backend} is not usable here: {why}")
-    device = options.device or ("cpu" if backend == "torch" else "cuda")
+    device = options.device or backend_device(backend)
     timer = timer or timer_for(device)
     block = block.replace(T_max=max(block.T_max, tokens[1])) if block.T_max < tokens[1] else block
     sb = schedule_block(block, target, trace=trace, tokens=tokens)
@@ -412,8 +413,8 @@ def tune(model, *, backend: str | None = None, target: str | None = None, tokens
     from ..runtime.versions import target_of
 
     blocks = _blocks(model)
-    backend = backend or ("triton" if torch.cuda.is_available() else "torch")
-    device = (options.device if options and options.device else None) or ("cpu" if backend == "torch" else "cuda")
+    backend = backend or machine_backend()
+    device = (options.device if options and options.device else None) or backend_device(backend)
     target = target or target_of(device)
     if cache is None or isinstance(cache, DispatchTable):
         return _tune_blocks(blocks, backend, target, tokens, budget_s, cache, options, kwargs)
