@@ -8,7 +8,7 @@
         def default(self, block, kind, tokens) -> Schedule    # tested heuristic params for that kind
         def build(self, block, schedule) -> ExpertsFn         # or raise UnsupportedSchedule(reason)
         def cost(self, block, schedule, tokens) -> tuple[float, float]   # (flops, bytes) it moves
-        def sources(self, kind) -> tuple[Path, ...]  # the files whose code the kind's kernels are made of
+        def sources(self, kind, scheme="none") -> tuple[Path, ...]  # the files of the kind's kernels for a format
 
 The backends of this package implement it from their kernel files' per-kind contract
 (`moetune.codegen.contract.KernelBackend`). Backends register themselves with `register(backend)` when
@@ -38,7 +38,7 @@ class Backend(Protocol):
     def default(self, block: MoEBlock, kind: str, tokens: int) -> Schedule: ...
     def build(self, block: MoEBlock, schedule: Schedule) -> ExpertsFn: ...
     def cost(self, block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]: ...
-    def sources(self, kind: str) -> tuple[Path, ...]: ...
+    def sources(self, kind: str, scheme: str = "none") -> tuple[Path, ...]: ...
 
 
 def register(backend: Backend) -> Backend:

@@ -18,12 +18,16 @@ class ExpertTensors:
     standard layout:   gate_up [E, 2F, D], down [E, D, F]
     transposed layout: gate_up [E, D, 2F], down [E, F, D]
     biases (has_bias): gate_up_bias [E, 2F], down_bias [E, D]
+    block scales (weight format fp8_block, blocks (r, c), standard layout; moetune.codegen.quant):
+                       gate_up_scale [E, 2F/r, D/c], down_scale [E, D/r, F/c]   (the `*_scale_inv` tensors)
     """
 
     gate_up: torch.Tensor
     down: torch.Tensor
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
 
     @classmethod
     def of(cls, experts: torch.nn.Module) -> ExpertTensors:
@@ -33,6 +37,8 @@ class ExpertTensors:
             experts.down_proj,
             getattr(experts, "gate_up_proj_bias", None),
             getattr(experts, "down_proj_bias", None),
+            getattr(experts, "gate_up_proj_scale_inv", None),
+            getattr(experts, "down_proj_scale_inv", None),
         )
 
     def check(self, block: MoEBlock) -> None:
@@ -45,6 +51,11 @@ class ExpertTensors:
         if lay.has_bias:
             want["gate_up_bias"] = (block.E, 2 * block.F)
             want["down_bias"] = (block.E, block.D)
+        fmt = block.weight_format
+        if fmt.quantized:
+            r, c = fmt.block
+            want["gate_up_scale"] = (block.E, -(-2 * block.F // r), -(-block.D // c))
+            want["down_scale"] = (block.E, -(-block.D // r), -(-block.F // c))
         for name, shape in want.items():
             t = getattr(self, name)
             if t is None or tuple(t.shape) != shape:

@@ -12,7 +12,13 @@ with a `KernelKind` naming what it provides for its kind:
                     (module-level SOURCES, names in the kernel file's folder): what versions the kind
     refusal         refusal(block) -> str | None             why the kind cannot run the block (None: it can)
     formats         the weight-format schemes its kernels read (MoEBlock.weight_format.scheme); a block
-                    of another format is refused with that reason, so a new format adds kernel files
+                    of another format is refused with that reason, so a new format adds kernel files: a
+                    backend may list several KernelKinds of one kind whose formats do not overlap, and the
+                    block's format picks the one that runs it
+
+A kind's parameters may carry `act_quant` ("none", or how the kernels quantise activations, e.g. "fp8_1x128"
+for w8a8): a schedule with quantised activations is checked against the float32 reference with the
+looser tolerance of `moetune.codegen.torch.tolerance` and says so in `explain`.
 
 A hybrid default's row threshold is the schedule policy's (`moetune.passes.policy.hybrid_threshold`), not
 a kernel's choice.
@@ -35,6 +41,7 @@ from ..passes.targets import Target, get_target
 from .common import ExpertsFn, ParamSpace
 
 SHARED_SOURCES = (Path(__file__).resolve().parent / "common.py",)  # ExpertTensors: every kernel's inputs
+QUANT_SOURCES = (Path(__file__).resolve().parent / "quant.py",)  # the block-quantisation rule
 
 
 def sources(kernel_file: str, names: tuple[str, ...]) -> tuple[Path, ...]:
@@ -69,12 +76,10 @@ class KernelKind:
             raise UnsupportedSchedule(f"kernel kind {self.kind}: declared sources missing: {', '.join(missing)}")
 
 
-def _format_refusal(backend: str, k: KernelKind, block: MoEBlock) -> str | None:
+def _format_refusal(backend: str, kinds: list[KernelKind], block: MoEBlock) -> str:
     scheme = block.weight_format.scheme
-    if scheme in k.formats:
-        return None
-    return (f"{backend} {k.kind} reads {', '.join(k.formats)} weights, not {block.weight_format} "
-            f"(scheme {scheme!r})")
+    there = ", ".join("unquantised" if f == "none" else f for k in kinds for f in k.formats)
+    return f"{backend} {kinds[0].kind} reads {there} weights, not {block.weight_format} (scheme {scheme!r})"
 
 
 class KernelBackend:
@@ -91,35 +96,56 @@ class KernelBackend:
 
     def __init__(self, target: str | Target | None = None) -> None:
         self.target = get_target(target if target is not None else self.TARGET)
-        self._kinds = {k.kind: k for k in self.KINDS}
+        self._kinds: dict[str, list[KernelKind]] = {}
+        for k in self.KINDS:
+            same = self._kinds.setdefault(k.kind, [])
+            clash = [f for o in same for f in o.formats if f in k.formats]
+            if clash:
+                raise UnsupportedSchedule(f"{self.name} backend: two {k.kind} kernels read {', '.join(clash)}")
+            same.append(k)
 
     def available(self) -> str | None:
         return None
 
     def kinds(self, block: MoEBlock) -> dict[str, str | None]:
-        return {name: _format_refusal(self.name, k, block) or k.refusal(block) for name, k in self._kinds.items()}
+        out = {}
+        for name in self._kinds:
+            k = self._for_scheme(name, block.weight_format.scheme)
+            out[name] = k.refusal(block) if k is not None else _format_refusal(self.name, self._kinds[name], block)
+        return out
 
-    def kind(self, kind: str) -> KernelKind:
+    def _for_scheme(self, kind: str, scheme: str) -> KernelKind | None:
+        return next((k for k in self._kinds.get(kind, ()) if scheme in k.formats), None)
+
+    def kind(self, kind: str, block: MoEBlock | None = None) -> KernelKind:
+        """The kernel file of `kind` that reads `block`'s weight format (unquantised when no block is given);
+        UnsupportedSchedule naming the formats there are when none does."""
         if kind not in self._kinds:
             raise UnsupportedSchedule(
                 f"{self.name} backend: unknown schedule kind {kind!r}; known: {', '.join(self._kinds)}")
-        return self._kinds[kind]
+        k = self._for_scheme(kind, block.weight_format.scheme if block is not None else "none")
+        if k is None:
+            if block is None:
+                return self._kinds[kind][0]
+            raise UnsupportedSchedule(_format_refusal(self.name, self._kinds[kind], block))
+        return k
+
+    def schemes(self, kind: str) -> tuple[str, ...]:
+        """The weight-format schemes the backend's `kind` kernels read."""
+        return tuple(f for k in self._kinds.get(kind, ()) for f in k.formats)
 
     def space(self, block: MoEBlock, kind: str) -> ParamSpace:
-        return self.kind(kind).space(block, self.target)
+        return self.kind(kind, block).space(block, self.target)
 
     def default(self, block: MoEBlock, kind: str, tokens: int) -> Schedule:
         """The kind's default parameters at `tokens` (the kind itself is the caller's choice)."""
-        k = self.kind(kind)
+        k = self.kind(kind, block)
         rt = hybrid_threshold(rows_per_active(block, max(1, tokens))) if kind == "hybrid" else None
         return Schedule(kind, row_threshold=rt, backend=self.name,
                         params=k.default_params(block, tokens, self.target))
 
     def build(self, block: MoEBlock, schedule: Schedule) -> ExpertsFn:
         k, schedule = self._resolve(block, schedule, block.T_max)
-        why = _format_refusal(self.name, k, block)
-        if why:
-            raise UnsupportedSchedule(why)
         k.space(block, self.target).admit(schedule.params)
         return k.build(block, schedule)
 
@@ -127,16 +153,20 @@ class KernelBackend:
         k, schedule = self._resolve(block, schedule, tokens)
         return k.cost(block, schedule, tokens)
 
-    def sources(self, kind: str) -> tuple[Path, ...]:
-        """The files whose code the kind's kernels are made of: its declared SOURCES and codegen/common.py."""
-        return self.kind(kind).sources + SHARED_SOURCES
+    def sources(self, kind: str, scheme: str = "none") -> tuple[Path, ...]:
+        """The files whose code the kind's kernels for `scheme` weights are made of: their declared SOURCES
+        and codegen/common.py (and codegen/quant.py for quantised weights)."""
+        k = self._for_scheme(kind, scheme)
+        if k is None:
+            raise UnsupportedSchedule(f"{self.name} backend: no {kind} kernel reads {scheme} weights")
+        return k.sources + SHARED_SOURCES + (QUANT_SOURCES if scheme != "none" else ())
 
     def _resolve(self, block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[KernelKind, Schedule]:
         """The schedule's kind, and the schedule with its parameters (the default at `tokens` when None)."""
         if schedule.backend not in (None, self.name):
             raise UnsupportedSchedule(f"{self.name} backend given a {schedule.backend} schedule: "
                                       f"{schedule.describe()}")
-        k = self.kind(schedule.kind)
+        k = self.kind(schedule.kind, block)
         if schedule.params is None:
             return k, dataclasses.replace(schedule, params=k.default_params(block, tokens, self.target),
                                           backend=self.name)

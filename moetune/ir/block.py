@@ -178,6 +178,12 @@ class WeightFormat:
         if self.compute_dtype not in DTYPES:
             raise IRError(node, "compute_dtype", self.compute_dtype, f"supported: {', '.join(DTYPES)}")
 
+    @classmethod
+    def fp8_block(cls, block: tuple[int, int] = (128, 128), scale_dtype: str = "float32",
+                  compute_dtype: str = "bfloat16") -> WeightFormat:
+        """float8_e4m3fn weights with one `scale_dtype` scale per `block` (DeepSeek-V3 / Qwen3-FP8 style)."""
+        return cls("float8_e4m3fn", "fp8_block", tuple(block), scale_dtype, compute_dtype)
+
     @property
     def quantized(self) -> bool:
         return self.scheme != "none"
@@ -193,7 +199,7 @@ class WeightFormat:
     def signature(self) -> str:
         if not self.quantized:
             return self.dtype
-        return f"{self.dtype}/{self.scheme}{self.block[0]}x{self.block[1]}/{self.scale_dtype}/{self.compute_dtype}"
+        return f"{self.dtype}/{self.scheme}:{self.block[0]}x{self.block[1]}/{self.scale_dtype}/{self.compute_dtype}"
 
     def __str__(self) -> str:
         return self.signature()
@@ -253,6 +259,10 @@ class MoEBlock:
     def replace(self, **changes) -> MoEBlock:
         return dataclasses.replace(self, **changes)
 
+    def with_weight_format(self, fmt: WeightFormat) -> MoEBlock:
+        """This block with its expert weights stored in `fmt` (activations stay in fmt.compute_dtype)."""
+        return dataclasses.replace(self, weight_dtype=fmt.dtype, weight_format=fmt)
+
     # sizes
     @property
     def weight_bytes_per_expert(self) -> float:
@@ -290,6 +300,15 @@ class MoEBlock:
         return "\n".join(lines)
 
 
+def signature_scheme(signature_text: str) -> str:
+    """The weight-format scheme a block signature (`MoEBlock.signature`) names: "none" for unquantised."""
+    for word in signature_text.split():
+        if word.startswith("w="):
+            fmt = word[2:].split("/")
+            return fmt[1].partition(":")[0] if len(fmt) > 1 else "none"
+    return "none"
+
+
 def verify(block: MoEBlock) -> MoEBlock:
     """Check a MoEBlock's invariants; raise IRError naming the field and the values."""
     node = f"MoEBlock({block.name or block.E})"
@@ -314,6 +333,10 @@ def verify(block: MoEBlock) -> MoEBlock:
                       f"unquantised weights: {', '.join(DTYPES)}; other formats need a WeightFormat")
     if fmt.dtype != block.weight_dtype:
         raise IRError(node, "weight_dtype", block.weight_dtype, f"weight_format stores {fmt.dtype}")
+    lay = block.layout
+    if fmt.quantized and (lay.transposed or lay.interleaved or lay.has_bias):
+        raise IRError(node, "layout", str(lay), f"{fmt.scheme} weights: standard layout, halves, no biases "
+                      "(as transformers' FP8Experts holds them)")
     if block.weight_application not in ("output", "input"):
         raise IRError(node, "weight_application", block.weight_application, "must be 'output' or 'input'")
     if not isinstance(block.activation, Activation):

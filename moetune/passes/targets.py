@@ -13,7 +13,8 @@ of it: they run outside transformers' experts hook, which covers the routed expe
           + 2 · T·D · bytes_per_activation                     (x in, y out)
           + T·k · (8 + bytes_per_routing_weight)               (int64 ids, routing weights)
     flops = 2 · 3 · T·k · D·F
-    time  = max(bytes / bandwidth, flops / peak_flops)
+    time  = max(bytes / bandwidth, flops / peak)      peak: fp8_flops for FP8 weights where the target has
+                                                      FP8 matrix units, else peak_flops
 
 `distinct_experts` is the routing statistics model's expectation at T (uniform routing unless a
 measured `RoutingStats` is given). `floor(block, target, tokens, stats=None)` is the one function
@@ -40,6 +41,7 @@ class Target:
     measured_bandwidth: float | None = None
     measured_flops: float | None = None
     memory_bytes: float | None = None
+    fp8_flops: float | None = None  # flop/s, dense FP8 on the matrix units, where the target has them
     smem_per_block: int | None = None  # bytes of shared memory one GPU thread block may use (opt-in maximum)
     sm_count: int | None = None  # streaming multiprocessors (GPU); None where the kernels have no such limit
     source: str = ""
@@ -71,17 +73,17 @@ class Target:
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
-        Target("h200", "gpu", bandwidth=4.8e12, peak_flops=989e12, vector_flops=67e12,
+        Target("h200", "gpu", bandwidth=4.8e12, peak_flops=989e12, vector_flops=67e12, fp8_flops=1979e12,
                measured_bandwidth=4.28e12, measured_flops=750e12, memory_bytes=141e9,
                smem_per_block=227 * 1024, sm_count=132,
-               source="NVIDIA H200 SXM datasheet (bf16 dense; fp32 as H100 SXM); measured: HBM read with "
+               source="NVIDIA H200 SXM datasheet (bf16 and fp8 dense; fp32 as H100 SXM); measured: HBM read with "
                       "Triton over 4 GiB, bf16 matmul 8192^3 (the low ends of repeated runs)"),
         Target("tpu-v5e", "tpu", bandwidth=819e9, peak_flops=197e12, memory_bytes=16 * 2**30,
                source="Google Cloud TPU v5e docs: 197 TFLOP/s bf16, 819 GB/s HBM, 16 GiB; not measured"),
-        Target("tpu-v6e", "tpu", bandwidth=1640e9, peak_flops=918e12, memory_bytes=32 * 2**30,
+        Target("tpu-v6e", "tpu", bandwidth=1640e9, peak_flops=918e12, fp8_flops=918e12, memory_bytes=32 * 2**30,
                source="Google Cloud TPU v6e (Trillium) docs: 918 TFLOP/s bf16, 1640 GB/s HBM, 32 GiB; "
                       "not measured"),
-        Target("tpu-v7", "tpu", bandwidth=7.37e12, peak_flops=2307e12, memory_bytes=192 * 2**30,
+        Target("tpu-v7", "tpu", bandwidth=7.37e12, peak_flops=2307e12, fp8_flops=4614e12, memory_bytes=192 * 2**30,
                source="Google Cloud TPU7x (Ironwood) docs: 2307 TFLOP/s bf16 (4614 fp8), 7.37 TB/s "
                       "HBM, 192 GiB; not measured"),
         # No datasheet figures: the floor uses the measured ones (python -m moetune.passes.measure_cpu,
@@ -125,4 +127,12 @@ def floor(block: MoEBlock, target: str | Target, tokens: int, stats: RoutingStat
               + tokens * block.k * (ROUTING_ID_BYTES + DTYPE_BYTES[block.routing_weight_dtype]))
     flops = 2.0 * 3 * tokens * block.k * block.D * block.F
     return Roofline(target=t.name, tokens=tokens, bytes=float(nbytes), flops=flops,
-                    bandwidth=t.bandwidth, peak_flops=t.peak_flops)
+                    bandwidth=t.bandwidth, peak_flops=peak_flops(block, t))
+
+
+def peak_flops(block: MoEBlock, target: str | Target) -> float:
+    """The matrix-unit rate a floor of `block` is quoted at: FP8's for FP8 weights where the target has it."""
+    t = get_target(target)
+    if block.weight_format.dtype.startswith("float8") and t.fp8_flops:
+        return t.fp8_flops
+    return t.peak_flops

@@ -2,11 +2,13 @@
 the device; and whether a stored entry still says something about this code and machine (`judge`).
 
     current = Versions.current("triton", "cuda")     # this tree, this Triton, this GPU
-    kernel_source_hash("triton")                      # "grouped_gemm=…;hybrid=…;stream_gemv=…"
+    kernel_source_hash("triton")                      # "grouped_gemm=…;grouped_gemm@fp8_block=…;hybrid=…;…"
     judge(entry, current)                             # None, or "stale: …" / "foreign: …" / "retime: …"
 
-A kernel hash has one part per schedule kind, over exactly the files the backend declares for that kind
-(`Backend.sources(kind)`), so editing one kind's kernel leaves the tuned entries of the other kinds current.
+A kernel hash has one part per schedule kind and weight-format scheme the backend reads ("kind" for
+unquantised weights, "kind@scheme" for the others), over exactly the files the backend declares for it
+(`Backend.sources(kind, scheme)`), so editing one kind's kernel, or the kernels of one format, leaves the
+tuned entries of the others current.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..ir import SCHEDULE_KINDS, CacheError, MoetuneError
+from ..ir.block import signature_scheme
 
 if TYPE_CHECKING:
     from .table import DispatchEntry
@@ -70,17 +73,29 @@ def kernel_source_hash(backend: str) -> str:
     sources = getattr(be, "sources", None)
     if sources is None:
         raise CacheError(f"backend {backend!r} declares no kernel sources (Backend.sources(kind))")
-    return ";".join(f"{kind}={files_hash(sources(kind))}" for kind in sorted(SCHEDULE_KINDS))
+    schemes = getattr(be, "schemes", lambda kind: ("none",))
+    parts = []
+    for kind in sorted(SCHEDULE_KINDS):
+        for scheme in schemes(kind) or ("none",):
+            files = sources(kind) if scheme == "none" else sources(kind, scheme)
+            parts.append(f"{hash_key(kind, scheme)}={files_hash(files)}")
+    return ";".join(sorted(parts))
 
 
-def kernel_hash_part(kernel_hash: str, kind: str) -> str:
-    """What an entry of schedule `kind` depends on in a kernel hash: its kind's part of a per-kind hash,
-    else the whole hash (an older one-part hash)."""
-    for part in kernel_hash.split(";"):
-        k, sep, h = part.partition("=")
-        if sep and k == kind:
+def hash_key(kind: str, scheme: str = "none") -> str:
+    """The name of a kernel hash's part for `kind` kernels reading `scheme` weights."""
+    return kind if scheme == "none" else f"{kind}@{scheme}"
+
+
+def kernel_hash_part(kernel_hash: str, kind: str, scheme: str = "none") -> str:
+    """What an entry of schedule `kind` on `scheme` weights depends on in a kernel hash: that part of a
+    per-kind hash ("" when the hash has kind parts but none for it), else the whole hash (an older one-part
+    hash)."""
+    key, parts = hash_key(kind, scheme), [p.partition("=") for p in kernel_hash.split(";")]
+    for k, sep, h in parts:
+        if sep and k == key:
             return h
-    return kernel_hash
+    return "" if any(sep for _, sep, _ in parts) else kernel_hash
 
 
 def backend_version(backend: str) -> str:
@@ -140,8 +155,10 @@ def judge(entry: DispatchEntry, current: Versions) -> str | None:
     if (v.device, v.capability) != (current.device, current.capability):
         return (f"foreign: tuned on {v.device} ({v.capability}), "
                 f"this is {current.device} ({current.capability})")
-    was, now = kernel_hash_part(v.kernel_hash, entry.kind), kernel_hash_part(current.kernel_hash, entry.kind)
-    if was != now:
+    scheme = signature_scheme(entry.signature_text)
+    was = kernel_hash_part(v.kernel_hash, entry.kind, scheme)
+    now = kernel_hash_part(current.kernel_hash, entry.kind, scheme)
+    if was != now or not now:
         return f"stale: {entry.kind} kernel sources {was} changed to {now}"
     libs = [f"{a} → {b}" for a, b in ((v.backend_version, current.backend_version),
                                         (f"torch {v.torch}", f"torch {current.torch}")) if a != b]

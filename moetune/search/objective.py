@@ -22,8 +22,9 @@ import torch
 
 from ..codegen.backend import Backend
 from ..codegen.common import ExpertsFn, ExpertTensors
+from ..codegen.quant import quantize_blocks, quantize_gate_up
 from ..codegen.torch.reference import experts_reference
-from ..codegen.torch.tolerance import worst_error
+from ..codegen.torch.tolerance import quantizes_activations, worst_error
 from ..ir import MoEBlock, MoetuneError, Schedule, UnsupportedSchedule
 from .timing import Case, Timer, Timing
 
@@ -69,28 +70,43 @@ def trace_sampler(block: MoEBlock, rows: torch.Tensor) -> RoutingSampler:
 
 
 def expert_tensors(block: MoEBlock, device: str | torch.device = "cpu", seed: int = 0) -> ExpertTensors:
-    """Random weights in the block's layout and dtype: N(0, 1/D) for gate/up, N(0, 1/F) for down.
+    """Random weights in the block's layout and format: N(0, 1/D) for gate/up, N(0, 1/F) for down;
+    block-quantised formats hold those weights quantised per block (moetune.codegen.quant), as a
+    checkpoint would.
 
     Each expert's weights are a different window of one pool of 2·n normal draws (n: one expert's
     size), so a large block is drawn in the time of two experts and never has an fp32 copy of itself;
     no two experts are equal, so a kernel reading the wrong expert still fails its check."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    dt = TORCH_DTYPES[block.weight_dtype]
+    fmt = block.weight_format
+    dt = torch.float8_e4m3fn if fmt.quantized else TORCH_DTYPES[block.weight_dtype]
     lay = block.layout
 
-    def randn(shape, std):
+    def randn(shape, std, quantize=None):
         n = math.prod(shape[1:])
         pool = torch.randn(2 * n, generator=gen, device=device) * std
-        out = torch.empty(shape, dtype=dt, device=device)
+        out = torch.empty(shape, dtype=dt if quantize else TORCH_DTYPES[fmt.compute_dtype], device=device)
+        scales = []
         for e in range(shape[0]):  # [2F, D], [D, F], ... of one expert
             off = (e * n) // shape[0]
-            out[e] = pool[off:off + n].view(shape[1:])
-        return out
+            m = pool[off:off + n].view(shape[1:])
+            if quantize is None:
+                out[e] = m
+            else:
+                out[e], s = quantize(m, fmt.block, fmt.scale_dtype)
+                scales.append(s)
+        return (out, torch.stack(scales)) if quantize else out
 
-    gu = randn(lay.gate_up_shape(block.E, block.D, block.F), block.D ** -0.5)  # [E, 2F, D] or [E, D, 2F]
-    dn = randn(lay.down_shape(block.E, block.D, block.F), block.F ** -0.5)  # [E, D, F] or [E, F, D]
+    gu_shape = lay.gate_up_shape(block.E, block.D, block.F)  # [E, 2F, D] or [E, D, 2F]
+    dn_shape = lay.down_shape(block.E, block.D, block.F)  # [E, D, F] or [E, F, D]
     gub = randn((block.E, 2 * block.F), 0.1) if lay.has_bias else None  # [E, 2F]
     dnb = randn((block.E, block.D), 0.1) if lay.has_bias else None  # [E, D]
+    if fmt.quantized:
+        gu, gus = randn(gu_shape, block.D ** -0.5, quantize_gate_up)
+        dn, dns = randn(dn_shape, block.F ** -0.5, quantize_blocks)
+        return ExpertTensors(gu, dn, gub, dnb, gus, dns)
+    gu = randn(gu_shape, block.D ** -0.5)
+    dn = randn(dn_shape, block.F ** -0.5)
     return ExpertTensors(gu, dn, gub, dnb)
 
 
@@ -99,7 +115,7 @@ def make_cases(block: MoEBlock, w: ExpertTensors, tokens: int, n: int, gen: torc
     """`n` cases of `tokens` tokens: x ~ N(0, 1), routing from `sampler`, softmax-like positive weights."""
     sampler = sampler or uniform_sampler(block)
     device = w.gate_up.device
-    dt = TORCH_DTYPES[block.weight_dtype]
+    dt = TORCH_DTYPES[block.weight_format.compute_dtype]
     rw = TORCH_DTYPES[block.routing_weight_dtype]
     cases = []
     for _ in range(n):
@@ -287,7 +303,8 @@ class Objective:
             if not bool(torch.isfinite(out).all()):
                 return Outcome(schedule, "nonfinite", reason=f"T={T}: output has NaN or inf",
                                build_s=built.seconds), worst
-            err = worst_error(out, ref, tf32=self.device.startswith("cuda"))
+            err = worst_error(out, ref, tf32=self.device.startswith("cuda"),
+                              a8=quantizes_activations(schedule.params))
             worst = max(worst, err)
             if not err <= 1:
                 return Outcome(schedule, "wrong", reason=f"T={T}: worst error {err:.3g}× the {out.dtype} "

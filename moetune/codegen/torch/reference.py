@@ -3,7 +3,9 @@
     out_t = Σ_j w_tj · down[e_tj] · act(gate[e_tj]·x_t, up[e_tj]·x_t)          (weight on the output)
     out_t = Σ_j down[e_tj] · act(gate[e_tj]·(w_tj x_t), up[e_tj]·(w_tj x_t))    (weight on the input)
 
-Written for clarity, not speed: a loop over the experts in fp32.
+Written for clarity, not speed: a loop over the experts in fp32. Block-quantised weights (fp8_block) are
+dequantised to float32 expert by expert (moetune.codegen.quant): the reference of an FP8 block is the
+float32 computation on the weights the FP8 values and scales stand for.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 
 from ...ir import Activation, MoEBlock
 from ..common import ExpertTensors
+from ..quant import dequantize_blocks
 
 
 def apply_activation(act: Activation, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -28,6 +31,14 @@ def split_gate_up(block: MoEBlock, gu: torch.Tensor) -> tuple[torch.Tensor, torc
     if block.layout.interleaved:
         return gu[..., 0::2], gu[..., 1::2]
     return gu[..., : block.F], gu[..., block.F :]
+
+
+def expert_matrix(block: MoEBlock, m: torch.Tensor, scales: torch.Tensor | None, e: int) -> torch.Tensor:
+    """Expert e's matrix `m` (gate_up[e] or down[e]) in float32, dequantised with its block scales when the
+    block's weights are block-quantised."""
+    if not block.weight_format.quantized:
+        return m.float()
+    return dequantize_blocks(m, scales[e], block.weight_format.block)
 
 
 def experts_reference(
@@ -48,12 +59,12 @@ def experts_reference(
         wt = weights[tok, pos].float()[:, None]  # [m, 1]
         if block.weight_application == "input":
             xs = xs * wt
-        gu_w = w.gate_up[e].float()  # [2F, D] or [D, 2F]
+        gu_w = expert_matrix(block, w.gate_up[e], w.gate_up_scale, e)  # [2F, D] or [D, 2F]
         gu = xs @ (gu_w if tr else gu_w.t())  # [m, 2F]
         if block.layout.has_bias:
             gu = gu + w.gate_up_bias[e].float()
         h = apply_activation(block.activation, *split_gate_up(block, gu))  # [m, F]
-        dn_w = w.down[e].float()  # [D, F] or [F, D]
+        dn_w = expert_matrix(block, w.down[e], w.down_scale, e)  # [D, F] or [F, D]
         y = h @ (dn_w if tr else dn_w.t())  # [m, D]
         if block.layout.has_bias:
             y = y + w.down_bias[e].float()

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 _TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (5e-3, 5e-3)}
+_A8 = (6e-2, 6e-2)  # activations rounded to e4m3 (3 mantissa bits) per 1×128 group before each GEMM
 
 
-def tolerances(dtype: torch.dtype, *, tf32: bool = False) -> tuple[float, float]:
+def tolerances(dtype: torch.dtype, *, tf32: bool = False, a8: bool = False) -> tuple[float, float]:
     """(rtol, atol) for comparing a `dtype` kernel output against the float32 reference.
 
     float32: accumulation order only; with `tf32` (a GPU kernel whose float32 matrix products round
@@ -16,21 +17,40 @@ def tolerances(dtype: torch.dtype, *, tf32: bool = False) -> tuple[float, float]
     dtype (8 / 11 mantissa bits) around float32-accumulated GEMMs. `atol` is in units of the output's
     scale, max(1, max|ref|): a rounding error of the hidden row reaches every output element of its
     token, small ones included.
+    `a8`: a schedule that quantises its activations to float8_e4m3fn per 1×128 group (w8a8, `act_quant`):
+    the GEMM inputs carry e4m3's rounding, not the dtype's. Weight-only FP8 schedules keep the dtype's bound:
+    their reference is the float32 computation on the dequantised weights, exact up to the dtype.
     """
+    if a8:
+        return _A8
     if dtype not in _TOL:
         raise KeyError(f"no tolerance for {dtype}; known: {', '.join(str(d) for d in _TOL)}")
     return _TOL[torch.float16 if tf32 and dtype == torch.float32 else dtype]
 
 
-def worst_error(out: torch.Tensor, ref: torch.Tensor, *, tf32: bool = False) -> float:
-    """max |out − ref| / (atol·scale + rtol·|ref|) with `tolerances(out.dtype, tf32=tf32)`: ≤ 1 means within.
+def quantizes_activations(params) -> bool:
+    """Whether a schedule's parameters quantise activations (their `act_quant` is set and not "none")."""
+    return getattr(params, "act_quant", "none") != "none"
+
+
+def accuracy(params) -> str:
+    """What a schedule's result is checked to, in words (explain and show print it)."""
+    if quantizes_activations(params):
+        rtol, atol = _A8
+        return (f"activations quantised to float8_e4m3fn per 1x{params.act_quant.rpartition('x')[2]} group "
+                f"(w8a8): checked to rtol {rtol:g}, atol {atol:g} of the output's scale against float32")
+    return "activations in the model's dtype: checked to the dtype's bound against float32"
+
+
+def worst_error(out: torch.Tensor, ref: torch.Tensor, *, tf32: bool = False, a8: bool = False) -> float:
+    """max |out − ref| / (atol·scale + rtol·|ref|) with `tolerances(out.dtype, tf32=, a8=)`: ≤ 1 means within.
 
     NaN or inf in `out` where `ref` is finite counts as infinitely wrong."""
     if out.shape != ref.shape:
         raise ValueError(f"shape {tuple(out.shape)} against the reference's {tuple(ref.shape)}")
     if out.numel() == 0:
         return 0.0
-    rtol, atol = tolerances(out.dtype, tf32=tf32)
+    rtol, atol = tolerances(out.dtype, tf32=tf32, a8=a8)
     ref = ref.float()
     scale = max(1.0, ref.abs().max().item())
     err = (out.float() - ref).abs() / (atol * scale + rtol * ref.abs())
