@@ -158,7 +158,9 @@ def judge(entry: DispatchEntry, current: Versions) -> str | None:
     scheme = signature_scheme(entry.signature_text)
     was = kernel_hash_part(v.kernel_hash, entry.kind, scheme)
     now = kernel_hash_part(current.kernel_hash, entry.kind, scheme)
-    if was != now or not now:
+    if not now:
+        return f"stale: this tree has no {entry.kind} kernel for {scheme} weights"
+    if was != now:
         return f"stale: {entry.kind} kernel sources {was} changed to {now}"
     libs = [f"{a} → {b}" for a, b in ((v.backend_version, current.backend_version),
                                         (f"torch {v.torch}", f"torch {current.torch}")) if a != b]

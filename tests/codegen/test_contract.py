@@ -128,3 +128,35 @@ def test_a_weight_format_no_kernel_reads_is_refused_with_the_reason(name):
         with pytest.raises(UnsupportedSchedule, match="fp8_block"):
             be.build(q, be.default(plain, kind, 1))
     assert all(why is None for why in be.kinds(plain).values())
+
+
+def test_kernel_files_of_one_kind_split_by_weight_format():
+    """Two kernel files of one kind: the block's weight format picks the file that builds, spaces and defaults
+    it; two files reading the same format are refused when the backend is made."""
+    import dataclasses
+
+    from moetune.codegen.contract import KernelBackend
+    from moetune.codegen.torch import stream_gemv as tsg
+    from moetune.ir import UnsupportedSchedule, WeightFormat
+
+    fp8 = dataclasses.replace(tsg.KIND, formats=("fp8_block",), space=lambda b, t: "fp8 space")
+
+    class Split(KernelBackend):
+        name, KINDS = "split", (tsg.KIND, fp8)
+
+    be = Split()
+    plain = MoEBlock(E=8, k=2, D=256, F=128)
+    q = plain.with_weight_format(WeightFormat.fp8_block())
+    assert be.kind("stream_gemv", q) is fp8 and be.kind("stream_gemv", plain) is tsg.KIND
+    assert be.space(q, "stream_gemv") == "fp8 space" and be.space(plain, "stream_gemv") != "fp8 space"
+    assert be.schemes("stream_gemv") == ("none", "fp8_block")
+    assert be.kinds(q) == {"stream_gemv": None}
+    assert be.sources("stream_gemv", "fp8_block")[-1].name == "quant.py"
+    with pytest.raises(UnsupportedSchedule, match="no stream_gemv kernel reads ue8m0"):
+        be.sources("stream_gemv", "ue8m0")
+
+    class Clash(KernelBackend):
+        name, KINDS = "clash", (tsg.KIND, dataclasses.replace(tsg.KIND, formats=("none", "fp8_block")))
+
+    with pytest.raises(UnsupportedSchedule, match="two stream_gemv kernels read none"):
+        Clash()

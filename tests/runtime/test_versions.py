@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from moetune.codegen.backend import register
+from moetune.codegen.backend import get, register
 from moetune.codegen.torch import BACKEND as TORCH
 from moetune.ir import MoEBlock
 from moetune.runtime.table import DispatchEntry
@@ -111,7 +111,9 @@ def test_every_backend_hashes_one_part_per_kind():
         if name == "triton":
             pytest.importorskip("triton")
         h = kernel_source_hash(name)
-        assert [p.split("=")[0] for p in h.split(";")] == list(KINDS) and all(
+        be = get(name)
+        keys = sorted(k if s == "none" else f"{k}@{s}" for k in KINDS for s in be.schemes(k))
+        assert [p.split("=")[0] for p in h.split(";")] == keys and all(
             len(kernel_hash_part(h, k)) == 16 for k in KINDS)
 
 
@@ -129,3 +131,51 @@ def test_target_of_a_device_is_the_table_target_compile_uses():
 
     assert target_of("cpu") == "cpu"
     assert target_of("meta") == "meta"
+
+
+class DeclaredFormats(DeclaredSources):
+    """A backend whose kinds have kernels for unquantised and for fp8_block weights in separate files."""
+
+    def schemes(self, kind: str):
+        return tuple(s for s in ("none", "fp8_block") if (kind, s) in self.files)
+
+    def sources(self, kind: str, scheme: str = "none"):
+        return self.files[(kind, scheme)]
+
+
+def test_kernels_of_another_weight_format_have_their_own_hash_part(tmp_path):
+    """Editing the FP8 kernels leaves the unquantised entries of the same kind current, and the reverse."""
+    plain, fp8 = tmp_path / "gemv.py", tmp_path / "gemv_fp8.py"
+    plain.write_text("# plain\n")
+    fp8.write_text("# fp8\n")
+    files = {(k, "none"): (plain,) for k in KINDS} | {("stream_gemv", "fp8_block"): (fp8,)}
+    be = register(DeclaredFormats("declared-formats", files))
+    kernel_source_hash.cache_clear()
+    h = kernel_source_hash(be.name)
+    assert [p.split("=")[0] for p in h.split(";")] == ["grouped_gemm", "hybrid", "stream_gemv",
+                                                       "stream_gemv@fp8_block"]
+    assert kernel_hash_part(h, "stream_gemv", "fp8_block") != kernel_hash_part(h, "stream_gemv")
+    assert kernel_hash_part(h, "grouped_gemm", "fp8_block") == ""  # no such kernels: nothing serves
+    fp8.write_text("# fp8 edited\n")
+    kernel_source_hash.cache_clear()
+    h2 = kernel_source_hash(be.name)
+    assert kernel_hash_part(h2, "stream_gemv") == kernel_hash_part(h, "stream_gemv")
+    assert kernel_hash_part(h2, "stream_gemv", "fp8_block") != kernel_hash_part(h, "stream_gemv", "fp8_block")
+    kernel_source_hash.cache_clear()
+
+
+def test_an_fp8_entry_is_judged_on_its_formats_part():
+    from moetune.ir import WeightFormat
+    from moetune.ir.block import signature_scheme
+
+    q = BLOCK.replace(routing_weight_dtype="bfloat16").with_weight_format(WeightFormat.fp8_block((32, 8)))
+    assert signature_scheme(q.signature()) == "fp8_block" and signature_scheme(BLOCK.signature()) == "none"
+    e = dataclasses.replace(entry(), signature_text=q.signature())
+    now = other(kernel_hash="grouped_gemm=aaaa;hybrid=bbbb;stream_gemv=cccc;stream_gemv@fp8_block=dddd")
+    assert judge(dataclasses.replace(e, versions=now), now) is None
+    was = other(kernel_hash="grouped_gemm=aaaa;hybrid=bbbb;stream_gemv=cccc;stream_gemv@fp8_block=0ld")
+    assert judge(dataclasses.replace(e, versions=was), now) == "stale: stream_gemv kernel sources 0ld changed to dddd"
+    plain = dataclasses.replace(entry(), versions=was)  # the unquantised entry of the same kind: current
+    assert judge(plain, now) is None
+    none = other(kernel_hash="grouped_gemm=aaaa;hybrid=bbbb;stream_gemv=cccc")  # no FP8 kernels here
+    assert judge(dataclasses.replace(e, versions=now), none).startswith("stale:")
