@@ -60,6 +60,7 @@ class Timing:
     reps: int
     method: str
     host_median_s: float | None = None  # plain host-launched time (GPU timer only)
+    times_s: tuple[float, ...] = ()  # every timed rep in run order, rep i on case i mod n (GPU timer only)
 
 
 class Timer(Protocol):
@@ -174,7 +175,16 @@ class CudaGraphTimer:
         times = [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends, strict=True)]
         host = self._host_launched(fn, cases, buf, sink)
         del graphs
-        return Timing(routing_mean(times, len(cases)), _iqr(times), len(times), self.name, host)
+        return Timing(routing_mean(times, len(cases)), _iqr(times), len(times), self.name, host, tuple(times))
+
+    def host_launched(self, fn: ExpertsFn, cases: Sequence[Case]) -> float:
+        """The plain host-launched median alone, after the same flush: for a call that cannot be captured
+        (one that synchronises with the host), which `__call__` refuses."""
+        device = cases[0].x.device
+        with torch.inference_mode():
+            for c in cases[:2]:
+                fn(c.x, c.ids, c.weights, c.w)
+        return self._host_launched(fn, cases, self._flush_buffer(device), torch.zeros((), device=device))
 
     def _host_launched(self, fn: ExpertsFn, cases: Sequence[Case], buf: torch.Tensor,
                        sink: torch.Tensor) -> float:
