@@ -116,3 +116,34 @@ def test_a_missing_or_corrupt_table_costs_the_table_candidate_only(tmp_path, cap
         warnings.simplefilter("ignore")
         assert K.table_choice(str(bad), "mixtral-8x7b", 512) == []
     assert "bad.sqlite" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_decode_suite_runs_a_tiny_model_both_ways(tmp_path, dtype):
+    """moetune's step against transformers' experts on the same weights. float32: the two agree to
+    accumulation order. bfloat16: moetune's step is closer to transformers' than transformers' is to float32."""
+    import argparse
+
+    from bench import decode
+
+    ap = argparse.ArgumentParser()
+    decode.add_arguments(ap)
+    args = ap.parse_args(["--family", "qwen3_moe", "--tokens", "1,2", "--reps", "2", "--dtype", dtype,
+                          "--out", str(tmp_path)])
+    rows = decode.steps(args)
+    assert [r["tokens"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["transformers_us"] > 0 and r["moetune_us"] > 0
+        if dtype == "float32":
+            assert r["logits_rel_err"] < 1e-5, r
+        else:
+            assert r["logits_rel_err"] <= r["transformers_rel_err_fp32"], r
+    assert (tmp_path / "decode-step.json").exists()
+
+
+def test_the_tune_suite_tunes_a_tiny_model_into_its_scratch_table(tmp_path):
+    pytest.importorskip("optuna")
+    out = bench("tune", "--tiny", "qwen3_moe", "--tokens", "1-2", "--budget", "5s", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "vs default" in out.stdout and "floor µs" in out.stdout
+    assert (tmp_path / "qwen3_moe.sqlite").exists()
