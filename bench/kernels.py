@@ -201,10 +201,12 @@ def eager_fn(E: int):
 # ------------------------------------------------------------------------------------------ ceilings
 
 
-def _read_kernel():
+try:  # the read ceiling's kernel (a measurement, not a moetune kernel); without Triton only --render works
     import triton
     import triton.language as tl
-
+except ImportError:  # pragma: no cover - the kernels suite needs Triton on the GPU
+    triton = None
+else:
     @triton.jit
     def read_kernel(src, dst, n, BLOCK: tl.constexpr):
         """Streaming read of src [n] by a fixed grid: the HBM read ceiling."""
@@ -214,8 +216,6 @@ def _read_kernel():
             offs = start + tl.arange(0, BLOCK)
             acc += tl.load(src + offs, mask=offs < n, other=0.0).to(tl.float32)
         tl.store(dst + pid, tl.sum(acc, axis=0))
-
-    return read_kernel
 
 
 def ceilings(dev: torch.device) -> dict:
@@ -237,7 +237,6 @@ def ceilings(dev: torch.device) -> dict:
         torch.cuda.synchronize()
         return s.elapsed_time(e) / reps
 
-    read_kernel = _read_kernel()
     ms = t_ms(lambda: read_kernel[(132 * 8,)](a, dst, n, BLOCK=4096, num_warps=8))
     res["hbm_read_TBps"] = 2 * n / ms / 1e9
     b = torch.empty(n // 2, dtype=torch.bfloat16, device=dev)
@@ -370,11 +369,9 @@ def run(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     jpath = out_dir / f"{name}-kernels.json"
     ceil = ceilings(dev)
-    import triton
-
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
     print("ceilings: " + "  ".join(f"{k} {v:.3g}" for k, v in ceil.items()), flush=True)
-    timer = CudaGraphTimer(reps=args.reps)
+    timer = CudaGraphTimer(reps=args.reps, shared_pool=True)  # batched_mm's per-call weight copies: once
     records: list[dict] = []
     tokens = [int(t) for t in args.tokens.split(",")]
     stop = False

@@ -125,12 +125,15 @@ class CpuTimer:
 class CudaGraphTimer:
     """A CUDA graph per case, L2 flushed by reading a 256 MB buffer before every rep,
     CUDA events around each replay, `reps` replays in rotation; summarised by `routing_mean` (each case's
-    median, averaged over the cases). Also the plain host-launched median."""
+    median, averaged over the cases). Also the plain host-launched median, and every rep's time.
+    `shared_pool`: the graphs capture into one memory pool (they replay one at a time, so they may share
+    their intermediate memory): a call that allocates much holds one call's memory, not one per case."""
 
     reps: int = 100
     warmup: int = 10
     flush_bytes: int = 256 << 20
     name: str = "cuda:graph+l2-read-flush,mean-over-routings"
+    shared_pool: bool = False
 
     def __post_init__(self) -> None:
         self._flush: torch.Tensor | None = None
@@ -146,6 +149,7 @@ class CudaGraphTimer:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         graphs = []
+        pool = torch.cuda.graph_pool_handle() if self.shared_pool else None
         with torch.cuda.stream(stream), torch.inference_mode():
             for c in cases:  # warm-up outside capture (compiles, allocator), then capture
                 fn(c.x, c.ids, c.weights, c.w)
@@ -153,7 +157,7 @@ class CudaGraphTimer:
             for c in cases:
                 g = torch.cuda.CUDAGraph()
                 try:
-                    with torch.cuda.graph(g, stream=stream):
+                    with torch.cuda.graph(g, pool=pool, stream=stream):
                         fn(c.x, c.ids, c.weights, c.w)
                 except RuntimeError as e:
                     torch.cuda.synchronize(device)
