@@ -1,32 +1,36 @@
-"""Time moetune's Triton experts kernels against transformers' experts functions and the floor.
+"""kernels: moetune's Triton experts kernels against transformers' experts functions and the floor, per cell.
 
-Method (../shared/notes/gpu.md "How to time"):
-  * the whole expert block, (x [T, D], ids [T, k], weights [T, k]) → out [T, D], every sort, permute,
-    activation, weighting and combine step included; the router is not timed;
-  * bf16 weights gate_up [E, 2F, D] ~ N(0, 1/D), down [E, D, F] ~ N(0, 1/F); never zeros;
-  * 32 pre-generated uniform-random routings (and x), rotated; one CUDA graph captured per routing,
-    replays timed with CUDA events; before every timed replay a 256 MB buffer is READ (buf.sum());
-  * warm-up, median of ≥ 100 reps; every variant checked against a float32 reference first
-    (‖out − ref‖/‖ref‖ < 1e-2 for bf16); peak extra device memory of one eager call;
-  * ceilings (Triton streaming read, device copy, bf16 matmul) measured and printed first;
-  * floor: the package's (moetune.passes.targets.floor on the h200 target: max(bytes / 4.8 TB/s,
-    flops / 989 TFLOP/s)) with the distinct experts averaged over the 32 routings; the shapes are the
-    package's presets.
+A cell is one preset (`moetune.ir.presets`) at one token count T. What is timed is the whole expert block,
+(x [T, D], ids [T, k], weights [T, k]) → out [T, D], every sort, permute, activation, weighting and combine
+step included; the router is not. Per cell:
 
-Baselines: transformers.integrations.moe.grouped_mm_experts_forward and batched_mm_experts_forward
-called on a stand-in module (gate_up_proj, down_proj, act_fn and the flags they read), in graph mode;
-"eager" re-implements transformers' eager experts loop (one_hot → nonzero → per-expert linear →
-index_add_): it synchronises with the host, so it is timed host-launched.
+  * inputs: the tuner's own (`moetune.search.objective.expert_tensors`, `make_cases`): 32 routings (and x)
+    drawn uniformly, bf16 weights N(0, 1/D) / N(0, 1/F), bf16 routing weights;
+  * candidates from the package, none written here: `table` (what the dispatch table `--table` routes T to
+    for the preset, i.e. what a compiled model runs), `default` (the runtime's default schedule at T,
+    `moetune.runtime.default`), `kind-default` (each schedule kind's backend default at T,
+    `backend.default(block, kind, T)`), and with `--space-samples N` N points drawn with a fixed seed from
+    the tuner's search space of T's bucket (`moetune.search.space.build_space`); the same schedule twice
+    is timed once, under its first name;
+  * baselines: transformers' `grouped_mm_experts_forward` and `batched_mm_experts_forward` on a stand-in
+    module, and its eager experts loop re-implemented op for op (it synchronises with the host, so it is
+    timed host-launched);
+  * each candidate is checked against the float32 reference (`moetune.search.objective.reference`) twice:
+    its eager output and the output its CUDA-graph replays wrote, by the package's bound
+    (`moetune.codegen.torch.tolerance.worst_error` ≤ 1); then timed by the package's timer
+    (`moetune.search.timing.CudaGraphTimer`: one graph per routing, a 256 MB read before every replay);
+    `time_us` is the median of all replays, `routing_mean_us` the tuner's summary of the same replays;
+  * floor: `moetune.passes.targets.floor` on the h200 target with the distinct experts averaged over the
+    32 routings; ceilings (streaming read, device copy, bf16 matmul) are measured first.
 
-    python bench/kernels.py --out DIR [--shapes a,b] [--tokens 1,2,...] [--budget-s 500]
+    python -m bench kernels --out DIR [--shapes a,b] [--tokens 1,2,...] [--budget-s 393] [--space-samples N]
+    python -m bench kernels --render bench/results/nvidia-h200-kernels.json    # the .md from the JSON (CPU)
 
-Writes DIR/<device>-kernels.json (a list of records) and DIR/<device>-kernels.md; prints a table last.
+Writes DIR/<device>-kernels.json (ceilings and a list of records) and DIR/<device>-kernels.md.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import math
 import os
@@ -38,80 +42,127 @@ import types
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moetune.ir import MoEBlock, RoutingStats, Schedule, UnsupportedSchedule
+from moetune.ir.presets import preset
+from moetune.passes.targets import floor
+from moetune.search.timing import Case, CudaGraphTimer
 
-from moetune.codegen.common import ExpertTensors  # noqa: E402
-from moetune.ir import MoEBlock, RoutingStats, Schedule  # noqa: E402
-from moetune.ir.presets import preset  # noqa: E402
-from moetune.passes.targets import floor  # noqa: E402
-from moetune.search.objective import reference  # noqa: E402
-from moetune.search.timing import Case, routing_mean  # noqa: E402
-
-SHAPES = {name: (b.E, b.k, b.D, b.F) for name, b in (  # name: (E, k, D, F), the package's presets
-    (n, preset(n)) for n in ("qwen3-30b-a3b", "deepseek-v3", "qwen3.5-397b-a17b", "mixtral-8x7b"))}
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE_NAMES = ("qwen3-30b-a3b", "deepseek-v3", "qwen3.5-397b-a17b", "mixtral-8x7b")
+SHAPES = {n: (b.E, b.k, b.D, b.F) for n, b in ((n, preset(n)) for n in SHAPE_NAMES)}  # name: (E, k, D, F)
 TOKENS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-# gpu.md, "best open-source" graph-mode µs per cell (the bar to beat)
+# graph-mode µs of the best open-source experts implementation per cell (bench/README.md: the bar to beat)
 BEST_OPEN = {
     "qwen3-30b-a3b": (37.0, 53.7, 70.0, 84.3, 137, 206, 272, 307, 313, 344, 364, 433),
     "deepseek-v3": (189, 343, 493, 646, 1264, 2005, 3194, 4359, 5226, 5374, 5492, 6295),
     "qwen3.5-397b-a17b": (81.4, 142, 199, 257, 479, 816, 1388, 2116, 2771, 3069, 3164, 3665),
     "mixtral-8x7b": (188, 344, 437, 447, 582, 660, 688, 669, 688, 758, 1069, 1664),
 }
-N_ROUT, REPS, WARM = 32, 100, 5
+N_ROUT = 32
+TARGET = "h200"
 
 
-# ------------------------------------------------------------------------------------------ ceilings
+def bench_block(shape: str) -> MoEBlock:
+    """The routed experts of a preset as the bench times them: its E, k, D, F in bf16 (bf16 routing weights,
+    as transformers' experts functions are handed them here)."""
+    E, k, D, F = SHAPES[shape]
+    return MoEBlock(E=E, k=k, D=D, F=F, name=shape)
 
 
-@triton.jit
-def read_kernel(src, dst, n, BLOCK: tl.constexpr):
-    """Streaming read of src [n] by a fixed grid: the HBM read ceiling (and a one-launch read bound)."""
-    pid = tl.program_id(0)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        acc += tl.load(src + offs, mask=offs < n, other=0.0).to(tl.float32)
-    tl.store(dst + pid, tl.sum(acc, axis=0))
+# ------------------------------------------------------------------------------------------ candidates
 
 
-def ceilings(dev: torch.device) -> dict:
-    n = 2 * 1024**3  # 4 GiB of bf16
-    a = torch.randn(n, dtype=torch.bfloat16, device=dev)
-    dst = torch.empty(132 * 8, dtype=torch.float32, device=dev)
-    res = {}
+def table_choice(path: str, shape: str, T: int, versions=None) -> list[tuple[str, Schedule]]:
+    """[("table", schedule)]: what the dispatch table at `path` routes T to for the preset `shape` (none when
+    the file, the entry or a current one is missing; stale or foreign entries are said in one warning, as at
+    run time). `versions`: what the entries are judged against (default: this machine's GPU)."""
+    if not path or shape not in SHAPES:
+        return []
+    from moetune.runtime.table import CacheError, load_entries
 
-    def t_ms(fn, reps=10):
-        fn()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(reps):
-            fn()
-        e.record()
-        torch.cuda.synchronize()
-        return s.elapsed_time(e) / reps
+    try:
+        usable = load_entries(path, preset(shape), TARGET, "triton", versions=versions, device="cuda")
+    except CacheError as e:  # an unreadable table costs the `table` candidate, never the sweep
+        print(f"candidate `table` left out: {e}", flush=True)
+        return []
+    return [("table", s) for lo, hi, s in usable if lo <= T <= hi]
 
-    ms = t_ms(lambda: read_kernel[(132 * 8,)](a, dst, n, BLOCK=4096, num_warps=8))
-    res["hbm_read_TBps"] = 2 * n / ms / 1e9
-    b = torch.empty(n // 2, dtype=torch.bfloat16, device=dev)
-    ms = t_ms(lambda: b.copy_(a[: n // 2]))
-    res["d2d_copy_rw_TBps"] = 2 * n / ms / 1e9
-    a = b = None
-    m = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
-    ms = t_ms(lambda: m @ m, reps=10)
-    res["bf16_matmul_TFLOPs"] = 2 * 8192**3 / ms / 1e9
-    m = None
-    torch.cuda.empty_cache()
-    return res
+
+def space_samples(block: MoEBlock, backend, T: int, n: int, seed: int = 0) -> list[tuple[str, Schedule]]:
+    """`n` points of the tuner's search space of T's bucket, drawn by Optuna's random sampler with `seed`
+    (points the parameter classes refuse are drawn again, up to 20·n draws)."""
+    if n <= 0:
+        return []
+    import optuna
+
+    from moetune.runtime.default import default_plan
+    from moetune.search.space import build_space
+
+    space = build_space(block, backend, default_plan(block, backend, TARGET).bucket_for(T))
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+    out: list[tuple[str, Schedule]] = []
+    for _ in range(20 * n):
+        trial = study.ask()
+        try:
+            s = space.suggest(trial)
+        except UnsupportedSchedule:
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            continue
+        study.tell(trial, 0.0)
+        out.append((f"space-{len(out)}", s))
+        if len(out) == n:
+            break
+    return out
+
+
+def candidates(block: MoEBlock, T: int, *, table: str = "", samples: int = 0, seed: int = 0,
+               versions=None) -> list[tuple[str, Schedule]]:
+    """The cell's moetune candidates, each (tag, schedule), all from the package (module doc); a schedule
+    met twice keeps its first tag."""
+    from moetune.codegen.triton import BACKEND
+    from moetune.runtime.default import default_at
+    from moetune.search.space import key
+
+    named = table_choice(table, block.name, T, versions)
+    named.append(("default", default_at(block, BACKEND, TARGET, T)))
+    for kind, why in BACKEND.kinds(block).items():
+        if why is None:
+            try:
+                named.append(("kind-default", BACKEND.default(block, kind, T)))
+            except UnsupportedSchedule as e:
+                print(f"{block.name} T={T}: no {kind} default: {e}", flush=True)
+    named += space_samples(block, BACKEND, T, samples, seed)
+    out, seen = [], set()
+    for tag, s in named:
+        if key(s) not in seen:
+            seen.add(key(s))
+            out.append((tag, s))
+    return out
+
+
+def in_space(block: MoEBlock, schedule: Schedule) -> str | None:
+    """None when `schedule`'s parameters are a point of its kind's tuner space (`backend.space(block, kind)`,
+    every value among the choices and admitted by the target's check); else why not."""
+    from moetune.codegen.triton import BACKEND
+
+    space = BACKEND.space(block, schedule.kind)
+    for name, values in space.choices:
+        v = getattr(schedule.params, name)
+        if v not in values:
+            return f"{schedule.describe()}: {name} = {v!r} not in {values}"
+    try:
+        space.admit(schedule.params)
+    except UnsupportedSchedule as e:
+        return f"{schedule.describe()}: refused by the target: {e}"
+    return None
 
 
 # ---------------------------------------------------------------------------------------- baselines
 
 
-def standin(w: ExpertTensors, E: int) -> types.SimpleNamespace:
+def standin(w, E: int) -> types.SimpleNamespace:
     """The attributes transformers' experts functions read from an experts module."""
     from transformers.integrations import moe as hf
 
@@ -122,7 +173,7 @@ def standin(w: ExpertTensors, E: int) -> types.SimpleNamespace:
     return m
 
 
-def hf_fn(name: str, w: ExpertTensors, E: int):
+def hf_fn(name: str, w, E: int):
     from transformers.integrations import moe as hf
 
     f = {"grouped_mm": hf.grouped_mm_experts_forward, "batched_mm": hf.batched_mm_experts_forward}[name]
@@ -147,463 +198,198 @@ def eager_fn(E: int):
     return run
 
 
-# ------------------------------------------------------------------------------------------ helpers
+# ------------------------------------------------------------------------------------------ ceilings
 
 
-def expert_weights(E: int, D: int, F: int, dev, seed: int = 0) -> ExpertTensors:
-    """bf16 gate_up [E, 2F, D] ~ N(0, 1/D) and down [E, D, F] ~ N(0, 1/F), never zeros."""
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    return ExpertTensors(torch.randn(E, 2 * F, D, device=dev, generator=gen, dtype=torch.bfloat16) / math.sqrt(D),
-                         torch.randn(E, D, F, device=dev, generator=gen, dtype=torch.bfloat16) / math.sqrt(F))
+try:  # the read ceiling's kernel (a measurement, not a moetune kernel); without Triton only --render works
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the kernels suite needs Triton on the GPU
+    triton = None
+else:
+    @triton.jit
+    def read_kernel(src, dst, n, BLOCK: tl.constexpr):
+        """Streaming read of src [n] by a fixed grid: the HBM read ceiling."""
+        pid = tl.program_id(0)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            acc += tl.load(src + offs, mask=offs < n, other=0.0).to(tl.float32)
+        tl.store(dst + pid, tl.sum(acc, axis=0))
+
+
+def ceilings(dev: torch.device) -> dict:
+    """The device's measured roofs: a Triton streaming read and a device copy of 4 GiB, an 8192³ bf16 matmul
+    (plain CUDA-event loops of 10: a ceiling is a rate over bytes far larger than the L2)."""
+    n = 2 * 1024**3  # 4 GiB of bf16
+    a = torch.randn(n, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty(132 * 8, dtype=torch.float32, device=dev)
+    res = {}
+
+    def t_ms(fn, reps=10):
+        fn()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(reps):
+            fn()
+        e.record()
+        torch.cuda.synchronize()
+        return s.elapsed_time(e) / reps
+
+    ms = t_ms(lambda: read_kernel[(132 * 8,)](a, dst, n, BLOCK=4096, num_warps=8))
+    res["hbm_read_TBps"] = 2 * n / ms / 1e9
+    b = torch.empty(n // 2, dtype=torch.bfloat16, device=dev)
+    ms = t_ms(lambda: b.copy_(a[: n // 2]))
+    res["d2d_copy_rw_TBps"] = 2 * n / ms / 1e9
+    a = b = None
+    m = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    ms = t_ms(lambda: m @ m)
+    res["bf16_matmul_TFLOPs"] = 2 * 8192**3 / ms / 1e9
+    m = None
+    torch.cuda.empty_cache()
+    return res
+
+
+# ------------------------------------------------------------------------------------------ measuring
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def graph_checked_time(fn, sets, w, flush, ref) -> tuple[float | None, float, float]:
-    """(graph-mode median µs, or None when the replays' output fails the 1e-2 check; that error; the
-    tuner's summary of the same replays, `routing_mean`: the mean over routings of each one's median µs.
-    Where a cell's routings fall in two modes (mixtral-8x7b T = 2 touches 3 or 4 experts), the median of
-    all replays (gpu.md's method, `time_us`) and that mean can rank close variants differently.)"""
-    t_us, times, gout = time_graph(fn, sets, w, flush)
-    gerr = rel_err(gout, ref)
-    return (t_us if gerr < 1e-2 else None), gerr, routing_mean(times, len(sets))
-
-
-def routings(T: int, E: int, k: int, D: int, dev, seed: int):
-    g = torch.Generator(device=dev).manual_seed(seed)
-    sets = []
-    for _ in range(N_ROUT):
-        logits = torch.randn(T, E, device=dev, generator=g)
-        val, ids = logits.topk(k, dim=-1)
-        wt = torch.softmax(val, dim=-1).to(torch.bfloat16)
-        x = torch.randn(T, D, device=dev, generator=g).to(torch.bfloat16)
-        sets.append((x, ids, wt))
-    return sets
-
-
-def time_graph(fn, sets, w, flush, reps=REPS) -> tuple[float, list, torch.Tensor]:
-    pool = torch.cuda.graph_pool_handle()
-    graphs, outs = [], []
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for x, ids, wt in sets[:2]:
-            fn(x, ids, wt, w)
-    torch.cuda.current_stream().wait_stream(s)
-    for x, ids, wt in sets:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool):
-            outs.append(fn(x, ids, wt, w))
-        graphs.append(g)
-    for i in range(WARM):
-        graphs[i % len(graphs)].replay()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for i in range(reps):
-        flush.sum()
-        ev[i][0].record()
-        graphs[i % len(graphs)].replay()
-        ev[i][1].record()
-    torch.cuda.synchronize()
-    times = [a.elapsed_time(b) * 1e3 for a, b in ev]
-    last = outs[0].clone()  # what the replays of graph 0 wrote: checked against the reference
-    del graphs, outs
-    return statistics.median(times), times, last
-
-
-def time_host(fn, sets, w, flush, reps=REPS) -> float:
-    for x, ids, wt in sets[:2]:
-        fn(x, ids, wt, w)
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for i in range(reps):
-        x, ids, wt = sets[i % len(sets)]
-        flush.sum()
-        ev[i][0].record()
-        fn(x, ids, wt, w)
-        ev[i][1].record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
-
-
-def extra_memory(fn, x, ids, wt, w) -> int:
+def extra_memory(fn, c: Case) -> int:
+    """Peak device memory one eager call allocates beyond what was allocated before it."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    out = fn(x, ids, wt, w)
+    out = fn(c.x, c.ids, c.weights, c.w)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     del out
     return int(peak)
 
 
-def floor_us(E, k, D, F, T, distinct) -> float:
-    """The package's roofline floor (moetune.passes.targets.floor on the h200 target, bf16) with the
-    distinct experts measured over the timed routings."""
-    block = MoEBlock(E=E, k=k, D=D, F=F)
-    rows = T * k / distinct
+def floor_us(block: MoEBlock, T: int, distinct: float) -> float:
+    """The package's roofline floor on the h200 target with the distinct experts of the timed routings."""
+    rows = T * block.k / distinct
     stats = RoutingStats(tokens=T, distinct_experts=distinct, rows_per_active=rows, max_rows=rows,
                          source="the timed routings")
-    return floor(block, "h200", T, stats).time_s * 1e6
+    return floor(block, TARGET, T, stats).time_s * 1e6
 
 
-# ------------------------------------------------------------------------------------------ variants
+def measure(rec: dict, fn, cases: list[Case], ref: torch.Tensor, timer: CudaGraphTimer, host_only: bool) -> None:
+    """Check `fn` against `ref` (eager, then its graph replays), time it, and fill `rec`."""
+    from moetune.codegen.torch.tolerance import worst_error
 
-
-def table_variant(path: str, shape: str, T: int) -> list[tuple[str, Schedule]]:
-    """[("table", schedule)]: what the dispatch table at `path` routes T to for the preset of this
-    shape, i.e. what a compiled model runs (none when the file, the entry or a current one is missing;
-    stale or foreign entries are said in one warning, as at run time)."""
-    if not path or shape not in SHAPES:  # the bench shapes are the presets of the same name
-        return []
-    from moetune.ir.presets import preset
-    from moetune.runtime.table import CacheError, load_entries
-
-    try:
-        usable = load_entries(path, preset(shape), "h200", "triton", device="cuda")
-    except CacheError as e:  # an unreadable table costs the `table` variant, never the sweep
-        print(f"variant `table` left out: {e}", flush=True)
-        return []
-    return [("table", s) for lo, hi, s in usable if lo <= T <= hi]
-
-
-def variants(E: int, k: int, D: int, F: int, T: int):
-    """A few parameter choices per kind, picked by rows per active expert."""
-    from moetune.codegen.triton import GemmParams, GemvParams, HybridParams
-
-    distinct = E * (1 - (1 - k / E) ** T)
-    rows = T * k / distinct
-    kp = 1 << (k - 1).bit_length()
-    tdn = max(2, 32 // kp)  # token-mode down: KP·BN·128 accumulators
-    split = 2 if F <= 1024 else 1
-    out = []
-
-    def gemv(tag, **kw):
-        out.append((tag, Schedule("stream_gemv", backend="triton", params=GemvParams(**kw))))
-
-    def gemm(tag, **kw):
-        out.append((tag, Schedule("grouped_gemm", backend="triton", params=GemmParams(**kw))))
-
-    def hyb(tag, r, **kw):
-        out.append((tag, Schedule("hybrid", row_threshold=r, backend="triton", params=HybridParams(**kw))))
-
-    if rows <= 1.5:
-        gemv("ga", block_n=8, block_k=256, num_warps=4, num_stages=4, down_block_n=tdn, down_block_k=128,
-             down_warps=4)
-        gemv("gb", block_n=4, block_k=256, num_warps=2, num_stages=4, down_block_n=max(1, tdn // 2),
-             down_block_k=128, down_warps=2)
-        gemv("gd", block_n=8, block_k=512, num_warps=4, num_stages=3, down_block_n=tdn, down_block_k=256,
-             down_warps=4)
-    if 1.3 <= rows <= 3:
-        gemv("gr2", rows=2, block_n=8, block_k=128, num_warps=4, num_stages=4, down_block_n=8,
-             down_block_k=128, down_mode="expert", split_k=split)
-    if 1.05 <= rows <= 3:
-        hyb("h2", 2, block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, gemv_block_n=8,
-            gemv_block_k=256, down_block_n=64, down_block_k=128, down_gemv_block_n=4, down_gemv_block_k=128,
-            down_stages=4)
-    if 2.5 <= rows <= 48:
-        gemv("g16", rows=16, block_n=64, block_k=128, num_warps=4, num_stages=4, down_block_n=64,
-             down_block_k=128, down_warps=4, down_mode="expert", fused_route=False)
-    if 1.05 <= rows <= 24:
-        gemm("m16", block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, down_block_n=64,
-             down_block_k=128, down_stages=4)
-    if rows >= 12:
-        gemm("m64", block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=4, down_block_n=128,
-             down_block_k=64, down_warps=8, down_stages=4)
-        gemm("m64n64", block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4, down_block_n=128,
-             down_block_k=64, down_warps=4, down_stages=4)
-    if rows >= 48:
-        gemm("m128", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, down_block_n=128,
-             down_block_k=64, down_warps=8, down_stages=3)
-        gemm("m128s4", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, down_block_n=256,
-             down_block_k=64, down_warps=8, down_stages=4)
-        gemm("m128k128", block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=3, down_block_n=128,
-             down_block_k=128, down_warps=8, down_stages=3)
-        gemm("m128g1", block_m=128, block_n=128, block_k=64, group_m=1, num_warps=8, num_stages=4,
-             down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
-        gemm("m128g32", block_m=128, block_n=128, block_k=64, group_m=32, num_warps=8, num_stages=4,
-             down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
-    # twins: `-1` the gate/up as one N = 2·block_n tl.dot (pointer path), `-t` the TMA operand path (sorted
-    # copy of x), `-t1` the TMA path with the gate/up as one dot from one [2, block_n, block_k] box, `-t1s2`
-    # that with the down GEMM split in two along F (session 10 H200: -t1s2 beat -ts2 by 1-3 % at
-    # mixtral-8x7b T = 512 / 1024; -ts2, -t and -1s2 of the 128-row tiles retired)
-    twins = []
-    for tag, s in out:
-        p = s.params
-        if s.kind == "grouped_gemm" and p.block_m >= 64 and not p.tma:
-            twins.append((tag + "-1", dataclasses.replace(s, params=dataclasses.replace(p, one_dot=True))))
-        if tag in ("m16", "m64n64"):  # the TMA operand path at 16 / 64 rows (the tuner picks it for mixtral)
-            twins.append((tag + "-t", dataclasses.replace(s, params=dataclasses.replace(p, tma=True))))
-        if tag in ("m64n64", "m128s4"):  # m128s4-t1: the tuner's choice for mixtral-8x7b [634, 1024] (session 10)
-            twins.append((tag + "-t1", dataclasses.replace(s, params=dataclasses.replace(
-                p, tma=True, one_dot=True, down_stages=3))))
-        if tag in ("m128s4", "m128g32"):
-            twins.append((tag + "-t1s2", dataclasses.replace(
-                s, params=dataclasses.replace(p, tma=True, one_dot=True, down_stages=3, split_k=2))))
-    # `-y`: the down GEMM's rows y in bf16 (GemmParams.y_half) for the variants that were best somewhere at
-    # many pairs (P ≥ 1024, where y is ≥ 8 MB at D = 2048 and its fp32 write and read cost µs)
-    ys = [(tag + "-y", dataclasses.replace(s, params=dataclasses.replace(s.params, y_half=True)))
-          for tag, s in out + twins if tag in Y_TWINS and T * k >= 1024]
-    return out + twins + ys
-
-
-Y_TWINS = ("m16-t", "m64n64", "m64n64-t", "m128g1-1", "m128g32-t1s2", "m128s4-t1s2", "m128s4-t1")
-
-
-def nb_twins(cands: list[tuple[str, Schedule]], nbs=(2, 4)) -> list[tuple[str, Schedule]]:
-    """`-n2` / `-n4`: the down projection's D-blocks walked 2 / 4 per program in one flattened loop
-    (GemvParams / GemmParams.down_nb), for every token-mode GEMV and pointer-path grouped GEMM candidate (the
-    TMA path and the expert-mode GEMV refuse down_nb)."""
-    out = []
-    for tag, s in cands:
-        p = s.params
-        if (p is None or getattr(p, "down_nb", 0) != 1 or getattr(p, "down_mode", "token") != "token"
-                or getattr(p, "tma", False)):
-            continue
-        out += [(f"{tag}-n{n}", dataclasses.replace(s, params=dataclasses.replace(p, down_nb=n))) for n in nbs]
-    return out
-
-
-# ------------------------------------------------------------------------------------------ main
-
-
-def profiled(calls: list[tuple]) -> None:
-    """Each (fn, *args) called once between cudaProfilerStart and Stop (what `ncu --profile-from-start
-    off` records), then synchronised."""
-    torch.cuda.profiler.start()
-    for fn, *a in calls:
-        fn(*a)
+    c0 = cases[0]
+    out = fn(c0.x, c0.ids, c0.weights, c0.w)
     torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+    rec["rel_err"], rec["worst_err"] = rel_err(out, ref), worst_error(out, ref)
+    del out
+    rec["extra_mem_bytes"] = extra_memory(fn, c0)
+    if not rec["worst_err"] <= 1:
+        rec["error"] = f"worst_error {rec['worst_err']:.3g} > 1 (rel_err {rec['rel_err']:.3g}): not timed"
+        return
+    if host_only:
+        rec["time_us"], rec["mode"] = timer.host_launched(fn, cases) * 1e6, "host"
+        return
+    captured: list[torch.Tensor] = []  # graph 0's output buffer: what its replays wrote
+
+    def kept(x, ids, wt, w):
+        y = fn(x, ids, wt, w)
+        if torch.cuda.is_current_stream_capturing() and not captured:
+            captured.append(y)
+        return y
+
+    t = timer(kept, cases)
+    rec["graph_rel_err"], graph_worst = rel_err(captured[0], ref), worst_error(captured[0], ref)
+    captured.clear()
+    if not graph_worst <= 1:
+        rec["error"] = f"graph replay worst_error {graph_worst:.3g} > 1: not counted"
+        return
+    rec.update(time_us=statistics.median(t.times_s) * 1e6, routing_mean_us=t.median_s * 1e6, mode="graph",
+               host_us=t.host_median_s * 1e6, spread_us=t.spread_s * 1e6)
 
 
-def probe(out_dir: Path) -> None:
-    """One eager call per GEMV configuration inside cudaProfilerStart/Stop, for
-    `ncu --profile-from-start off`: per-kernel time, DRAM bytes, registers and occupancy."""
-    from moetune.codegen.triton import BACKEND, GemvParams
+def cell(shape: str, T: int, w, args, timer: CudaGraphTimer, name: str) -> list[dict]:
+    from moetune.codegen.triton import BACKEND
+    from moetune.search.objective import make_cases, reference
 
-    dev = torch.device("cuda")
-    plan = []
-    for shape, T in (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 4), ("deepseek-v3", 1)):
-        E, k, D, F = SHAPES[shape]
-        block = MoEBlock(E=E, k=k, D=D, F=F, name=shape)
-        w = expert_weights(E, D, F, dev, seed=1)
-        x, ids, wt = routings(T, E, k, D, dev, seed=7)[0]
-        cfgs = []
-        for bn, bk, nw, st in ((8, 256, 4, 4), (4, 256, 2, 4), (16, 256, 4, 4), (8, 512, 4, 3),
-                               (4, 128, 2, 4), (8, 128, 4, 4), (16, 128, 4, 4), (8, 256, 4, 2)):
-            cfgs.append(dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=st,
-                             down_block_n=max(2, bn // 2), down_block_k=128, down_warps=nw))
-        for c in cfgs:
-            fn = BACKEND.build(block, Schedule("stream_gemv", backend="triton", params=GemvParams(**c)))
-            fn(x, ids, wt, w)
-            fn(x, ids, wt, w)
+    block = bench_block(shape)
+    E, k = block.E, block.k
+    cases = make_cases(block, w, T, N_ROUT, torch.Generator().manual_seed(1000 + T))
+    distinct = statistics.mean(len(torch.unique(c.ids)) for c in cases)
+    fl = floor_us(block, T, distinct)
+    ref = reference(block, cases[0])  # the tuner's float32 reference
+    best_open = BEST_OPEN[shape][TOKENS.index(T)] if T in TOKENS else None
+    named = [(tag, s) for tag, s in candidates(block, T, table=args.table, samples=args.space_samples,
+                                               seed=args.seed) if re.fullmatch(args.variants, tag)]
+    cands = [(f"moetune:{s.kind}", tag, s) for tag, s in named]
+    for b in args.baselines.split(","):
+        if not b or (b == "batched_mm" and (T > 64 or T * k * 3 * block.D * block.F * 2 > 24e9)):
+            continue  # batched_mm gathers every pair's weights: beyond that it runs out of memory
+        if b == "eager" and T not in args.eager_tokens:
+            continue
+        cands.append((b, "", None))
+    records = []
+    for impl, tag, sched in cands:
+        rec = dict(device=name, shape=shape, E=E, k=k, D=block.D, F=block.F, tokens=T, impl=impl, variant=tag,
+                   schedule=sched.describe() if sched else None, floor_us=round(fl, 2), distinct=distinct,
+                   best_open_us=best_open)
+        try:
+            fn = (BACKEND.build(block, sched) if sched else eager_fn(E) if impl == "eager" else hf_fn(impl, w, E))
+            measure(rec, fn, cases, ref, timer, host_only=impl == "eager")
+        except Exception as exc:  # noqa: BLE001 - a failing candidate is recorded, never stops the sweep
+            rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             torch.cuda.synchronize()
-            plan.append((shape, T, c, fn, x, ids, wt, w))
-    profiled([(fn, x, ids, wt, w) for *_, fn, x, ids, wt, w in plan])
-    (out_dir / "probe_plan.json").write_text(json.dumps([(s, t, c) for s, t, c, *_ in plan]))
+        if "time_us" in rec:
+            rec["pct_floor"] = 100.0 * fl / rec["time_us"]
+            if best_open:
+                rec["speedup_vs_best_open"] = best_open / rec["time_us"]
+        records.append(rec)
+        torch.cuda.empty_cache()
+    return records
 
 
-def probe_table(out_dir: Path, cells: str, table: str) -> None:
-    """The shipped table's schedule of each cell ("shape:T,T;shape:T"), one eager call each inside
-    cudaProfilerStart/Stop for `ncu --profile-from-start off`: the time of each of its kernels alone
-    (routing, gate/up, down, combine), to set against the cell's graph-mode time."""
-    from moetune.codegen.triton import BACKEND
-
-    dev = torch.device("cuda")
-    plan = []
-    for group in cells.split(";"):
-        shape, ts = group.split(":")
-        E, k, D, F = SHAPES[shape]
-        block = MoEBlock(E=E, k=k, D=D, F=F, name=shape)
-        w = expert_weights(E, D, F, dev, seed=1)
-        for T in map(int, ts.split(",")):
-            for _, s in table_variant(table, shape, T):
-                x, ids, wt = routings(T, E, k, D, dev, seed=7)[0]
-                fn = BACKEND.build(block, s)
-                fn(x, ids, wt, w)  # compiled before the profiled range
-                torch.cuda.synchronize()
-                plan.append((shape, T, s.describe(), fn, x, ids, wt, w))
-    profiled([(fn, x, ids, wt, w) for *_, fn, x, ids, wt, w in plan])
-    (out_dir / "probe_table_plan.json").write_text(json.dumps([(s, t, d) for s, t, d, *_ in plan]))
-
-
-def probe_variants(out_dir: Path, cells: str) -> None:
-    """Named variants per cell ("shape:T:tag,tag;..."; the `-n2` / `-n4` twins of nb_twins too), one eager
-    call each inside cudaProfilerStart/Stop for `ncu --profile-from-start off`, in the order given."""
-    from moetune.codegen.triton import BACKEND
-
-    dev = torch.device("cuda")
-    plan = []
-    for group in cells.split(";"):
-        shape, T, tags = group.split(":")
-        T = int(T)
-        E, k, D, F = SHAPES[shape]
-        block = MoEBlock(E=E, k=k, D=D, F=F, name=shape)
-        w = expert_weights(E, D, F, dev, seed=1)
-        named = variants(E, k, D, F, T)
-        named = dict(named + nb_twins(named))
-        x, ids, wt = routings(T, E, k, D, dev, seed=7)[0]
-        for tag in tags.split(","):
-            fn = BACKEND.build(block, named[tag])
-            fn(x, ids, wt, w)  # compiled before the profiled range
-            torch.cuda.synchronize()
-            plan.append((shape, T, tag, fn, x, ids, wt, w))
-    profiled([(fn, x, ids, wt, w) for *_, fn, x, ids, wt, w in plan])
-    (out_dir / "probe_variants_plan.json").write_text(json.dumps([(s, t, g) for s, t, g, *_ in plan]))
-
-
-def probe_gemm(out_dir: Path) -> None:
-    """The large-T GEMM path of mixtral-8x7b (T = 512, 1024) inside cudaProfilerStart/Stop for ncu:
-    kernels in order route (×2), gate/up, down, combine per call."""
-    from moetune.codegen.triton import BACKEND
-
-    dev = torch.device("cuda")
-    E, k, D, F = SHAPES["mixtral-8x7b"]
-    block = MoEBlock(E=E, k=k, D=D, F=F, name="mixtral-8x7b")
-    w = expert_weights(E, D, F, dev, seed=1)
-    plan = []
-    for T in (512, 1024):
-        x, ids, wt = routings(T, E, k, D, dev, seed=7)[0]
-        s = dict(variants(E, k, D, F, T))["m128s4"]
-        fn = BACKEND.build(block, s)
-        fn(x, ids, wt, w)
-        torch.cuda.synchronize()
-        plan.append((T, s.describe(), fn, x, ids, wt))
-    profiled([(fn, x, ids, wt, w) for *_, fn, x, ids, wt in plan])
-    (out_dir / "probe_gemm_plan.json").write_text(json.dumps([(t, d) for t, d, *_ in plan]))
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    ap.add_argument("--budget-s", type=float, default=540.0)
-    ap.add_argument("--baselines", default="grouped_mm,batched_mm,eager")
-    ap.add_argument("--eager-tokens", default="1")
-    ap.add_argument("--tags", default=".*", help="regex: only moetune variants whose tag matches")
-    ap.add_argument("--table", default=str(Path(__file__).resolve().parents[1] / "cache" / "h200.sqlite"),
-                    help="shipped dispatch table: its current entry for the cell's T joins as variant `table` "
-                         "(what a compiled model runs); '' to leave it out")
-    ap.add_argument("--table-before", default="", help="a second table (e.g. a copy taken before a re-tune): "
-                    "its entry joins as variant `table-before`, timed in the same run as `table`")
-    ap.add_argument("--probe", action="store_true", help="GEMV configurations for ncu, then exit")
-    ap.add_argument("--probe-gemm", action="store_true", help="mixtral large-T GEMM for ncu, then exit")
-    ap.add_argument("--probe-table", metavar="CELLS", help="the table's schedule of each cell "
-                    "('shape:T,T;shape:T') for ncu, then exit")
-    ap.add_argument("--nb-twins", action="store_true", help="also every candidate's down_nb 2 / 4 twin "
-                    "(token-mode GEMV and pointer-path grouped GEMM down, bench.kernels.nb_twins)")
-    ap.add_argument("--probe-variants", metavar="CELLS", help="named variants of each cell "
-                    "(\"shape:T:tag,tag;...\") for ncu, then exit")
-    ap.add_argument("--render", metavar="JSON", help="rewrite the markdown table of a results JSON, then exit")
-    args = ap.parse_args()
+def run(args) -> int:
     if args.render:
         print(render(args.render))
-        return
-    if args.probe_gemm:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        probe_gemm(Path(args.out))
-        return
-    if args.probe:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        probe(Path(args.out))
-        return
-    if args.probe_variants:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        probe_variants(Path(args.out), args.probe_variants)
-        return
-    if args.probe_table:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        probe_table(Path(args.out), args.probe_table, args.table)
-        return
+        return 0
+    if not torch.cuda.is_available():
+        print("bench kernels: no CUDA device here (the kernels suite times GPU kernels; --render works on CPU)",
+              file=sys.stderr)
+        return 2
+    from moetune.search.objective import expert_tensors
+
     t_start = time.time()
     dev = torch.device("cuda")
-    from moetune.codegen.triton import BACKEND
-
     name = torch.cuda.get_device_name().replace(" ", "-").lower()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     jpath = out_dir / f"{name}-kernels.json"
     ceil = ceilings(dev)
-    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} "
-          f"triton {__import__('triton').__version__}", flush=True)
+    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
     print("ceilings: " + "  ".join(f"{k} {v:.3g}" for k, v in ceil.items()), flush=True)
+    timer = CudaGraphTimer(reps=args.reps, shared_pool=True)  # batched_mm's per-call weight copies: once
     records: list[dict] = []
-    flush = torch.randn(128 * 1024 * 1024, dtype=torch.bfloat16, device=dev)  # 256 MB, read per rep
     tokens = [int(t) for t in args.tokens.split(",")]
-    eager_tokens = {int(t) for t in args.eager_tokens.split(",") if t}
-    baselines = [b for b in args.baselines.split(",") if b]
     stop = False
     for shape in args.shapes.split(","):
-        E, k, D, F = SHAPES[shape]
-        block = MoEBlock(E=E, k=k, D=D, F=F, name=shape)
-        w = expert_weights(E, D, F, dev)
+        w = expert_tensors(bench_block(shape), dev)
         for T in tokens:
             if time.time() - t_start > args.budget_s:
                 print(f"budget reached: stopping before {shape} T={T}", flush=True)
                 stop = True
                 break
-            sets = routings(T, E, k, D, dev, seed=1000 + T)
-            distinct = statistics.mean(len(torch.unique(s[1])) for s in sets)
-            fl = floor_us(E, k, D, F, T, distinct)
-            x0, ids0, wt0 = sets[0]
-            ref = reference(block, Case(x0, ids0, wt0, w))  # the tuner's fp32 reference, expert by expert
-            best_open = BEST_OPEN[shape][TOKENS.index(T)] if T in TOKENS else None
-            named = [(tag, s) for tag, s in variants(E, k, D, F, T) + table_variant(args.table, shape, T)
-                     if re.fullmatch(args.tags, tag)]
-            named += [("table-before", s) for _, s in table_variant(args.table_before, shape, T)]
-            if args.nb_twins:
-                named += nb_twins(named)
-            cands = [(f"moetune:{s.kind}", tag, s, BACKEND.build(block, s)) for tag, s in named]
-            for b in baselines:
-                if b == "batched_mm" and (T > 64 or T * k * 3 * D * F * 2 > 24e9):
-                    continue
-                if b == "eager" and T not in eager_tokens:
-                    continue
-                cands.append((b, "", None, eager_fn(E) if b == "eager" else hf_fn(b, w, E)))
-            for impl, tag, sched, fn in cands:
-                rec = dict(device=name, shape=shape, E=E, k=k, D=D, F=F, tokens=T, impl=impl, variant=tag,
-                           schedule=sched.describe() if sched else None, floor_us=round(fl, 2),
-                           distinct=distinct, best_open_us=best_open)
-                try:
-                    out = fn(x0, ids0, wt0, w)
-                    torch.cuda.synchronize()
-                    err = rel_err(out, ref)
-                    rec["rel_err"] = err
-                    rec["extra_mem_bytes"] = extra_memory(fn, x0, ids0, wt0, w)
-                    if not err < 1e-2:
-                        rec["error"] = f"rel_err {err:.3g} ≥ 1e-2: not timed"
-                    elif impl == "eager":
-                        rec["time_us"] = time_host(fn, sets, w, flush)
-                        rec["mode"] = "host"
-                    else:
-                        t_us, rec["graph_rel_err"], mean_us = graph_checked_time(fn, sets, w, flush, ref)
-                        if t_us is not None:
-                            rec["time_us"] = t_us
-                            rec["routing_mean_us"] = mean_us
-                            rec["mode"] = "graph"
-                        else:
-                            rec["error"] = f"graph replay rel_err {rec['graph_rel_err']:.3g} ≥ 1e-2: not counted"
-                except Exception as exc:  # a failing candidate is recorded, never stops the sweep
-                    rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                    torch.cuda.synchronize()
-                if "time_us" in rec:
-                    rec["pct_floor"] = 100.0 * fl / rec["time_us"]
-                    if best_open:
-                        rec["speedup_vs_best_open"] = best_open / rec["time_us"]
-                records.append(rec)
-                torch.cuda.empty_cache()
-            # host-launched time of the cell's best moetune kernel
-            mine = [r for r in records if r["shape"] == shape and r["tokens"] == T
-                    and r["impl"].startswith("moetune") and "time_us" in r]
+            recs = cell(shape, T, w, args, timer, name)
+            records += recs
+            mine = [r for r in recs if r["impl"].startswith("moetune") and "time_us" in r]
             if mine:
-                best = min(mine, key=lambda r: r["time_us"])
-                fn = next(c[3] for c in cands if c[1] == best["variant"] and c[0] == best["impl"])
-                best["host_us"] = time_host(fn, sets, w, flush, reps=50)
-                print(f"{shape:18s} T={T:5d} floor {fl:8.1f}  best {best['impl']}/{best['variant']} "
-                      f"{best['time_us']:8.1f} µs ({best['pct_floor']:.0f}%)  open {best_open}  "
-                      f"host {best['host_us']:.1f}  [{time.time() - t_start:.0f}s]", flush=True)
+                b = min(mine, key=lambda r: r["time_us"])
+                print(f"{shape:18s} T={T:5d} floor {b['floor_us']:8.1f}  best {b['impl']}/{b['variant']} "
+                      f"{b['time_us']:8.1f} µs ({b['pct_floor']:.0f}%)  open {b['best_open_us']}  "
+                      f"host {b['host_us']:.1f}  [{time.time() - t_start:.0f}s]", flush=True)
             jpath.write_text(json.dumps(dict(ceilings=ceil, records=records), indent=1))
         del w
         torch.cuda.empty_cache()
@@ -612,6 +398,28 @@ def main() -> None:
     md = table(records, ceil, name)
     (out_dir / f"{name}-kernels.md").write_text(md)
     print(md)
+    return 0
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"), help="folder for the JSON and .md")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="presets, comma-separated")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts, comma-separated")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="no new cell starts after this many seconds")
+    ap.add_argument("--reps", type=int, default=100, help="timed graph replays per candidate")
+    ap.add_argument("--baselines", default="grouped_mm,batched_mm,eager")
+    ap.add_argument("--eager-tokens", type=lambda s: {int(t) for t in s.split(",") if t}, default={1},
+                    help="token counts at which the eager loop is timed")
+    ap.add_argument("--variants", default=".*", help="regex: only the moetune candidates whose tag matches")
+    ap.add_argument("--table", default=str(ROOT / "cache" / "h200.sqlite"),
+                    help="dispatch table whose entry for the cell's T is candidate `table`; '' to leave it out")
+    ap.add_argument("--space-samples", type=int, default=0, metavar="N",
+                    help="also N points of the tuner's space of the cell's bucket (fixed seed)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the space samples")
+    ap.add_argument("--render", metavar="JSON", help="rewrite the markdown table of a results JSON, then exit")
+
+
+# ------------------------------------------------------------------------------------------ report
 
 
 def table(records: list[dict], ceil: dict, name: str) -> str:
@@ -667,13 +475,13 @@ def table(records: list[dict], ceil: dict, name: str) -> str:
 
 
 def target_pct(T: int) -> float:
-    """The issue's % of floor target for a cell: 80 % at T = 1, 85 % at T = 2…64, 75 % above."""
+    """The % of floor target of a cell: 80 % at T = 1, 85 % at T = 2…64, 75 % above."""
     return 80.0 if T == 1 else 85.0 if T <= 64 else 75.0
 
 
 def summary_lines(summary: list[tuple]) -> list[str]:
     """The table's footer: speedups over the best open-source figures, % of floor against the targets, and
-    how close the shipped table's own choice (variant `table`) comes to the best variant."""
+    how close the shipped table's own choice (candidate `table`) comes to the best candidate."""
     def gmean(xs):
         return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
 
@@ -700,7 +508,3 @@ def render(json_path: str) -> str:
     md = table(d["records"], d["ceilings"], name)
     path.with_name(f"{name}-kernels.md").write_text(md)
     return md
-
-
-if __name__ == "__main__":
-    main()

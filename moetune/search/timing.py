@@ -60,6 +60,7 @@ class Timing:
     reps: int
     method: str
     host_median_s: float | None = None  # plain host-launched time (GPU timer only)
+    times_s: tuple[float, ...] = ()  # every timed rep in run order, rep i on case i mod n (GPU timer only)
 
 
 class Timer(Protocol):
@@ -124,12 +125,15 @@ class CpuTimer:
 class CudaGraphTimer:
     """A CUDA graph per case, L2 flushed by reading a 256 MB buffer before every rep,
     CUDA events around each replay, `reps` replays in rotation; summarised by `routing_mean` (each case's
-    median, averaged over the cases). Also the plain host-launched median."""
+    median, averaged over the cases). Also the plain host-launched median, and every rep's time.
+    `shared_pool`: the graphs capture into one memory pool (they replay one at a time, so they may share
+    their intermediate memory): a call that allocates much holds one call's memory, not one per case."""
 
     reps: int = 100
     warmup: int = 10
     flush_bytes: int = 256 << 20
     name: str = "cuda:graph+l2-read-flush,mean-over-routings"
+    shared_pool: bool = False
 
     def __post_init__(self) -> None:
         self._flush: torch.Tensor | None = None
@@ -145,6 +149,7 @@ class CudaGraphTimer:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         graphs = []
+        pool = torch.cuda.graph_pool_handle() if self.shared_pool else None
         with torch.cuda.stream(stream), torch.inference_mode():
             for c in cases:  # warm-up outside capture (compiles, allocator), then capture
                 fn(c.x, c.ids, c.weights, c.w)
@@ -152,7 +157,7 @@ class CudaGraphTimer:
             for c in cases:
                 g = torch.cuda.CUDAGraph()
                 try:
-                    with torch.cuda.graph(g, stream=stream):
+                    with torch.cuda.graph(g, pool=pool, stream=stream):
                         fn(c.x, c.ids, c.weights, c.w)
                 except RuntimeError as e:
                     torch.cuda.synchronize(device)
@@ -174,7 +179,16 @@ class CudaGraphTimer:
         times = [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends, strict=True)]
         host = self._host_launched(fn, cases, buf, sink)
         del graphs
-        return Timing(routing_mean(times, len(cases)), _iqr(times), len(times), self.name, host)
+        return Timing(routing_mean(times, len(cases)), _iqr(times), len(times), self.name, host, tuple(times))
+
+    def host_launched(self, fn: ExpertsFn, cases: Sequence[Case]) -> float:
+        """The plain host-launched median alone, after the same flush: for a call that cannot be captured
+        (one that synchronises with the host), which `__call__` refuses."""
+        device = cases[0].x.device
+        with torch.inference_mode():
+            for c in cases[:2]:
+                fn(c.x, c.ids, c.weights, c.w)
+        return self._host_launched(fn, cases, self._flush_buffer(device), torch.zeros((), device=device))
 
     def _host_launched(self, fn: ExpertsFn, cases: Sequence[Case], buf: torch.Tensor,
                        sink: torch.Tensor) -> float:

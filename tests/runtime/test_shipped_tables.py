@@ -32,7 +32,7 @@ SHIPPED = sorted(CACHE.glob("*.sqlite"))
 H200, DIGESTS = CACHE / "h200.sqlite", CACHE / "h200.digests.json"
 RELABEL = "python -m tests.codegen.relabel cache/h200.sqlite"
 RETUNE = ("re-tune them on the H200 (`moetune tune --resume` re-tunes only the stale buckets; "
-          "bash bench/tune_presets_h200.sh), then record their digests: " + RELABEL + " --record")
+          "python -m bench tune shows the command), then record their digests: " + RELABEL + " --record")
 
 
 def _compiled(*args: str) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ import torch
 import toy_backend as tb
 
 from moetune.search.objective import expert_tensors, make_cases
-from moetune.search.timing import CpuTimer, CudaGraphTimer, FakeTimer, timer_for
+from moetune.search.timing import Case, CpuTimer, CudaGraphTimer, FakeTimer, NotCapturable, routing_mean, timer_for
 
 
 def cases(n: int = 4, T: int = 3):
@@ -75,6 +75,23 @@ def test_cuda_graph_timer_on_a_gpu():  # pragma: no cover - GPU only
     fn, _ = baseline_fn(block, "batched_mm")
     t = CudaGraphTimer(reps=20, warmup=2)(fn, cs)
     assert 0 < t.median_s < 0.1 and t.host_median_s is not None
+    assert len(t.times_s) == 20 and t.median_s == pytest.approx(routing_mean(t.times_s, len(cs)))
+    shared = CudaGraphTimer(reps=20, warmup=2, shared_pool=True)(fn, cs)  # one pool for the 8 graphs
+    assert len(shared.times_s) == 20 and 0 < shared.median_s < 0.1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph timing needs a CUDA device")
+def test_a_host_synchronising_call_is_refused_by_the_graphs_and_timed_host_launched():  # pragma: no cover
+    cs = cases(2)
+    cs = [Case(c.x.cuda(), c.ids.cuda(), c.weights.cuda(), c.w) for c in cs]
+
+    def syncing(x, ids, weights, w):
+        return x[ids[:, 0].nonzero()[:, 0]]  # nonzero: the host waits for the device
+
+    timer = CudaGraphTimer(reps=20, warmup=2)
+    with pytest.raises(NotCapturable):
+        timer(syncing, cs)
+    assert 0 < timer.host_launched(syncing, cs) < 0.1
 
 
 def test_routing_mean_weighs_every_routing_and_drops_each_ones_outliers():

@@ -1,0 +1,149 @@
+"""The benchmark harness on the CPU: `python -m bench` lists its suites and refuses a bad one in one line; the
+kernels suite's candidates of a cell are points of the tuner's spaces; the committed table is what the suite
+renders from the JSON beside it, and its footer's figures are computed from the records."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results" / "nvidia-h200-kernels.json"
+SUITES = ("kernels", "decode", "host", "dense", "tune")
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=300)
+
+
+def test_help_lists_every_suite_on_one_line_each():
+    out = bench("--help")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for s in SUITES:
+        assert sum(1 for line in lines if line.split()[:1] == [s]) == 1, out.stdout
+
+
+def test_a_bad_suite_or_option_is_one_line_and_exit_2():
+    out = bench("nope")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "nope" in out.stderr
+    out = bench("kernels", "--no-such-option")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "--no-such-option" in out.stderr
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_every_suite_imports_and_has_help(suite):
+    out = bench(suite, "--help")
+    assert out.returncode == 0 and f"python -m bench {suite}" in out.stdout, out.stderr[-2000:]
+
+
+def _h200_versions():
+    """The versions the shipped H200 table's rows record, on this tree's kernel sources (as on the H200)."""
+    from moetune.runtime.table import DispatchTable
+    from moetune.runtime.versions import kernel_source_hash
+
+    with DispatchTable(ROOT / "cache" / "h200.sqlite", create=False) as t:
+        rows = t.entries(target="h200", backend="triton")
+    return replace(rows[0].versions, kernel_hash=kernel_source_hash("triton"))
+
+
+@pytest.mark.parametrize("shape,T", [("qwen3-30b-a3b", 1), ("mixtral-8x7b", 512)])
+def test_the_kernels_candidates_of_a_cell_are_in_the_tuners_space(shape, T):
+    pytest.importorskip("triton")
+    pytest.importorskip("optuna")
+    from bench import kernels as K
+
+    block = K.bench_block(shape)
+    named = K.candidates(block, T, table=str(ROOT / "cache" / "h200.sqlite"), samples=3,
+                         versions=_h200_versions())
+    tags = [t for t, _ in named]
+    assert tags[0] == "table" and tags.count("table") == 1, tags  # the shipped table covers every cell
+    assert sum(t.startswith("space-") for t in tags) == 3, tags
+    assert len({repr(s) for _, s in named}) == len(named)  # no schedule twice
+    for tag, s in named:
+        assert K.in_space(block, s) is None, (tag, K.in_space(block, s))
+
+
+def test_the_committed_markdown_is_rendered_from_the_committed_json(tmp_path):
+    from bench import kernels as K
+
+    copy = tmp_path / RESULTS.name
+    copy.write_text(RESULTS.read_text())
+    assert K.render(str(copy)) == RESULTS.with_name("nvidia-h200-kernels.md").read_text()
+
+
+def test_the_footer_figures():
+    from bench import kernels as K
+
+    records = json.loads(RESULTS.read_text())
+    best: dict = {}
+    for r in records["records"]:
+        if r["impl"].startswith("moetune") and "time_us" in r:
+            k = (r["shape"], r["tokens"])
+            if k not in best or r["time_us"] < best[k]["time_us"]:
+                best[k] = r
+    sp = [r["best_open_us"] / r["time_us"] for r in best.values()]
+    gm = math.exp(sum(map(math.log, sp)) / len(sp))
+    under = sum(1 for (s, t), r in best.items() if 100 * r["floor_us"] / r["time_us"] < K.target_pct(t))
+    md = K.table(records["records"], records["ceilings"], "x")
+    assert f"{len(best)} cells: speedup over the best open-source figure, geometric mean {gm:.3f}×" in md
+    assert f"; {under} cells under their target" in md
+    assert [K.target_pct(t) for t in (1, 2, 64, 128, 1024)] == [80.0, 85.0, 85.0, 75.0, 75.0]
+
+
+def test_a_missing_or_corrupt_table_costs_the_table_candidate_only(tmp_path, capsys):
+    import warnings
+
+    from bench import kernels as K
+    from moetune.runtime.table import CacheWarning
+
+    assert K.table_choice("", "mixtral-8x7b", 512) == []
+    with pytest.warns(CacheWarning, match="no such file"):
+        assert K.table_choice(str(tmp_path / "none.sqlite"), "mixtral-8x7b", 512) == []
+    bad = tmp_path / "bad.sqlite"
+    bad.write_bytes(b"not a sqlite file" * 100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert K.table_choice(str(bad), "mixtral-8x7b", 512) == []
+    assert "bad.sqlite" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_decode_suite_runs_a_tiny_model_both_ways(tmp_path, dtype):
+    """moetune's step against transformers' experts on the same weights. float32: the two agree to
+    accumulation order. bfloat16: moetune's step is closer to transformers' than transformers' is to float32."""
+    import argparse
+
+    from bench import decode
+
+    ap = argparse.ArgumentParser()
+    decode.add_arguments(ap)
+    args = ap.parse_args(["--family", "qwen3_moe", "--tokens", "1,2", "--reps", "2", "--dtype", dtype,
+                          "--out", str(tmp_path)])
+    rows = decode.steps(args)
+    assert [r["tokens"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["transformers_us"] > 0 and r["moetune_us"] > 0
+        if dtype == "float32":
+            assert r["logits_rel_err"] < 1e-5, r
+        else:
+            assert r["logits_rel_err"] <= r["transformers_rel_err_fp32"], r
+    assert (tmp_path / "decode-step.json").exists()
+
+
+def test_the_tune_suite_tunes_a_tiny_model_into_its_scratch_table(tmp_path):
+    pytest.importorskip("optuna")
+    out = bench("tune", "--tiny", "qwen3_moe", "--tokens", "1-2", "--budget", "5s", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "vs default" in out.stdout and "floor µs" in out.stdout
+    assert (tmp_path / "qwen3_moe.sqlite").exists()
