@@ -107,14 +107,14 @@ def test_a_missing_or_corrupt_table_costs_the_table_candidate_only(tmp_path, cap
     from bench import kernels as K
     from moetune.runtime.table import CacheWarning
 
-    assert K.table_choice("", "mixtral-8x7b", 512) == []
+    assert K.table_choice("", K.bench_block("mixtral-8x7b"), 512) == []
     with pytest.warns(CacheWarning, match="no such file"):
-        assert K.table_choice(str(tmp_path / "none.sqlite"), "mixtral-8x7b", 512) == []
+        assert K.table_choice(str(tmp_path / "none.sqlite"), K.bench_block("mixtral-8x7b"), 512) == []
     bad = tmp_path / "bad.sqlite"
     bad.write_bytes(b"not a sqlite file" * 100)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert K.table_choice(str(bad), "mixtral-8x7b", 512) == []
+        assert K.table_choice(str(bad), K.bench_block("mixtral-8x7b"), 512) == []
     assert "bad.sqlite" in capsys.readouterr().out
 
 
