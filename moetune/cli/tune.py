@@ -213,11 +213,13 @@ def table_lines(results: list, device: str) -> list[str]:
 
 
 def _command_started() -> float | None:
-    """When this process is the `moetune` command, its start: the budget then counts the imports too."""
+    """When this process is the `moetune tune` command, its start: the budget then counts the imports too.
+    Another command that tunes on the way (`moetune demo`) gives its tuning step the budget from that step."""
     from ..search.tune import process_started
 
     p = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    return process_started() if p is not None and (p.name == "moetune" or "moetune" in p.parts[-3:-1]) else None
+    is_moetune = p is not None and (p.name == "moetune" or "moetune" in p.parts[-3:-1])
+    return process_started() if is_moetune and sys.argv[1:2] == ["tune"] else None
 
 
 def run(args: argparse.Namespace) -> int:
