@@ -2,7 +2,7 @@
 
 Compilation runs in a subprocess with TRITON_INTERPRET unset (interpreted kernels cannot be compiled).
 `triton_sm90.representative()` holds one config per kernel path that the bench's winners use; the
-slow test compiles every configuration the bench sweeps and every default schedule, on every shape.
+slow test compiles every candidate the bench times and every default schedule, on every shape.
 """
 
 from __future__ import annotations
@@ -53,17 +53,20 @@ def test_representative_configs_fit_h200():
 
 SWEEP = r'''
 import json, sys
-sys.path.insert(0, "bench")
-import kernels as B
+from dataclasses import replace
+from bench import kernels as B
 from moetune.codegen.triton import BACKEND
-from moetune.ir import MoEBlock
+from moetune.runtime.table import DispatchTable
+from moetune.runtime.versions import kernel_source_hash
+with DispatchTable("cache/h200.sqlite", create=False) as t:  # judged as on the H200 the table was tuned on
+    here = replace(t.entries(target="h200", backend="triton")[0].versions, kernel_hash=kernel_source_hash("triton"))
 from triton_sm90 import compile_sm90, schedule_kernels
 seen = set()
-for shape, (E, k, D, F) in B.SHAPES.items():
-    block = MoEBlock(E=E, k=k, D=D, F=F, name=shape)
+for shape in B.SHAPES:
+    block = B.bench_block(shape)
     for T in B.TOKENS:
         defaults = [(f"default-{kind}", BACKEND.default(block, kind, T)) for kind in BACKEND.kinds(block)]
-        for tag, s in B.variants(E, k, D, F, T) + defaults:
+        for tag, s in B.candidates(block, T, table="cache/h200.sqlite", samples=2, versions=here) + defaults:
             for _, kern, cx, o in schedule_kernels(block, T, s):
                 key = (kern.fn.__name__, tuple(sorted(cx.items())), repr(sorted(o.items())))
                 if key in seen:
@@ -76,8 +79,8 @@ for shape, (E, k, D, F) in B.SHAPES.items():
 
 @pytest.mark.slow
 def test_every_bench_config_and_default_fits_h200():
-    """Every configuration the bench sweeps and every default schedule, on the bench's four shapes and the
-    twelve token counts, compiles for sm_90."""
+    """Every candidate the bench times (the table's choice, the defaults, two samples of the tuner's space) and
+    every kind's default schedule, on the bench's four shapes and twelve token counts, compiles for sm_90."""
     rows = _compile(SWEEP)
     assert rows
     over = [r for r in rows if r["shared"] > H200_SMEM_LIMIT]
