@@ -4,6 +4,7 @@ written in the published format.
     from moetune.testing import fp8
     model = fp8.to_fp8(build("qwen3_moe", dtype=torch.bfloat16), block=(8, 8))  # experts → FP8Experts
     fp8.write_checkpoint(folder, "qwen3_moe")                                     # config.json + safetensors
+    fp8.load_experts(model, folder)           # each block's experts → FP8Experts holding the checkpoint's tensors
 
 The checkpoint is what DeepSeek-V3 and Qwen3-FP8 publish: per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`
 (Mixtral: `block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`) in float8_e4m3fn, each with its
@@ -122,3 +123,46 @@ def write_checkpoint(folder: str | Path, family: str = "qwen3_moe", *, seed: int
     cfg["quantization_config"] = quant
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     return folder
+
+
+_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+def checkpoint_experts(folder: str | Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The checkpoint's experts merged as transformers' conversion mapping merges them into FP8Experts:
+    block path (as the model names it, e.g. "model.layers.0.mlp") → gate_up_proj [E, 2F, D] (the experts
+    stacked, gate | up concatenated), down_proj [E, D, F], and their `_scale_inv` merged the same way."""
+    from safetensors.torch import load_file
+
+    parts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        for key, t in load_file(f).items():
+            m = re.match(r"(.+)\.experts\.(\d+)\.(\w+)\.(weight|weight_scale_inv)$", key)
+            if m is None or m.group(3) not in _NAMES:
+                continue
+            path = m.group(1).replace(".block_sparse_moe", ".mlp")
+            name = _NAMES[m.group(3)] + ("_scale" if m.group(4) == "weight_scale_inv" else "")
+            parts.setdefault(path, {}).setdefault(name, {})[int(m.group(2))] = t
+    out = {}
+    for path, p in parts.items():
+        stack = {n: torch.stack([v[e] for e in sorted(v)]) for n, v in p.items()}  # MergeModulelist(dim=0)
+        out[path] = {"gate_up_proj": torch.cat([stack["gate"], stack["up"]], dim=1),  # Concatenate(dim=1)
+                     "gate_up_proj_scale_inv": torch.cat([stack["gate_scale"], stack["up_scale"]], dim=1),
+                     "down_proj": stack["down"], "down_proj_scale_inv": stack["down_scale"]}
+    return out
+
+
+@torch.no_grad()
+def load_experts(model: torch.nn.Module, folder: str | Path) -> torch.nn.Module:
+    """`model` (built from the checkpoint's config) with each block's experts replaced by transformers'
+    FP8Experts holding the checkpoint's FP8 values and scales, merged as its loading merges them."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())["quantization_config"]
+    modules = dict(model.named_modules())
+    for path, tensors in checkpoint_experts(folder).items():
+        block = modules[path]
+        experts = fp8_experts_class()(block.experts.config, block_size=tuple(cfg["weight_block_size"]),
+                                      activation_scheme=cfg.get("activation_scheme", "dynamic"))
+        for name, t in tensors.items():
+            setattr(experts, name, torch.nn.Parameter(t.to(block.experts.gate_up_proj.device), requires_grad=False))
+        block.experts = experts.eval()
+    return model
