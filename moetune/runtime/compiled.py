@@ -33,6 +33,7 @@ grouped_mm (for FP8Experts its FP8 grouped_mm): the former with one warning givi
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import itertools
 import os
 import sys
@@ -302,14 +303,21 @@ def _compile(
                          on_first_call=on_first_call)
     dispatchers: dict[tuple[str, str], Dispatcher] = {}  # one per (block signature, backend)
     try:
-        for c in captured:
+        for i, c in enumerate(captured):
+            if c.block is not None and c.experts is not None:
+                be = _pick_backend(backend, _device(c.experts))
+                kinds = be.kinds(c.block)
+                if all(kinds.values()):  # e.g. a weight format none of the backend's kernels reads
+                    why = "; ".join(f"{k}: {v}" for k, v in kinds.items())
+                    c = state.captured[i] = dataclasses.replace(
+                        c, block=None, reason=f"{c.path}: backend {be.name} runs none of its kernels on this "
+                                              f"block ({why}); left as is")
             if c.block is None and c.experts is not None:
                 c.experts._moetune_left = c.reason  # runs transformers' own experts, never a first-call compile
             if c.block is None or c.experts is None:
                 continue
             ExpertTensors.of(c.experts).check(c.block)
             device = _device(c.experts)
-            be = _pick_backend(backend, device)
             state.backend = be.name
             key = (c.block.signature(), be.name)
             if key not in dispatchers:

@@ -170,3 +170,30 @@ def test_fp8_and_bf16_blocks_of_one_shape_are_different_table_keys(tmp_path):
         got_bf16 = t.lookup(bf16, "cpu", "torch").usable
         got_q = t.lookup(q, "cpu", "torch").usable
     assert [u[2].kind for u in got_bf16] == ["stream_gemv"] and [u[2].kind for u in got_q] == ["grouped_gemm"]
+
+
+def test_a_backend_without_fp8_kernels_leaves_the_fp8_blocks_with_the_reason():
+    """Compiling with a backend none of whose kernels reads fp8_block weights does not fail: those blocks
+    stay on transformers' FP8 experts, each with the backend's refusals as its reason."""
+    import dataclasses
+
+    from moetune.codegen.backend import register
+    from moetune.codegen.contract import KernelBackend
+    from moetune.codegen.torch import TorchBackend
+
+    class UnquantisedOnly(KernelBackend):
+        name = "unquantised-only"
+        library = "torch"
+        KINDS = tuple(dataclasses.replace(k, formats=("none",)) for k in TorchBackend.KINDS)
+        TARGET = "cpu"
+
+    register(UnquantisedOnly())
+    model = fp8_model()
+    with pytest.warns(UserWarning, match="no MoE block"):
+        moetune.compile(model, backend="unquantised-only")
+    assert not plans(model)
+    for c in model._moetune_state.captured:
+        assert c.block is None and "backend unquantised-only runs none of its kernels" in c.reason
+        assert "fp8_block" in c.reason and c.experts._moetune_left == c.reason
+    assert "left as is" in moetune.runtime.describe(model)
+    moetune.uncompile(model)
