@@ -65,6 +65,12 @@ def run(args: argparse.Namespace) -> int:
     from ..runtime.default import backend_for
 
     be = get(args.backend) if args.backend else backend_for(args.target)
+    refusals = be.kinds(block)
+    if all(refusals.values()):  # e.g. FP8 weights on a backend without FP8 kernels
+        print(f"  note: backend {be.name} runs none of its kernels on this block, so a model compiled with it "
+              f"leaves the block as it is; the passes below show backend-neutral defaults ("
+              + "; ".join(f"{k}: {v}" for k, v in refusals.items()) + ")")
+        be = None
     for pass_name, ir in run_pipeline(block, target=args.target, trace=args.trace, tokens=tokens, backend=be):
         print(f"\n== after {pass_name}\n{format_ir(ir)}")
     return 0

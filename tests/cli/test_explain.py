@@ -87,6 +87,18 @@ def test_explain_an_fp8_checkpoint(tmp_path, capsys):
     assert "== after roofline" in out and "schedule: " in out
 
 
+def test_explain_passes_of_an_fp8_preset_on_the_gpu_target(capsys):
+    """With the target's own backend (triton on h200): its floors, and, where no triton kernel reads FP8
+    blocks, a note that a compiled model leaves the block as it is, with backend-neutral defaults."""
+    from moetune.codegen.backend import get
+
+    assert main(["explain", "--preset", "qwen3-30b-a3b-fp8", "--passes", "--tokens", "1-64"]) == 0
+    out = capsys.readouterr().out
+    assert "== after roofline" in out and "floor " in out and "schedule: " in out
+    no_fp8 = all(get("triton").kinds(preset("qwen3-30b-a3b-fp8")).values())
+    assert ("backend triton runs none of its kernels on this block" in out) == no_fp8
+
+
 def test_fp8_floor_at_the_fp8_peak():
     from moetune.passes.targets import floor, get_target
 
