@@ -33,7 +33,7 @@ def _ranges(idx: list[int]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..ir.config import moe_layers
+    from ..ir.config import moe_layers, quantization
 
     tokens = parse_tokens(args.tokens)
     if args.trace:
@@ -45,10 +45,17 @@ def run(args: argparse.Namespace) -> int:
     layers = moe_layers(cfg, name)
     if layers is not None:
         print(f"  MoE layers: {len(layers)} of {text['num_hidden_layers']} ({_ranges(layers) or 'none'})")
-    quant = text.get("quantization_config") or cfg.get("quantization_config")
-    if isinstance(quant, dict):
+    quant = quantization(cfg)
+    if block.weight_format.quantized:
+        fmt = block.weight_format
+        print(f"  note: FP8 checkpoint (quant_method 'fp8'): experts in float8_e4m3fn with one {fmt.scale_dtype} "
+              f"scale per {fmt.block[0]}x{fmt.block[1]} block, activations in {fmt.compute_dtype}, as "
+              "transformers loads them into FP8Experts on a GPU; moetune's kernels read them in place. Loaded "
+              "where there is no GPU, transformers dequantizes the checkpoint to bf16, and the block is then "
+              "the bf16 one")
+    elif quant is not None:
         print(f"  note: the checkpoint is quantized (quant_method {quant.get('quant_method')!r}); capture "
-              f"leaves quantized experts as they are, so this {block.weight_dtype} block describes the "
+              f"leaves such experts as they are, so this {block.weight_dtype} block describes the "
               "model loaded dequantized")
     if not args.passes:
         return 0
@@ -58,6 +65,12 @@ def run(args: argparse.Namespace) -> int:
     from ..runtime.default import backend_for
 
     be = get(args.backend) if args.backend else backend_for(args.target)
+    refusals = be.kinds(block)
+    if all(refusals.values()):  # e.g. FP8 weights on a backend without FP8 kernels
+        print(f"  note: backend {be.name} runs none of its kernels on this block, so a model compiled with it "
+              f"leaves the block as it is; the passes below show backend-neutral defaults ("
+              + "; ".join(f"{k}: {v}" for k, v in refusals.items()) + ")")
+        be = None
     for pass_name, ir in run_pipeline(block, target=args.target, trace=args.trace, tokens=tokens, backend=be):
         print(f"\n== after {pass_name}\n{format_ir(ir)}")
     return 0

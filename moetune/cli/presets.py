@@ -13,6 +13,6 @@ def run(args: argparse.Namespace) -> int:
     from ..ir.presets import table
 
     print("\n".join(table()))
-    print("\nexpert bytes: 3·D·F weights (+ biases) of one expert in the preset's dtype; "
-          "`moetune explain --preset NAME` prints a block")
+    print("\nexpert bytes: 3·D·F weights (+ biases) of one expert in the preset's weight format (block scales "
+          "included); `moetune explain --preset NAME` prints a block")
     return 0

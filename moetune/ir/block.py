@@ -196,6 +196,19 @@ class WeightFormat:
             b += -(-rows // br) * -(-cols // bc) * (4 if self.scale_dtype == "float32" else 1)
         return b
 
+    def partial_blocks(self, D: int, F: int) -> str | None:
+        """Why experts of hidden size D and intermediate size F do not split into whole blocks of this
+        format (gate and up [F, D] each, down [D, F]), or None: moetune reads whole blocks only."""
+        if self.block is None:
+            return None
+        rows, cols = self.block
+        bad = [f"{n}={v} is not a multiple of {b}" for n, v, b in
+               (("F (gate/up rows)", F, rows), ("D (gate/up cols)", D, cols), ("D (down rows)", D, rows),
+                ("F (down cols)", F, cols)) if v % b]
+        if not bad:
+            return None
+        return f"block {rows}x{cols} leaves a partial last block ({'; '.join(dict.fromkeys(bad))})"
+
     def signature(self) -> str:
         if not self.quantized:
             return self.dtype

@@ -12,6 +12,14 @@ Blocks are recognised by their modules, not traced (see the transformers notes, 
 4. With `check=True` the real router runs on random inputs and its ids (as sets) and weights
    are compared with `routing.route` of the captured spec; a mismatch leaves the block alone.
 
+FP8 experts (transformers' `FP8Experts`, behind its FP8 experts hook) are captured with an fp8_block
+`WeightFormat` read off the module: float8_e4m3fn weights, one `*_scale_inv` per `block_size` tile in
+float32 or ue8m0 (float8_e8m0fnu), activations and outputs in the model's dtype (the router's). What the
+kernels cannot read is refused with the reason: static activation scales, per-tensor scales
+(block_size None), FP4 experts, no gate projection, sizes that end in a partial block, scale tensors of
+another shape. Attributes are read defensively and the format is judged from the tensors' dtypes and
+shapes, so FP8Experts of other transformers versions are captured or refused by what they hold.
+
 Whatever is not captured comes back with `block=None` and the reason; the model is never changed.
 """
 
@@ -22,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block import DTYPES, Activation, MoEBlock, Router, SharedExperts, WeightLayout
+from .block import DTYPES, Activation, MoEBlock, Router, SharedExperts, WeightFormat, WeightLayout
 from .errors import CaptureError, MoetuneError
 from .routing import route, router_logits, selection_scores
 
@@ -150,9 +158,10 @@ def _describe(modules: dict[str, torch.nn.Module], path: str, block_mod: torch.n
     where = f"{path} ({type(block_mod).__name__})"
     ecls = qualname(experts)
     names = [c.__name__ for c in type(experts).__mro__] + [type(block_mod).__name__]
-    if any(n == "FP8Experts" or n.startswith("Mxfp4") for n in names):
-        raise CaptureError(f"{where}: quantized experts {type(experts).__name__} (FP8/MXFP4) are not "
+    if any(n.startswith("Mxfp4") for n in names):
+        raise CaptureError(f"{where}: quantized experts {type(experts).__name__} (MXFP4) are not "
                            "supported; left as is")
+    fp8 = is_fp8_experts(experts)
     if not is_hooked(experts):
         why = UNHOOKED.get(qualname(block_mod))
         raise CaptureError(f"{where}: " + (why or f"experts module {ecls} has no transformers experts hook "
@@ -173,11 +182,14 @@ def _describe(modules: dict[str, torch.nn.Module], path: str, block_mod: torch.n
         raise CaptureError(f"{where}: unknown router class {rcls}; known: "
                            + ", ".join(sorted(c.rsplit('.', 1)[1] for c in ROUTERS)))
     spec = ROUTERS[rcls](router)
-    activation = _activation(where, experts)
+    activation = _fp8_activation(where, experts) if fp8 else _activation(where, experts)
 
     layout = WeightLayout(transposed=bool(experts.is_transposed), interleaved=not experts.is_concatenated,
                           has_bias=bool(experts.has_bias))
     gate_up, down = _param(where, experts, "gate_up_proj", 3), _param(where, experts, "down_proj", 3)
+    if fp8 and (gate_up.dtype == torch.int8 or getattr(experts, "expert_dtype", "fp8") == "fp4"):
+        raise CaptureError(f"{where}: FP4 experts (e2m1 packed two per int8, expert_dtype='fp4') are not "
+                           "supported; supported: float8_e4m3fn weights")
     rw = _param(where, router, "weight", 2)
     E, D = rw.shape
     F = down.shape[1] if layout.transposed else down.shape[2]
@@ -202,15 +214,124 @@ def _describe(modules: dict[str, torch.nn.Module], path: str, block_mod: torch.n
         raise CaptureError(f"{where}: experts.num_experts = {n_exp} but router.weight has E = {E} rows")
     k = int(getattr(router, "top_k", 0))
 
-    wdt = str(gate_up.dtype).replace("torch.", "")
-    if wdt not in DTYPES:
+    fmt = None
+    if fp8:
+        fmt = _fp8_format(where, experts, router, gate_up, down, E, D, F)
+        wdt = fmt.compute_dtype
+    else:
+        wdt = str(gate_up.dtype).replace("torch.", "")
+    if fmt is None and wdt not in DTYPES:
         raise CaptureError(f"{where}: expert weights are {wdt}; supported: {', '.join(DTYPES)}; left as is")
-    if str(down.dtype).replace("torch.", "") != wdt:
+    if fmt is None and str(down.dtype).replace("torch.", "") != wdt:
         raise CaptureError(f"{where}: experts.down_proj is {down.dtype} but gate_up_proj is {gate_up.dtype}")
     rwdt = "float32" if spec.weights_dtype == "float32" else wdt
-    return MoEBlock(E=E, k=k, D=D, F=F, activation=activation, router=spec, weight_application="output",
-                    shared=_shared(where, modules, path, block_mod), layout=layout, weight_dtype=wdt,
-                    routing_weight_dtype=rwdt, T_max=T_max, name=path)
+    block = MoEBlock(E=E, k=k, D=D, F=F, activation=activation, router=spec, weight_application="output",
+                     shared=_shared(where, modules, path, block_mod), layout=layout, weight_dtype=wdt,
+                     routing_weight_dtype=rwdt, T_max=T_max, name=path)
+    return block if fmt is None else block.with_weight_format(fmt)
+
+
+# --- FP8 experts ---------------------------------------------------------------------------------
+
+_SCALE_DTYPES = {"float32": "float32", "float8_e8m0fnu": "ue8m0"}  # scale tensor dtype → WeightFormat's
+
+
+def is_fp8_experts(experts: torch.nn.Module) -> bool:
+    """True for transformers' FP8Experts (or a subclass of it)."""
+    return any(c.__name__ == "FP8Experts" for c in type(experts).__mro__)
+
+
+def _dt(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _fp8_activation(where: str, experts: torch.nn.Module) -> Activation:
+    """The activation of FP8Experts' own `_apply_gate`: SwiGLU of the halves, clamped (GPT-OSS style) when
+    the module has swiglu_alpha and swiglu_limit; a softcapped or clamp-only gate is refused."""
+    gate_fn = getattr(type(experts), "_apply_gate", None)
+    owner = getattr(gate_fn, "__qualname__", "")
+    if owner != "FP8Experts._apply_gate" and getattr(gate_fn, "__name__", "") != "_default_apply_gate":
+        raise CaptureError(f"{where}: {type(experts).__name__} overrides FP8Experts._apply_gate ({owner}); "
+                           "moetune knows FP8Experts' own gate only")
+    if getattr(experts, "gate_softcap", None) is not None or getattr(experts, "up_softcap", None) is not None:
+        raise CaptureError(f"{where}: FP8 experts with a softcapped SwiGLU (mlp_gate_softcap="
+                           f"{getattr(experts, 'gate_softcap', None)}) are not supported; supported: swiglu, "
+                           "clamped_swiglu")
+    alpha, limit = getattr(experts, "swiglu_alpha", None), getattr(experts, "swiglu_limit", None)
+    if alpha is not None:
+        if limit is None:
+            raise CaptureError(f"{where}: FP8 experts with swiglu_alpha={alpha} but no swiglu_limit")
+        return Activation("clamped_swiglu", alpha=float(alpha), limit=float(limit))
+    if getattr(experts, "limit", None) is not None:
+        raise CaptureError(f"{where}: FP8 experts clamp the gate at limit={experts.limit} without swiglu_alpha; "
+                           "supported: swiglu, clamped_swiglu")
+    cfg = getattr(experts, "config", None)
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+    if act is None:
+        act = "silu" if type(getattr(experts, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation") else None
+    if act not in SILU_NAMES:
+        raise CaptureError(f"{where}: activation hidden_act={act!r} is not supported; supported: silu (SwiGLU)")
+    return Activation("swiglu")
+
+
+def _fp8_block_size(where: str, experts: torch.nn.Module, down_scale: torch.Tensor, D: int, F: int
+                    ) -> tuple[int, int]:
+    """The module's `block_size` as (rows, cols); where the module has no such attribute, the block that
+    makes down_proj_scale_inv [E, D/rows, F/cols] whole."""
+    if hasattr(experts, "block_size"):
+        bs = experts.block_size
+        if bs is None:
+            raise CaptureError(f"{where}: FP8 experts with per-tensor scales (block_size=None) are not "
+                               "supported; supported: fp8_block (one scale per block, e.g. 128x128)")
+        try:
+            rows, cols = (int(b) for b in bs)
+        except (TypeError, ValueError):
+            raise CaptureError(f"{where}: FP8 experts block_size={bs!r}, expected (rows, cols)") from None
+        return rows, cols
+    nr, nc = down_scale.shape[-2:]
+    if nr and nc and D % nr == 0 and F % nc == 0:
+        return D // nr, F // nc
+    raise CaptureError(f"{where}: FP8 experts without block_size whose down_proj_scale_inv "
+                       f"{list(down_scale.shape)} does not divide D={D}, F={F} into whole blocks")
+
+
+def _fp8_format(where: str, experts: torch.nn.Module, router: torch.nn.Module, gate_up: torch.Tensor,
+                down: torch.Tensor, E: int, D: int, F: int) -> WeightFormat:
+    """The fp8_block WeightFormat of an FP8Experts module, or CaptureError naming what does not fit."""
+    scheme = getattr(experts, "activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise CaptureError(f"{where}: FP8 experts with activation_scheme={scheme!r} (per-tensor activation "
+                           "scales) are not supported; supported: dynamic")
+    for name, t in (("gate_up_proj", gate_up), ("down_proj", down)):
+        if t.dtype != torch.float8_e4m3fn:
+            raise CaptureError(f"{where}: FP8 experts.{name} is {_dt(t)}; supported: float8_e4m3fn")
+    scales = {n: getattr(experts, f"{n}_scale_inv", None) for n in ("gate_up_proj", "down_proj")}
+    for n, s in scales.items():
+        if not isinstance(s, torch.Tensor) or s.dim() != 3:
+            got = None if not isinstance(s, torch.Tensor) else list(s.shape)
+            raise CaptureError(f"{where}: FP8 experts.{n}_scale_inv is {got}, expected [E, rows, cols] "
+                               "block scales")
+    gus, dns = scales["gate_up_proj"], scales["down_proj"]
+    rows, cols = _fp8_block_size(where, experts, dns, D, F)
+    partial = WeightFormat.fp8_block((rows, cols)).partial_blocks(D, F)
+    if partial:
+        raise CaptureError(f"{where}: FP8 experts of D={D}, F={F}: {partial}; moetune reads whole blocks only")
+    want = {"gate_up_proj_scale_inv": (gus, (E, 2 * F // rows, D // cols)),
+            "down_proj_scale_inv": (dns, (E, D // rows, F // cols))}
+    for n, (t, shape) in want.items():
+        if tuple(t.shape) != shape:
+            raise CaptureError(f"{where}: experts.{n} has shape {list(t.shape)}, expected {list(shape)} for "
+                               f"E={E}, D={D}, F={F} in {rows}x{cols} blocks")
+    sdt = {_dt(gus), _dt(dns)}
+    if len(sdt) != 1 or next(iter(sdt)) not in _SCALE_DTYPES:
+        raise CaptureError(f"{where}: FP8 block scales are {' and '.join(sorted(sdt))}; supported: "
+                           f"{', '.join(_SCALE_DTYPES)} (both tensors alike)")
+    # activations are in the model's dtype: its config's, else the router's (DeepSeek-V3 keeps a float32 one)
+    compute = str(getattr(getattr(experts, "config", None), "dtype", None) or _dt(router.weight))
+    compute = compute.replace("torch.", "")
+    if compute not in DTYPES:
+        raise CaptureError(f"{where}: FP8 experts in a {compute} model; supported: {', '.join(DTYPES)}")
+    return WeightFormat.fp8_block((rows, cols), _SCALE_DTYPES[next(iter(sdt))], compute)
 
 
 def _param(where: str, mod: torch.nn.Module, name: str, ndim: int) -> torch.Tensor:
@@ -290,7 +411,7 @@ def check_router(block: MoEBlock, router: torch.nn.Module, experts: torch.nn.Mod
     where = f"{block.name} ({type(router).__name__})"
     spec = block.router
     weight, bias, score_bias = router_tensors(router, spec)
-    dtype = experts.gate_up_proj.dtype
+    dtype = getattr(torch, block.weight_format.compute_dtype)
     device = router.weight.device
     gen = torch.Generator().manual_seed(seed)
     for T in _CHECK_TOKENS:

@@ -4,6 +4,12 @@ Each supported `model_type` maps the config's field names onto E, k, D, F, the r
 activation and the shared experts, with the defaults of transformers 5.24's config classes for
 optional flags. The sizes themselves (E, k, D, F) must be in the file: a missing one is an
 error naming the field, never a guess. VLM configs are read through their `text_config`.
+
+A `quantization_config` with quant_method "fp8" (as DeepSeek-V3 and Qwen3-FP8 publish it: fmt e4m3,
+weight_block_size [128, 128], activation_scheme dynamic, optionally scale_fmt ue8m0) gives the block an
+fp8_block weight format, its activations in the config's dtype: the experts transformers loads into
+FP8Experts on a GPU. FP8 settings moetune's kernels cannot read are refused with the reason; other
+quantisation methods leave the block in the config's dtype (`quantization(cfg)` names them).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .block import DTYPES, Activation, MoEBlock, Router, SharedExperts, WeightLayout
+from .block import DTYPES, Activation, MoEBlock, Router, SharedExperts, WeightFormat, WeightLayout
 from .errors import CaptureError, IRError
 
 
@@ -179,10 +185,51 @@ def block_from_config(cfg: dict, name: str = "", dtype: str | None = None, *, T_
     if wdt not in DTYPES:
         raise CaptureError(f"{src}: dtype {wdt!r} is not supported; supported: {', '.join(DTYPES)}")
     layout = WeightLayout(transposed=True, interleaved=True, has_bias=True) if fam.gpt_oss else WeightLayout()
+    fmt = fp8_format(quantization(top), wdt, src)
+    if fmt is not None:
+        partial = fmt.partial_blocks(D, F)
+        if partial:
+            raise CaptureError(f"{src}: FP8 experts of D={D}, F={F}: {partial}; moetune reads whole blocks only")
     try:
-        return MoEBlock(E=E, k=k, D=D, F=F, activation=activation, router=router, shared=shared,
-                        layout=layout,
-                        weight_dtype=wdt, routing_weight_dtype="float32" if fam.routing_fp32 else wdt,
-                        T_max=T_max, name=name)
+        block = MoEBlock(E=E, k=k, D=D, F=F, activation=activation, router=router, shared=shared,
+                         layout=layout,
+                         weight_dtype=wdt, routing_weight_dtype="float32" if fam.routing_fp32 else wdt,
+                         T_max=T_max, name=name)
+        return block if fmt is None else block.with_weight_format(fmt)
     except IRError as e:
         raise CaptureError(f"{src}: {e}") from None
+
+
+def quantization(cfg: dict) -> dict | None:
+    """The config's `quantization_config` (top level, else the text config's), None when it has none."""
+    q = cfg.get("quantization_config")
+    if not isinstance(q, dict) and isinstance(cfg.get("text_config"), dict):
+        q = cfg["text_config"].get("quantization_config")
+    return q if isinstance(q, dict) else None
+
+
+def fp8_format(quant: dict | None, compute_dtype: str, src: str = "config") -> WeightFormat | None:
+    """The fp8_block WeightFormat a `quantization_config` declares (None for none, or another method);
+    CaptureError for FP8 settings the kernels cannot read."""
+    if quant is None or quant.get("quant_method") != "fp8":
+        return None
+    where = f"{src}: quantization_config"
+    fmt = quant.get("fmt", "e4m3")
+    if fmt not in ("e4m3", "float8_e4m3fn"):
+        raise CaptureError(f"{where} fmt={fmt!r} is not supported; supported: e4m3")
+    if quant.get("expert_dtype", "fp8") != "fp8":
+        raise CaptureError(f"{where} expert_dtype={quant['expert_dtype']!r} (FP4 experts) is not supported; "
+                           "supported: fp8")
+    scheme = quant.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise CaptureError(f"{where} activation_scheme={scheme!r} is not supported; supported: dynamic")
+    bs = quant.get("weight_block_size")
+    if bs is None:
+        raise CaptureError(f"{where} has no weight_block_size (per-tensor scales), not supported; "
+                           "supported: block scales, e.g. weight_block_size [128, 128]")
+    if not (isinstance(bs, (list, tuple)) and len(bs) == 2 and all(isinstance(b, int) and b > 0 for b in bs)):
+        raise CaptureError(f"{where} weight_block_size={bs!r}, expected [rows, cols] positive integers")
+    scale = quant.get("scale_fmt") or "float"
+    if scale not in ("float", "float32", "ue8m0"):
+        raise CaptureError(f"{where} scale_fmt={scale!r} is not supported; supported: float (float32), ue8m0")
+    return WeightFormat.fp8_block(tuple(bs), "ue8m0" if scale == "ue8m0" else "float32", compute_dtype)

@@ -37,7 +37,39 @@ def explain(model: torch.nn.Module, *, print_: bool = True, check: bool = True) 
     found = capture(model, check=check)
     if print_:
         print(format_captured(found) if found else "no MoE block found (no module has an `experts` child)")
+        note = dequantized_note(model, found)
+        if note:
+            print(f"\nnote: {note}")
     return found
+
+
+def dequantized_note(model: torch.nn.Module, found: list[Captured]) -> str | None:
+    """Why a model loaded from an FP8 checkpoint has unquantised blocks: transformers dequantised it on load
+    (it does where there is no GPU, and drops the config's quantization_config). Read from the checkpoint
+    folder's config.json; None when the model has no such folder or its blocks are FP8."""
+    from pathlib import Path
+
+    from .config import load_config, quantization
+
+    cfg = getattr(model, "config", None)
+    where = getattr(cfg, "_name_or_path", None) or getattr(cfg, "name_or_path", None)
+    if not where or getattr(cfg, "quantization_config", None) is not None:
+        return None
+    if not (Path(where) / "config.json").is_file():
+        return None
+    try:
+        quant = quantization(load_config(where))
+    except Exception:  # an unreadable folder says nothing about the model in memory
+        return None
+    if quant is None or quant.get("quant_method") != "fp8":
+        return None
+    plain = [c.block for c in found if c.ok and not c.block.weight_format.quantized]
+    if not plain:
+        return None
+    return (f"the checkpoint {where} is FP8 (quantization_config quant_method 'fp8'), but transformers "
+            f"dequantized it to {plain[0].weight_dtype} on load "
+            "(it does so where there is no GPU), so its experts are captured unquantised; loaded on a GPU they are "
+            "FP8Experts and capture reads them as fp8_block")
 
 
 def format_ir(ir: object) -> str:

@@ -3,6 +3,10 @@
 Each preset goes through `block_from_config`, so a preset and the model's own config.json give
 the same MoEBlock. Weights are bfloat16 as published. qwen3.5-397b-a17b: E and k as published,
 D = 4096 and F = 1024 assumed, shared expert size = F assumed, layer count left out.
+
+The `-fp8` presets are the same models' FP8 checkpoints: the bf16 preset's config plus the
+`quantization_config` DeepSeek-V3 and Qwen3-FP8 publish (e4m3 weights, one float32 scale per 128×128
+block, activations quantised dynamically), so their experts have an fp8_block weight format.
 """
 
 from __future__ import annotations
@@ -57,6 +61,11 @@ PRESETS: dict[str, dict] = {
     },
 }
 
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                    "activation_scheme": "dynamic"}
+PRESETS.update({f"{name}-fp8": {**PRESETS[name], "quantization_config": dict(FP8_QUANTIZATION)}
+                for name in ("qwen3.5-397b-a17b", "deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")})
+
 
 def preset(name: str, dtype: str | None = None) -> MoEBlock:
     """The MoEBlock of a shipped preset; CaptureError listing the presets for an unknown name."""
@@ -76,13 +85,15 @@ def _human(n: float) -> str:
 
 def table() -> list[str]:
     """The `moetune presets` table, one line per preset."""
-    rows = [("name", "E", "k", "D", "F", "router", "expert bytes")]
+    rows = [("name", "E", "k", "D", "F", "router", "weights", "expert bytes")]
     for name in PRESETS:
         b = preset(name)
-        rows.append((name, str(b.E), str(b.k), str(b.D), str(b.F), str(b.router),
+        fmt = b.weight_format
+        weights = fmt.dtype if not fmt.quantized else f"fp8 {fmt.block[0]}x{fmt.block[1]} {fmt.scale_dtype}"
+        rows.append((name, str(b.E), str(b.k), str(b.D), str(b.F), str(b.router), weights,
                      _human(b.weight_bytes_per_expert)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    right = {1, 2, 3, 4, 6}
+    right = {1, 2, 3, 4, 7}
     def cell(i: int, text: str) -> str:
         return text.rjust(widths[i]) if i in right else text.ljust(widths[i])
 

@@ -1,6 +1,7 @@
 """The compiled model: moetune's experts function behind transformers' official experts hook.
 
-    import moetune                      # registers "moetune" in transformers' ExpertsInterface
+    import moetune                      # registers "moetune" in transformers' ExpertsInterface and
+                                        # FP8ExpertsInterface
     moetune.compile(model)              # capture → a Plan per captured experts module → "moetune"
     moetune.uncompile(model)            # back to the previous experts implementation
 
@@ -9,8 +10,11 @@
 
 transformers calls `experts_forward(self, hidden_states [T, D], top_k_index [T, k], top_k_weights
 [T, k])` for every hooked experts module of a model whose experts implementation is "moetune".
-With a plan attached (`module._moetune_plan`), it calls the custom op `moetune::experts` with the
-module's own parameter tensors (no copy) and the plan's id; the op looks the plan up and runs its
+Both of transformers' experts hooks lead here: the bf16 experts' ExpertsInterface and FP8Experts'
+FP8ExpertsInterface read the same `config._experts_implementation`, so one switch moves both. With a
+plan attached (`module._moetune_plan`), it calls the custom op `moetune::experts` with the module's
+own parameter tensors (no copy; FP8Experts' float8_e4m3fn weights and their `*_scale_inv` block scales
+as they are) and the plan's id; the op looks the plan up and runs its
 Dispatcher, which picks the bucket's kernel from the host-side T. The op has a fake (meta) kernel, so
 whole-model torch.export and torch.compile(fullgraph=True) see one opaque node per MoE layer; the plan
 id is a graph constant and the registry must still hold it when an exported program runs (uncompile
@@ -23,12 +27,13 @@ and was never compiled is compiled on its first untraced experts call: the outer
 model on the call stack that holds the experts module is compiled as `compile(model,
 cache=$MOETUNE_CACHE)` would (no MOETUNE_CACHE: the default schedules). Blocks that capture leaves
 alone, and a model traced (torch.compile, torch.export) before any eager call, run transformers'
-grouped_mm: the former with one warning giving the reasons.
+grouped_mm (for FP8Experts its FP8 grouped_mm): the former with one warning giving the reasons.
 """
 
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import itertools
 import os
 import sys
@@ -86,12 +91,16 @@ def experts_op(
     gate_up_bias: torch.Tensor | None,
     down_bias: torch.Tensor | None,
     plan_id: int,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Routed experts of plan `plan_id`: x [T, D], ids [T, k], weights [T, k] → [T, D] in x.dtype."""
-    return _run_plan(x, ids, weights, gate_up, down, gate_up_bias, down_bias, plan_id)
+    """Routed experts of plan `plan_id`: x [T, D], ids [T, k], weights [T, k] → [T, D] in x.dtype
+    (the block scales: those of FP8 weights, None for unquantised ones)."""
+    return _run_plan(x, ids, weights, gate_up, down, gate_up_bias, down_bias, plan_id, gate_up_scale, down_scale)
 
 
-def _run_plan(x, ids, weights, gate_up, down, gate_up_bias, down_bias, plan_id: int) -> torch.Tensor:
+def _run_plan(x, ids, weights, gate_up, down, gate_up_bias, down_bias, plan_id: int,
+              gate_up_scale=None, down_scale=None) -> torch.Tensor:
     """The op's body, also what the experts hook calls in untraced inference (`_untraced_inference`)."""
     plan = PLANS.get(plan_id)
     if plan is None:
@@ -100,11 +109,13 @@ def _run_plan(x, ids, weights, gate_up, down, gate_up_bias, down_bias, plan_id: 
             f"(the model was uncompiled, or the program was exported elsewhere); "
             f"run moetune.compile(model) again"
         )
-    return plan.dispatcher(x, ids, weights, ExpertTensors(gate_up, down, gate_up_bias, down_bias))
+    return plan.dispatcher(x, ids, weights,
+                           ExpertTensors(gate_up, down, gate_up_bias, down_bias, gate_up_scale, down_scale))
 
 
 @experts_op.register_fake
-def _experts_fake(x, ids, weights, gate_up, down, gate_up_bias, down_bias, plan_id):
+def _experts_fake(x, ids, weights, gate_up, down, gate_up_bias, down_bias, plan_id, gate_up_scale=None,
+                  down_scale=None):
     return x.new_empty(x.shape)
 
 
@@ -124,14 +135,12 @@ experts_op.register_autograd(_no_backward)
 def experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """The function registered as "moetune" in transformers' ExpertsInterface."""
+    """The function registered as "moetune" in transformers' ExpertsInterface and FP8ExpertsInterface."""
     plan = getattr(self, "_moetune_plan", None)
     if plan is None and getattr(self, "_moetune_left", None) is None and _untraced():
         plan = _compile_on_first_call(self)
     if plan is None:
-        from transformers.integrations.moe import grouped_mm_experts_forward
-
-        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return _transformers_grouped_mm(self)(self, hidden_states, top_k_index, top_k_weights)
     bias = plan.block.layout.has_bias
     args = (
         hidden_states,
@@ -142,9 +151,23 @@ def experts_forward(
         self.gate_up_proj_bias if bias else None,
         self.down_proj_bias if bias else None,
     )
-    if _untraced_inference(args):  # plain eager inference: skip the custom op's dispatch
-        return _run_plan(*args, plan.id)
-    return torch.ops.moetune.experts(*args, plan.id)
+    scales = (self.gate_up_proj_scale_inv, self.down_proj_scale_inv) if plan.block.weight_format.quantized else ()
+    if _untraced_inference(args + scales):  # plain eager inference: skip the custom op's dispatch
+        return _run_plan(*args, plan.id, *scales)
+    return torch.ops.moetune.experts(*args, plan.id, *scales)
+
+
+def _transformers_grouped_mm(experts: torch.nn.Module):
+    """transformers' grouped_mm experts function for `experts`: the FP8 one for FP8Experts."""
+    from ..ir.capture import is_fp8_experts
+
+    if is_fp8_experts(experts):
+        from transformers.integrations.finegrained_fp8 import fp8_grouped_mm_experts_forward
+
+        return fp8_grouped_mm_experts_forward
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    return grouped_mm_experts_forward
 
 
 def _untraced_inference(tensors: tuple[torch.Tensor | None, ...]) -> bool:
@@ -190,12 +213,18 @@ _TRACING = (
 
 
 def register_with_transformers() -> bool:
-    """Register "moetune" in transformers' ExpertsInterface; False when transformers is absent."""
+    """Register "moetune" in transformers' ExpertsInterface, and in its FP8ExpertsInterface (the FP8Experts'
+    hook, a registry of its own) where this transformers has one; False when transformers is absent."""
     try:
         from transformers.integrations.moe import ExpertsInterface
     except ImportError:
         return False
     ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:  # a transformers whose FP8 experts have no hook: capture refuses them (no hook)
+        return True
+    FP8ExpertsInterface.register(IMPLEMENTATION, experts_forward)
     return True
 
 
@@ -274,12 +303,21 @@ def _compile(
                          on_first_call=on_first_call)
     dispatchers: dict[tuple[str, str], Dispatcher] = {}  # one per (block signature, backend)
     try:
-        for c in captured:
+        for i, c in enumerate(captured):
+            if c.block is not None and c.experts is not None:
+                be = _pick_backend(backend, _device(c.experts))
+                kinds = be.kinds(c.block)
+                if all(kinds.values()):  # e.g. a weight format none of the backend's kernels reads
+                    why = "; ".join(f"{k}: {v}" for k, v in kinds.items())
+                    c = state.captured[i] = dataclasses.replace(
+                        c, block=None, reason=f"{c.path}: backend {be.name} runs none of its kernels on this "
+                                              f"block ({why}); left as is")
+            if c.block is None and c.experts is not None:
+                c.experts._moetune_left = c.reason  # runs transformers' own experts, never a first-call compile
             if c.block is None or c.experts is None:
                 continue
             ExpertTensors.of(c.experts).check(c.block)
             device = _device(c.experts)
-            be = _pick_backend(backend, device)
             state.backend = be.name
             key = (c.block.signature(), be.name)
             if key not in dispatchers:

@@ -64,11 +64,48 @@ def test_explain_passes(capsys):
 
 
 def test_explain_notes_a_quantized_checkpoint(tmp_path, capsys):
-    cfg = {**PRESETS["deepseek-v3"], "quantization_config": {"quant_method": "fp8"}}
+    cfg = {**PRESETS["gpt-oss-120b"], "quantization_config": {"quant_method": "mxfp4"}}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert main(["explain", "--model-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "quantized (quant_method 'fp8')" in out and "bfloat16 block" in out
+    assert "quantized (quant_method 'mxfp4')" in out and "bfloat16 block" in out
+
+
+def test_explain_an_fp8_checkpoint(tmp_path, capsys):
+    """An FP8 config gives the fp8_block block; the note says how transformers loads it, not that it is left
+    as it is; the floors are quoted at the FP8 peak."""
+    assert main(["explain", "--preset", "qwen3-30b-a3b-fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "float8_e4m3fn/fp8_block:128x128/float32/bfloat16" in out
+    assert "FP8Experts" in out and "dequantizes the checkpoint to bf16" in out and "left" not in out
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["deepseek-v3-fp8"]))
+    assert main(["explain", "--model-dir", str(tmp_path)]) == 0
+    assert "fp8_block:128x128" in capsys.readouterr().out
+    assert main(["explain", "--preset", "qwen3-30b-a3b-fp8", "--passes", "--tokens", "1-64",
+                 "--backend", "torch"]) == 0
+    out = capsys.readouterr().out
+    assert "== after roofline" in out and "schedule: " in out
+
+
+def test_explain_passes_of_an_fp8_preset_on_the_gpu_target(capsys):
+    """With the target's own backend (triton on h200): its floors, and, where no triton kernel reads FP8
+    blocks, a note that a compiled model leaves the block as it is, with backend-neutral defaults."""
+    from moetune.codegen.backend import get
+
+    assert main(["explain", "--preset", "qwen3-30b-a3b-fp8", "--passes", "--tokens", "1-64"]) == 0
+    out = capsys.readouterr().out
+    assert "== after roofline" in out and "floor " in out and "schedule: " in out
+    no_fp8 = all(get("triton").kinds(preset("qwen3-30b-a3b-fp8")).values())
+    assert ("backend triton runs none of its kernels on this block" in out) == no_fp8
+
+
+def test_fp8_floor_at_the_fp8_peak():
+    from moetune.passes.targets import floor, get_target
+
+    b, q = preset("qwen3-30b-a3b"), preset("qwen3-30b-a3b-fp8")
+    h200 = get_target("h200")
+    assert floor(q, "h200", 4096).peak_flops == h200.fp8_flops > floor(b, "h200", 4096).peak_flops
+    assert floor(q, "h200", 1).bytes < floor(b, "h200", 1).bytes
 
 
 def test_explain_reads_a_trace_and_names_a_bad_one(tmp_path, capsys):

@@ -111,3 +111,45 @@ def test_load_config(tmp_path):
     (tmp_path / "list.json").write_text("[1]")
     with pytest.raises(CaptureError, match="expected an object"):
         load_config(tmp_path / "list.json")
+
+
+QWEN3 = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_experts": 128, "num_experts_per_tok": 8,
+         "moe_intermediate_size": 768, "norm_topk_prob": True, "torch_dtype": "bfloat16"}
+# as DeepSeek-V3 and Qwen3-FP8 publish it
+FP8_QUANT = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+def test_fp8_quantization_config_gives_fp8_blocks():
+    from moetune.ir import WeightFormat
+
+    plain = block_from_config(QWEN3)
+    b = block_from_config({**QWEN3, "quantization_config": FP8_QUANT})
+    assert b.weight_format == WeightFormat.fp8_block((128, 128), "float32", "bfloat16")
+    assert b == plain.with_weight_format(b.weight_format)
+    ue = block_from_config({**QWEN3, "quantization_config": {**FP8_QUANT, "scale_fmt": "ue8m0"}})
+    assert ue.weight_format.scale_dtype == "ue8m0"
+    assert block_from_config({**QWEN3, "quantization_config": FP8_QUANT}, dtype="float16").weight_format \
+        .compute_dtype == "float16"
+    vlm = {"model_type": "qwen3_5_moe", "quantization_config": FP8_QUANT,
+           "text_config": {"model_type": "qwen3_5_moe_text", "hidden_size": 256, "num_experts": 8,
+                           "num_experts_per_tok": 2, "moe_intermediate_size": 128}}
+    assert block_from_config(vlm).weight_format.quantized
+    # another quantisation method: the block in the config's dtype, as capture sees it after a dequantising load
+    assert block_from_config({**QWEN3, "quantization_config": {"quant_method": "mxfp4"}}) == plain
+
+
+@pytest.mark.parametrize("quant, words", [
+    ({"activation_scheme": "static"}, ["activation_scheme='static'", "dynamic"]),
+    ({"weight_block_size": None}, ["no weight_block_size", "per-tensor"]),
+    ({"weight_block_size": [128]}, ["weight_block_size=[128]"]),
+    ({"fmt": "e5m2"}, ["fmt='e5m2'", "e4m3"]),
+    ({"expert_dtype": "fp4"}, ["FP4"]),
+    ({"scale_fmt": "e4m3"}, ["scale_fmt='e4m3'", "ue8m0"]),
+    ({"weight_block_size": [512, 128]}, ["F (gate/up rows)=768 is not a multiple of 512", "partial last block"]),
+])
+def test_fp8_quantization_config_refused_with_reason(quant, words):
+    with pytest.raises(CaptureError) as err:
+        block_from_config({**QWEN3, "quantization_config": {**FP8_QUANT, **quant}}, name="q")
+    for w in words:
+        assert w in str(err.value), str(err.value)
+    assert "'q'" in str(err.value)

@@ -20,8 +20,26 @@ PUBLISHED = {
 }
 
 
+FP8 = ("qwen3.5-397b-a17b", "deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b")  # published FP8 checkpoints
+
+
 def test_preset_names():
-    assert set(PRESETS) == set(PUBLISHED)
+    assert set(PRESETS) == set(PUBLISHED) | {f"{n}-fp8" for n in FP8}
+
+
+@pytest.mark.parametrize("name", FP8)
+def test_fp8_presets_are_the_bf16_block_in_fp8_blocks(name):
+    """An -fp8 preset: the bf16 preset's block, its weights float8_e4m3fn with one float32 scale per
+    128×128 block, activations bf16; a different signature (another dispatch key), half the expert bytes."""
+    from moetune.ir import WeightFormat
+
+    b, q = preset(name), preset(f"{name}-fp8")
+    assert q.weight_format == WeightFormat.fp8_block((128, 128), "float32", "bfloat16")
+    assert q == b.with_weight_format(q.weight_format).replace(name=q.name)
+    assert q.signature() != b.signature()
+    assert q.routing_weight_dtype == b.routing_weight_dtype
+    assert q.weight_bytes_per_expert == pytest.approx(b.weight_bytes_per_expert / 2, rel=0.01)
+    assert preset(f"{name}-fp8", dtype="float16").weight_format.compute_dtype == "float16"
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))

@@ -123,6 +123,8 @@ def test_what_explain_prints_is_what_a_compiled_model_runs(name, target, backend
     schedule the compiled model's dispatcher runs at T (no table)."""
     be = get(backend)
     b = preset(name)
+    if all(be.kinds(b).values()):
+        pytest.skip(f"{backend} has no kernel for {b.weight_format} weights in this tree: {be.kinds(b)}")
     final = run_pipeline(b, target, backend=be)[-1][1]
     printed = _explained(format_ir(final))
     assert [(lo, hi) for lo, hi, _ in printed] == [(bk.lo, bk.hi) for bk in final.buckets]

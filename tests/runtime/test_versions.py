@@ -107,14 +107,20 @@ def test_kernel_hash_covers_exactly_the_declared_files_of_each_kind(tmp_path):
 
 
 def test_every_backend_hashes_one_part_per_kind():
+    """One part per kind and weight-format scheme its kernels read ("kind", "kind@fp8_block")."""
+    from moetune.codegen.backend import get
+    from moetune.runtime.versions import hash_key
+
     for name in ("torch", "triton"):
         if name == "triton":
             pytest.importorskip("triton")
-        h = kernel_source_hash(name)
         be = get(name)
-        keys = sorted(k if s == "none" else f"{k}@{s}" for k in KINDS for s in be.schemes(k))
-        assert [p.split("=")[0] for p in h.split(";")] == keys and all(
+        want = sorted(hash_key(k, s) for k in KINDS for s in be.schemes(k))
+        h = kernel_source_hash(name)
+        assert [p.split("=")[0] for p in h.split(";")] == want and all(
             len(kernel_hash_part(h, k)) == 16 for k in KINDS)
+    h = kernel_source_hash("torch")
+    assert all(kernel_hash_part(h, k, "fp8_block") not in ("", kernel_hash_part(h, k)) for k in KINDS)
 
 
 def test_device_and_library_identities():

@@ -39,3 +39,21 @@ def test_tune_a_block_without_a_table_writes_nothing():
 def test_tune_refuses_a_model_with_no_moe_block():
     with pytest.raises(ConfigError, match="no MoE block captured in Linear"):
         moetune.tune(torch.nn.Linear(4, 4), backend="torch", budget_s=1.0)
+
+
+def test_tune_an_fp8_model_on_cpu_writes_the_table_its_compile_reads(tmp_path):
+    """FP8 experts (FP8Experts, 8x8 blocks) are tuned with the torch kernels on FP8 random weights, and
+    the compiled FP8 model reads the winners under its FP8 block's key."""
+    from moetune.runtime import plans
+    from moetune.testing import build, fp8
+
+    model = fp8.to_fp8(build("qwen3_moe", dtype=torch.bfloat16), (8, 8))
+    rs = moetune.tune(model, tokens=(1, 8), budget_s=4.0, cache=tmp_path / "t.sqlite", display=False,
+                      options=TuneOptions(device="cpu", build_workers=1))
+    assert rs and any(r.winner is not None for r in rs)
+    with DispatchTable(tmp_path / "t.sqlite") as t:
+        rows = t.entries()
+    assert rows and all("fp8_block:8x8" in e.signature_text for e in rows)
+    moetune.compile(model, cache=tmp_path / "t.sqlite")
+    block = plans(model)[0].block
+    assert {e.signature for e in rows} == {block.signature_hash()}

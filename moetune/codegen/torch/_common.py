@@ -9,7 +9,10 @@ Ids outside [0, E) (expert-parallel sentinels) become the id E, get routing weig
 rows are forced to 0 (a kernel may leave them uninitialised): they contribute nothing.
 
 Weights are the model's own tensors; `kn(...)` only returns views ([.., K, N] so that
-rows @ view is the projection), so nothing here copies or repacks a weight.
+rows @ view is the projection), so nothing here copies or repacks a weight. Block-quantised weights
+(fp8_block) are read the same way: `expert_weights` dequantises only the experts a call selects
+(moetune.codegen.quant, the one rule) into a transient copy in the compute dtype, and the variants bound
+that copy as they bound their gathers (GATHER_WORKSPACE_BYTES).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from ...ir import DTYPE_BYTES, MoEBlock, UnsupportedSchedule
 from ..common import ExpertTensors, ParamSpace
+from ..quant import dequantize_blocks
 from .reference import apply_activation, split_gate_up
 
 Combine = Literal["unsort_sum", "index_add"]
@@ -41,9 +45,19 @@ def check_chunk(owner: str, chunk: int) -> None:
         raise UnsupportedSchedule(f"{owner}.chunk = {chunk!r}: need a positive int (pairs per gathered bmm)")
 
 
+def copy_bytes_per_expert(block: MoEBlock) -> float:
+    """Bytes of one expert's weights as a variant's transient copy holds them: the stored bytes for
+    unquantised weights; for block-quantised ones the gathered values and scales, the float32 values,
+    expanded scales and products of their dequantisation, and the copy in the compute dtype."""
+    if not block.weight_format.quantized:
+        return block.weight_bytes_per_expert
+    n = 3 * block.D * block.F
+    return block.weight_bytes_per_expert + n * (3 * 4 + DTYPE_BYTES[block.weight_format.compute_dtype])
+
+
 def gather_refusal(block: MoEBlock, chunk: int) -> str | None:
     """None if `chunk` gathered expert copies fit the workspace bound, else the reason."""
-    per_expert = block.weight_bytes_per_expert
+    per_expert = copy_bytes_per_expert(block)
     need = chunk * per_expert
     if need <= GATHER_WORKSPACE_BYTES:
         return None
@@ -71,14 +85,16 @@ def chunks(block: MoEBlock) -> tuple[int, ...]:
 
 
 def grouped_mm_refusal(block: MoEBlock) -> str | None:
-    """torch grouped_mm on CPU needs every row stride to be a multiple of 16 bytes."""
-    b = DTYPE_BYTES[block.weight_dtype]
+    """torch grouped_mm on CPU needs every row stride to be a multiple of 16 bytes (of the weights it
+    multiplies: the compute dtype's copy for block-quantised weights)."""
+    dt = block.weight_format.compute_dtype
+    b = DTYPE_BYTES[dt]
     bad = [f"{n}={v} ({v * b} B)" for n, v in (("D", block.D), ("F", block.F)) if (v * b) % 16]
     if not bad:
         return None
     return (
         f"block {block.name or block.signature_hash()}: grouped_mm needs row strides that are multiples "
-        f"of 16 bytes, got {', '.join(bad)} in {block.weight_dtype}; use impl=sorted_gemm"
+        f"of 16 bytes, got {', '.join(bad)} in {dt}; use impl=sorted_gemm"
     )
 
 
@@ -124,13 +140,27 @@ def activate(block: MoEBlock, gu: torch.Tensor) -> torch.Tensor:
     return apply_activation(block.activation, *split_gate_up(block, gu))
 
 
+def expert_weights(block: MoEBlock, w: ExpertTensors, which: str, experts: int | torch.Tensor) -> torch.Tensor:
+    """`which` ("gate_up" | "down") of expert `experts` (an int: [N, K]) or experts ids [c] ([c, N, K]), in
+    the stored layout: a view of the model's tensor (int) or a gathered copy (ids); block-quantised weights
+    dequantised with their block scales (moetune.codegen.quant) into a transient copy in the compute dtype."""
+    t = getattr(w, which)
+    pick = (lambda a: a[experts]) if isinstance(experts, int) else (lambda a: a.index_select(0, experts))
+    fmt = block.weight_format
+    if not fmt.quantized:
+        return pick(t)
+    scale = getattr(w, f"{which}_scale")
+    return dequantize_blocks(pick(t), pick(scale), fmt.block).to(getattr(torch, fmt.compute_dtype))
+
+
 def expert_ffn(block: MoEBlock, w: ExpertTensors, e: int, xs: torch.Tensor) -> torch.Tensor:
-    """One expert on its rows: xs [m, D] → [m, D], two torch.mm on views of the model's tensors."""
-    gu = xs @ kn(block, w.gate_up[e])  # [m, 2F]
+    """One expert on its rows: xs [m, D] → [m, D], two torch.mm on views of the model's tensors (on the
+    expert's dequantised copy for block-quantised weights)."""
+    gu = xs @ kn(block, expert_weights(block, w, "gate_up", e))  # [m, 2F]
     if w.gate_up_bias is not None:
         gu = gu + w.gate_up_bias[e]
     h = activate(block, gu)  # [m, F]
-    y = h @ kn(block, w.down[e])  # [m, D]
+    y = h @ kn(block, expert_weights(block, w, "down", e))  # [m, D]
     if w.down_bias is not None:
         y = y + w.down_bias[e]
     return y
@@ -185,7 +215,10 @@ def empty_out(x: torch.Tensor) -> torch.Tensor:
     return x.new_zeros((0, x.shape[1]))
 
 
-def weight_dtype(w: ExpertTensors) -> torch.dtype:
+def compute_dtype(block: MoEBlock, w: ExpertTensors) -> torch.dtype:
+    """The dtype the GEMMs run in: the weights' own, or the compute dtype of block-quantised weights."""
+    if block.weight_format.quantized:
+        return getattr(torch, block.weight_format.compute_dtype)
     return w.gate_up.dtype
 
 
@@ -198,7 +231,7 @@ def ffn_flops(block: MoEBlock, rows: float) -> float:
 
 
 def activation_bytes(block: MoEBlock, tokens: int) -> float:
-    """Bytes of x, the intermediate rows and the output for T tokens (in the weight dtype)."""
-    b = DTYPE_BYTES[block.weight_dtype]
+    """Bytes of x, the intermediate rows and the output for T tokens (in the compute dtype)."""
+    b = DTYPE_BYTES[block.weight_format.compute_dtype]
     S = tokens * block.k
     return b * (tokens * block.D + S * (block.D + 3 * block.F + block.D) + tokens * block.D)

@@ -19,6 +19,10 @@ on the host, so on a GPU it would stay capturable.
 
 Work is ∝ distinct experts × weights + T·k rows: each active expert's weights are read once, at any
 number of rows.
+
+Block-quantised (fp8_block) weights: sorted_gemm dequantises each active expert's matrices before its two
+torch.mm; grouped_mm reads the active experts on the host and runs one grouped_mm per group of them whose
+dequantised copies fit GATHER_WORKSPACE_BYTES (a host sync, as sorted_gemm's loop: CPU only).
 """
 
 from __future__ import annotations
@@ -36,22 +40,26 @@ from ..common import ExpertsFn, ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
 from ._common import (
     COMBINES,
+    GATHER_WORKSPACE_BYTES,
     Combine,
     activate,
     activation_bytes,
     check_combine,
     combine_sorted,
+    compute_dtype,
+    copy_bytes_per_expert,
     empty_out,
     expert_ffn,
+    expert_weights,
     ffn_flops,
     grouped_mm_refusal,
     input_rows,
     kn,
     pairs,
     sort_pairs,
-    weight_dtype,
 )
 
+FORMATS = ("none", "fp8_block")  # unquantised weights, and FP8 blocks dequantised per call
 SOURCES = ("grouped_gemm.py", "_common.py", "reference.py")
 
 _grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
@@ -107,10 +115,13 @@ def sorted_expert_rows(
 
 
 def grouped_expert_rows(
-    block: MoEBlock, w: ExpertTensors, xs_s: torch.Tensor, e_s: torch.Tensor, offs: torch.Tensor
+    block: MoEBlock, w: ExpertTensors, xs_s: torch.Tensor, e_s: torch.Tensor, counts: torch.Tensor
 ) -> torch.Tensor:
     """Expert-sorted rows xs_s [n, D], their expert ids e_s [n] (sentinel E allowed at the tail) and
-    int32 cumulative row ends offs [E] → y_s [n, D] (tail rows undefined)."""
+    rows per expert counts [E] → y_s [n, D] (tail rows undefined)."""
+    if block.weight_format.quantized:
+        return _grouped_dequantized_rows(block, w, xs_s, counts)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] cumulative row ends
     e_c = e_s.clamp(max=block.E - 1)  # [n] in-bounds bias gather for the tail
     gu = _grouped_mm(xs_s, kn(block, w.gate_up), offs=offs)  # [n, 2F]
     if w.gate_up_bias is not None:
@@ -119,6 +130,28 @@ def grouped_expert_rows(
     y_s = _grouped_mm(h, kn(block, w.down), offs=offs)  # [n, D]
     if w.down_bias is not None:
         y_s = y_s + w.down_bias.index_select(0, e_c)
+    return y_s
+
+
+def _grouped_dequantized_rows(
+    block: MoEBlock, w: ExpertTensors, xs_s: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """grouped_mm over block-quantised weights: the active experts (counts > 0, read on the host) in
+    groups whose dequantised copies fit GATHER_WORKSPACE_BYTES, one grouped_mm per group over its
+    contiguous rows; rows past the active experts (sentinels) are zero."""
+    y_s = xs_s.new_zeros(xs_s.shape)  # [n, D]
+    active = counts.nonzero().squeeze(1)  # [n_a] expert ids with rows, ascending
+    if not active.numel():
+        return y_s
+    group = max(1, int(GATHER_WORKSPACE_BYTES // copy_bytes_per_expert(block)))
+    ends = torch.cumsum(counts, 0)  # [E] row end of each expert
+    for g in range(0, active.numel(), group):
+        ids = active[g : g + group]  # [c]
+        lo, hi = int(ends[ids[0]] - counts[ids[0]]), int(ends[ids[-1]])
+        offs = torch.cumsum(counts.index_select(0, ids), 0, dtype=torch.int32)  # [c]
+        gu = _grouped_mm(xs_s[lo:hi], kn(block, expert_weights(block, w, "gate_up", ids)), offs=offs)  # [m, 2F]
+        h = activate(block, gu).contiguous()  # [m, F]
+        y_s[lo:hi] = _grouped_mm(h, kn(block, expert_weights(block, w, "down", ids)), offs=offs)  # [m, D]
     return y_s
 
 
@@ -133,8 +166,7 @@ def build(block: MoEBlock, schedule: Schedule) -> ExpertsFn:
             raise UnsupportedSchedule(why)
 
         def rows(w: ExpertTensors, xs_s: torch.Tensor, e_s: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-            offs = torch.cumsum(counts[: block.E], 0, dtype=torch.int32)  # [E]
-            return grouped_expert_rows(block, w, xs_s, e_s, offs)  # [S, D]
+            return grouped_expert_rows(block, w, xs_s, e_s, counts[: block.E])  # [S, D]
     else:
 
         def rows(w: ExpertTensors, xs_s: torch.Tensor, e_s: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -154,7 +186,7 @@ def _sorted_rows_fn(block: MoEBlock, combine: Combine, expert_rows: ExpertRows, 
         p = pairs(block, ids, weights)
         order, e_s, counts = sort_pairs(p, block.E)  # [S], [S], [E+1]
         xs_s = input_rows(
-            block, x, p.tok.index_select(0, order), p.weight.index_select(0, order), weight_dtype(w)
+            block, x, p.tok.index_select(0, order), p.weight.index_select(0, order), compute_dtype(block, w)
         )  # [S, D]
         y_s = expert_rows(w, xs_s, e_s, counts)  # [S, D]
         return combine_sorted(combine, block, T, k, y_s, order, p, x.dtype)
@@ -175,4 +207,4 @@ def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float
 
 
 KIND = KernelKind("grouped_gemm", GroupedGemmParams, space, default_params, build, cost,
-                  sources(__file__, SOURCES))
+                  sources(__file__, SOURCES), formats=FORMATS)

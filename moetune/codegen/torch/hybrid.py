@@ -10,7 +10,8 @@ hybrid reads each hot expert's weights once for all its rows and pays the gather
 light ones. Splitting the pairs reads the counts on the host (`tolist()`, `nonzero`): free on
 CPU, a sync on a GPU, where the device backends do the split on the device instead.
 Refused with the reason when the light part's gather workspace exceeds GATHER_WORKSPACE_BYTES,
-or when impl=grouped_mm and the block's strides do not suit torch's grouped GEMM.
+or when impl=grouped_mm and the block's strides do not suit torch's grouped GEMM. Block-quantised
+(fp8_block) weights are dequantised per expert or per chunk, as in grouped_gemm and stream_gemv.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from ._common import (
     check_chunk,
     chunks,
     combine_sorted,
+    compute_dtype,
+    copy_bytes_per_expert,
     empty_out,
     ffn_flops,
     gather_refusal,
@@ -38,11 +41,11 @@ from ._common import (
     input_rows,
     pairs,
     sort_pairs,
-    weight_dtype,
 )
 from .grouped_gemm import grouped_expert_rows, impls, sorted_expert_rows
 from .stream_gemv import gathered_expert_rows, pair_chunk
 
+FORMATS = ("none", "fp8_block")  # unquantised weights, and FP8 blocks dequantised per call
 SOURCES = ("hybrid.py", "grouped_gemm.py", "stream_gemv.py", "_common.py", "reference.py")
 
 
@@ -93,7 +96,7 @@ def build(block: MoEBlock, schedule: Schedule) -> ExpertsFn:
         p = pairs(block, ids, weights)
         order, e_s, counts = sort_pairs(p, E)  # [S], [S], [E+1]
         xs_s = input_rows(
-            block, x, p.tok.index_select(0, order), p.weight.index_select(0, order), weight_dtype(w)
+            block, x, p.tok.index_select(0, order), p.weight.index_select(0, order), compute_dtype(block, w)
         )  # [S, D]
         rows_e = counts[e_s.clamp(max=E - 1)]  # [S] rows of each pair's expert
         is_heavy = (rows_e >= R) & (e_s < E)  # [S]
@@ -104,8 +107,7 @@ def build(block: MoEBlock, schedule: Schedule) -> ExpertsFn:
             heavy_counts = torch.where(counts[:E] >= R, counts[:E], torch.zeros_like(counts[:E]))  # [E]
             xs_h = xs_s.index_select(0, heavy_idx)  # [n_h, D], still expert-sorted
             if heavy_impl == "grouped_mm":
-                offs = torch.cumsum(heavy_counts, 0, dtype=torch.int32)  # [E]
-                y_h = grouped_expert_rows(block, w, xs_h, e_s.index_select(0, heavy_idx), offs)
+                y_h = grouped_expert_rows(block, w, xs_h, e_s.index_select(0, heavy_idx), heavy_counts)
             else:
                 y_h = sorted_expert_rows(block, w, xs_h, heavy_counts.tolist())
             y_s.index_copy_(0, heavy_idx, y_h.to(y_s.dtype))
@@ -130,7 +132,7 @@ def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float
     light_rows = max(0.0, S - block.E * heavy_rows_share)
     b = (
         heavy_e * block.weight_bytes_per_expert
-        + 3.0 * light_rows * block.weight_bytes_per_expert
+        + light_rows * (block.weight_bytes_per_expert + 2.0 * copy_bytes_per_expert(block))
         + activation_bytes(block, tokens)
         + 2 * S * block.D * 4
     )
@@ -153,4 +155,4 @@ def binomial_tail(n: int, q: float, r: int) -> tuple[float, float]:
 
 
 KIND = KernelKind("hybrid", HybridParams, space, default_params, build, cost, sources(__file__, SOURCES),
-                  refusal=refusal)
+                  refusal=refusal, formats=FORMATS)

@@ -9,7 +9,8 @@
 This is the decode regime's schedule: with one row per active expert there is nothing to batch,
 and every selected expert's weights are touched once. On CPU the price is the gather: it copies
 chunk × (3·D·F) weights per step, so a block whose chunk of copies exceeds GATHER_WORKSPACE_BYTES is
-refused with the reason (lower `chunk`). The chunk loop runs over T·k, a host-side shape: no sync.
+refused with the reason (lower `chunk`). Block-quantised (fp8_block) weights are gathered as stored and
+dequantised per chunk (`expert_weights`). The chunk loop runs over T·k, a host-side shape: no sync.
 Sentinel ids are clamped for the gather and their rows zeroed in the combine.
 """
 
@@ -29,16 +30,19 @@ from ._common import (
     check_chunk,
     chunks,
     combine_pairs,
+    compute_dtype,
+    copy_bytes_per_expert,
     empty_out,
+    expert_weights,
     ffn_flops,
     gather_refusal,
     gathered_space,
     input_rows,
     kn,
     pairs,
-    weight_dtype,
 )
 
+FORMATS = ("none", "fp8_block")  # unquantised weights, and FP8 blocks dequantised per call
 SOURCES = ("stream_gemv.py", "_common.py", "reference.py")
 
 
@@ -78,13 +82,14 @@ def gathered_expert_rows(
     out = []
     for s in range(0, xs.shape[0], chunk):
         e_c = e[s : s + chunk]  # [c]
-        # gather in the stored layout (a plain row copy), then view as [c, K, N]: bmm takes the view
-        gu_w = kn(block, w.gate_up.index_select(0, e_c))  # [c, D, 2F]
+        # gather in the stored layout (a plain row copy; dequantised for block-quantised weights), then
+        # view as [c, K, N]: bmm takes the view
+        gu_w = kn(block, expert_weights(block, w, "gate_up", e_c))  # [c, D, 2F]
         gu = torch.bmm(xs[s : s + chunk].unsqueeze(1), gu_w).squeeze(1)  # [c, 2F]
         if w.gate_up_bias is not None:
             gu = gu + w.gate_up_bias.index_select(0, e_c)
         h = activate(block, gu)  # [c, F]
-        dn_w = kn(block, w.down.index_select(0, e_c))  # [c, F, D]
+        dn_w = kn(block, expert_weights(block, w, "down", e_c))  # [c, F, D]
         y = torch.bmm(h.unsqueeze(1), dn_w).squeeze(1)  # [c, D]
         if w.down_bias is not None:
             y = y + w.down_bias.index_select(0, e_c)
@@ -104,7 +109,7 @@ def build(block: MoEBlock, schedule: Schedule) -> ExpertsFn:
         if T == 0:
             return empty_out(x)
         p = pairs(block, ids, weights)
-        xs = input_rows(block, x, p.tok, p.weight, weight_dtype(w))  # [S, D]
+        xs = input_rows(block, x, p.tok, p.weight, compute_dtype(block, w))  # [S, D]
         y = gathered_expert_rows(block, w, xs, p.expert.clamp(max=block.E - 1), chunk)  # [S, D]
         return combine_pairs(block, T, k, y, p, x.dtype)
 
@@ -114,8 +119,9 @@ def build(block: MoEBlock, schedule: Schedule) -> ExpertsFn:
 def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
     """(flops, bytes): every pair reads its expert's weights, writes the copy and reads it again."""
     S = tokens * block.k
-    return ffn_flops(block, S), 3.0 * S * block.weight_bytes_per_expert + activation_bytes(block, tokens)
+    per_pair = block.weight_bytes_per_expert + 2.0 * copy_bytes_per_expert(block)
+    return ffn_flops(block, S), S * per_pair + activation_bytes(block, tokens)
 
 
 KIND = KernelKind("stream_gemv", GatheredParams, space, default_params, build, cost, sources(__file__, SOURCES),
-                  refusal=refusal)
+                  refusal=refusal, formats=FORMATS)
