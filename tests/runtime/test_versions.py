@@ -108,7 +108,6 @@ def test_kernel_hash_covers_exactly_the_declared_files_of_each_kind(tmp_path):
 
 def test_every_backend_hashes_one_part_per_kind():
     """One part per kind and weight-format scheme its kernels read ("kind", "kind@fp8_block")."""
-    from moetune.codegen.backend import get
     from moetune.runtime.versions import hash_key
 
     for name in ("torch", "triton"):
