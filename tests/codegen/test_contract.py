@@ -142,15 +142,16 @@ def test_kernel_files_of_one_kind_split_by_weight_format():
     from moetune.codegen.torch import stream_gemv as tsg
     from moetune.ir import UnsupportedSchedule, WeightFormat
 
+    plain_kind = dataclasses.replace(tsg.KIND, formats=("none",))
     fp8 = dataclasses.replace(tsg.KIND, formats=("fp8_block",), space=lambda b, t: "fp8 space")
 
     class Split(KernelBackend):
-        name, KINDS = "split", (tsg.KIND, fp8)
+        name, KINDS = "split", (plain_kind, fp8)
 
     be = Split()
     plain = MoEBlock(E=8, k=2, D=256, F=128)
     q = plain.with_weight_format(WeightFormat.fp8_block())
-    assert be.kind("stream_gemv", q) is fp8 and be.kind("stream_gemv", plain) is tsg.KIND
+    assert be.kind("stream_gemv", q) is fp8 and be.kind("stream_gemv", plain) is plain_kind
     assert be.space(q, "stream_gemv") == "fp8 space" and be.space(plain, "stream_gemv") != "fp8 space"
     assert be.schemes("stream_gemv") == ("none", "fp8_block")
     assert be.kinds(q) == {"stream_gemv": None}
@@ -159,7 +160,7 @@ def test_kernel_files_of_one_kind_split_by_weight_format():
         be.sources("stream_gemv", "ue8m0")
 
     class Clash(KernelBackend):
-        name, KINDS = "clash", (tsg.KIND, dataclasses.replace(tsg.KIND, formats=("none", "fp8_block")))
+        name, KINDS = "clash", (plain_kind, dataclasses.replace(tsg.KIND, formats=("none", "fp8_block")))
 
     with pytest.raises(UnsupportedSchedule, match="two stream_gemv kernels read none"):
         Clash()
