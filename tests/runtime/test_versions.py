@@ -111,8 +111,12 @@ def test_every_backend_hashes_one_part_per_kind():
         if name == "triton":
             pytest.importorskip("triton")
         h = kernel_source_hash(name)
-        assert [p.split("=")[0] for p in h.split(";")] == list(KINDS) and all(
+        keys = [p.split("=")[0] for p in h.split(";")]
+        assert [k for k in keys if "@" not in k] == list(KINDS) and all(
             len(kernel_hash_part(h, k)) == 16 for k in KINDS)
+        for key in keys:  # the kernels of a quantised format: one more part of their kind, "kind@scheme"
+            kind, _, scheme = key.partition("@")
+            assert kind in KINDS and (not scheme or len(kernel_hash_part(h, kind, scheme)) == 16), key
 
 
 def test_device_and_library_identities():
