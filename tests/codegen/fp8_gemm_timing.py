@@ -43,9 +43,9 @@ POINTS = {  # a handful of points of the space beside the default (names say wha
     "w8a8_m64_n128_k128_w8": dict(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3,
                                   down_block_n=128, down_block_k=128, down_warps=8, down_stages=3,
                                   act_quant="fp8_1x128"),
-    "w8a8_m64_n128_k128_w8_s4_dn256": dict(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=4,
-                                           down_block_n=256, down_block_k=128, down_warps=8, down_stages=3,
-                                           act_quant="fp8_1x128"),
+    "w8a8_onload_m128_n64_k128_w8": dict(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=3,
+                                         down_block_n=128, down_block_k=128, down_warps=8, down_stages=3,
+                                         act_quant="fp8_1x128", quant_on_load=True),
 }
 
 

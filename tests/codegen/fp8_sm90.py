@@ -20,14 +20,14 @@ from triton_sm90 import ALIGNED_INTS, UNIT_STRIDES, ptxas_usage
 FP8_ALIGNED = ALIGNED_INTS | {"s_at", "sse", "ssn", "sup", "s_ast", "s_hsp"}
 
 
-def pointer_types(kernel_name: str, proj: int, a8: bool, ue8m0: bool, y_half: bool) -> dict:
+def pointer_types(kernel_name: str, proj: int, a8: bool, ue8m0: bool, y_half: bool, qload: bool = False) -> dict:
     """Each pointer argument's Triton type in one launch of the FP8 grouped GEMM (or its pre-pass)."""
-    act = "*fp8e4nv" if a8 else "*bf16"
+    act = "*fp8e4nv" if a8 and not qload else "*bf16"
     if kernel_name == "quant_rows_kernel":
         return dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32")
-    return dict(a_ptr=act if proj == 1 or a8 else "*bf16", as_ptr="*fp32" if a8 else "*bf16",
+    return dict(a_ptr=act if proj == 1 or a8 else "*bf16", as_ptr="*fp32" if a8 and not qload else "*bf16",
                 wts_ptr="*bf16", counts_ptr="*i32", sorted_ptr="*i32", w_ptr="*fp8e4nv",
-                ws_ptr="*u8" if ue8m0 else "*fp32", h_ptr=act, hs_ptr="*fp32" if a8 else "*bf16",
+                ws_ptr="*u8" if ue8m0 else "*fp32", h_ptr=act, hs_ptr="*fp32" if a8 and not qload else "*bf16",
                 y_ptr="*bf16" if y_half else "*fp32")
 
 
@@ -68,16 +68,18 @@ def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]
     be = max(16, 1 << (block.E - 1).bit_length())
     m = dict(K_TOP=block.k, BLOCK_E=be, ACT=0, W_IN=False, BM=p.block_m, GROUP_M=p.group_m,
              R=r, C=c, G=g or c, A8=a8, UE8M0=ue8m0, FOLD=p.fold_scale and not a8, EMULATE=False)
+    if p.quant_on_load:
+        m["QLOAD"] = True
     out = []
-    if a8:
+    if a8 and not p.quant_on_load:
         br = max(1, min(16, 4096 // g))
         out.append(("quant_x", quant_rows_kernel, dict(BR=br, G=g, EMULATE=False),
                     pointer_types("quant_rows_kernel", 0, a8, ue8m0, False), dict(num_warps=4)))
     out.append(("gate_up", grouped_gemm_fp8_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k),
-                pointer_types("grouped_gemm_fp8_kernel", 0, a8, ue8m0, p.y_half),
+                pointer_types("grouped_gemm_fp8_kernel", 0, a8, ue8m0, p.y_half, p.quant_on_load),
                 dict(num_warps=p.num_warps, num_stages=p.num_stages)))
     out.append(("down", grouped_gemm_fp8_kernel, dict(m, PROJ=1, BN=p.down_block_n, BK=p.down_block_k),
-                pointer_types("grouped_gemm_fp8_kernel", 1, a8, ue8m0, p.y_half),
+                pointer_types("grouped_gemm_fp8_kernel", 1, a8, ue8m0, p.y_half, p.quant_on_load),
                 dict(num_warps=p.down_warps, num_stages=p.down_stages)))
     return out
 
@@ -105,6 +107,23 @@ QUICK = [  # (tag, preset, params): one point per path the tests' compile check 
                                    down_block_k=128, act_quant="fp8_1x128")),
     ("w8a8", "mixtral-8x7b", dict(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3,
                                   down_block_n=128, down_block_k=128, down_warps=8, act_quant="fp8_1x128")),
+    ("w8a8_qload", "deepseek-v3", dict(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=3,
+                                       down_block_n=128, down_block_k=128, down_warps=8, down_stages=3,
+                                       act_quant="fp8_1x128", quant_on_load=True)),
+]
+EXTRA = [  # compiled by the full run only: candidates whose resources are worth knowing
+    ("w8a8_qload", "mixtral-8x7b", dict(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3,
+                                        down_block_n=256, down_block_k=128, down_warps=8, down_stages=3,
+                                        act_quant="fp8_1x128", quant_on_load=True)),
+    ("w8a8_qload", "qwen3-30b-a3b", dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4,
+                                         down_block_n=128, down_block_k=128, down_warps=4, down_stages=4,
+                                         act_quant="fp8_1x128", quant_on_load=True)),
+    ("w8a8_qload", "qwen3-30b-a3b", dict(block_m=16, block_n=64, block_k=128, num_stages=4, down_block_n=64,
+                                         down_block_k=128, down_stages=4, act_quant="fp8_1x128",
+                                         quant_on_load=True)),
+    ("w8a8", "mixtral-8x7b", dict(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3,
+                                  down_block_n=256, down_block_k=128, down_warps=8, down_stages=3,
+                                  act_quant="fp8_1x128")),
 ]
 
 
@@ -129,6 +148,7 @@ def representative(quick: bool = False) -> list[tuple[str, object, object]]:
     blocks = presets()
     points = [(tag, blocks[n], g) for tag, n, g in QUICK]
     if not quick:
+        points += [(tag, blocks[n], g) for tag, n, g in EXTRA]
         for block in blocks.values():
             for T in (64, 128, 256, 512, 1024):
                 p = BACKEND.default(block, "grouped_gemm", T).params

@@ -26,7 +26,9 @@ has one scale per column of the tile:
 w8a8 activations follow `quant.quantize_rows` (per row, per G channels: s = amax / 448, q = x / s rounded to
 e4m3): x by a pre-pass (`quant_rows_kernel`, T rows: every pair of a token reads its token's row), h in the
 gate/up epilogue, which holds whole G-column groups of each row (block_n a multiple of G): hq [P, F] e4m3 and
-hs [P, F / G] fp32 in pair order. Scales stored as ue8m0 are read as bytes b and widened to 2^(b − 127) exactly.
+hs [P, F / G] fp32 in pair order; or, with quant_on_load, each 16-bit A tile (x, and h stored in the
+activations' dtype) quantised as it is loaded, per row over its K step of BK = G channels. Scales stored as
+ue8m0 are read as bytes b and widened to 2^(b − 127) exactly.
 
 Interpreted (TRITON_INTERPRET=1, EMULATE), where Triton's float → e4m3 and float → bf16 casts do not round to
 nearest and its e4m3 → float cast widens the NaN bytes to ±480: e4m3 values are rounded in fp32 arithmetic
@@ -54,7 +56,7 @@ from ..common import ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
 from . import combine as _combine
 from . import routing
-from ._common import _act, _find_tile, _store_h, _store_y
+from ._common import _act, _find_tile, _store_y
 from .grouped_gemm import _grouped_tile, max_tiles
 from .launch import launch
 from .layout import act_args, call_args, cdiv, check_pow2, check_smem, interpreting
@@ -94,6 +96,10 @@ class Fp8GemmParams:
     # w8a16: the weight scales folded into the weight tile as it is widened (bf16(q · s), one accumulator the
     # tensor cores add into) instead of scaling each step's fp32 product (exact weights, a second accumulator)
     fold_scale: bool = True
+    # w8a8: each A tile (x, and h in the activations' dtype) quantised as it is loaded, per row over the K step
+    # (block_k = down_block_k = the group), instead of the x pre-pass and h quantised in the gate/up epilogue:
+    # no pre-pass launch, no e4m3 copy of x, and block_n free of the group
+    quant_on_load: bool = False
 
     def __post_init__(self) -> None:
         g = act_group(self.act_quant)
@@ -106,7 +112,13 @@ class Fp8GemmParams:
         if not interpreting() and min(self.block_k, self.down_block_k) < least:
             raise UnsupportedSchedule(f"Fp8GemmParams block_k = {self.block_k} / down_block_k = "
                                       f"{self.down_block_k}: tl.dot on {self.act_quant} operands needs ≥ {least}")
-        if g is not None and self.block_n % g:
+        if g is None and self.quant_on_load:
+            object.__setattr__(self, "quant_on_load", False)  # nothing to quantise: one spelling of each point
+        if self.quant_on_load and (self.block_k != g or self.down_block_k != g):
+            raise UnsupportedSchedule(f"Fp8GemmParams.quant_on_load: block_k = {self.block_k} and down_block_k = "
+                                      f"{self.down_block_k} must each be the activation group {g} (a step "
+                                      "quantises whole groups)")
+        if g is not None and not self.quant_on_load and self.block_n % g:
             raise UnsupportedSchedule(f"Fp8GemmParams.block_n = {self.block_n} with act_quant {self.act_quant}: "
                                       f"the gate/up epilogue quantises h in whole groups of {g} columns; "
                                       f"raise block_n to a multiple of {g}")
@@ -155,11 +167,15 @@ def _shape_refusal(block: MoEBlock, p: Fp8GemmParams) -> str | None:
 
 def smem_bytes(p: Fp8GemmParams, proj: int) -> int:
     """Shared memory of one projection's pipelined loop: `stages` copies of the A tile (1-byte e4m3 with
-    w8a8, 2-byte otherwise) and of the e4m3 B tiles (gate and up, or down), and the epilogue's scratch."""
+    w8a8 from the pre-pass, 2-byte otherwise) and of the e4m3 B tiles (gate and up, or down), and the
+    epilogue's scratch."""
     bn, bk, st, nb = ((p.block_n, p.block_k, p.num_stages, 2) if proj == 0
                       else (p.down_block_n, p.down_block_k, p.down_stages, 1))
-    ab = 1 if p.act_quant != "none" else 2
-    return st * (p.block_m * bk * ab + nb * bk * bn) + SCRATCH
+    if p.act_quant == "none":
+        return st * (p.block_m * bk * 2 + nb * bk * bn) + SCRATCH
+    if p.quant_on_load:  # 16-bit A tiles in flight, the quantised one staged for the tensor cores
+        return st * (p.block_m * bk * 2 + nb * bk * bn) + p.block_m * bk + SCRATCH
+    return st * (p.block_m * bk + nb * bk * bn) + SCRATCH
 
 
 def check(p: Fp8GemmParams, block: MoEBlock, target: Target) -> None:
@@ -188,6 +204,7 @@ CHOICES = (
     ("split_k", (1, 2, 4)),
     ("y_half", (False, True)),
     ("fold_scale", (True, False)),
+    ("quant_on_load", (False, True)),
 )
 
 
@@ -295,15 +312,31 @@ def _widen_e4m3(b):
 
 
 @triton.jit
-def _step(arow, bcol, sk, k0, rmask, cmask, acc, sc, BK: tl.constexpr, A8: tl.constexpr, FOLD: tl.constexpr,
-          EMULATE: tl.constexpr):
-    """One K step: acc += (A[rows, k0:k0+BK] · Q[k0:k0+BK, cols]) · sc, A rows at arow [R, 1] (bf16 / fp16, or
-    e4m3 with A8), the e4m3 weight columns at bcol [1, C] with K stride sk, sc the step's scales ([R | 1, C]).
-    FOLD (16-bit A, sc [1, C]): acc += A · dtype(Q · sc) instead, the product accumulated in place.
+def _load_a(arow, asrow, k0, rmask, BM: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, A8: tl.constexpr,
+            QLOAD: tl.constexpr, EMULATE: tl.constexpr):
+    """The A tile of one K step, A[rows, k0:k0+BK] (rows at arow [BM, 1]), as the dot takes it, and its rows'
+    scales [BM, 1]: 16-bit rows (scale 1); e4m3 rows with their stored scales (A8, at asrow [BM]); or 16-bit
+    rows quantised here, per row over the step's BK = G channels (A8 with QLOAD)."""
+    offs_k = k0 + tl.arange(0, BK)
+    a = tl.load(arow + offs_k[None, :], mask=rmask[:, None], other=0.0)  # [BM, BK]
+    if A8 and QLOAD:
+        a, sa = _quant_groups(a.to(tl.float32), BM, BK, BK, EMULATE)  # [BM, BK] e4m3, [BM, 1]
+    elif A8:
+        sa = tl.load(asrow + k0 // G, mask=rmask, other=0.0)[:, None]  # [BM, 1]
+    else:
+        sa = tl.full([BM, 1], 1.0, tl.float32)
+    return a, sa
+
+
+@triton.jit
+def _mma(a, bcol, sk, k0, cmask, acc, sc, BK: tl.constexpr, A8: tl.constexpr, FOLD: tl.constexpr,
+         EMULATE: tl.constexpr):
+    """One K step: acc += (a · Q[k0:k0+BK, cols]) · sc for a [R, BK] (16-bit, or e4m3 with A8), the e4m3 weight
+    columns at bcol [1, C] with K stride sk, sc the step's scales ([R | 1, C]).
+    FOLD (16-bit a, sc [1, C]): acc += a · dtype(Q · sc) instead, the product accumulated in place.
     EMULATE (interpreted): every operand widened to fp32 (e4m3 NaN kept, the fold's rounding done in fp32) and
     multiplied in fp32, the exact products of the same values (a bf16 tl.dot is wrong there)."""
     offs_k = k0 + tl.arange(0, BK)
-    a = tl.load(arow + offs_k[None, :], mask=rmask[:, None], other=0.0)  # [R, BK]
     b = tl.load(bcol + offs_k[:, None] * sk, mask=cmask[None, :], other=0.0)  # [BK, C] e4m3
     if EMULATE:
         if A8:
@@ -328,6 +361,22 @@ def _step(arow, bcol, sk, k0, rmask, cmask, acc, sc, BK: tl.constexpr, A8: tl.co
     return acc
 
 
+@triton.jit
+def _store_h16(h_ptr, s_hp, pairs, rmask, g, u, wt, n0, N, alpha, limit, BN: tl.constexpr, ACT: tl.constexpr,
+               W_IN: tl.constexpr, EMULATE: tl.constexpr):
+    """Gate/up epilogue in the activations' 16-bit dtype: (weight on the input) → act → h[pairs, n0 + [0, BN)]
+    (interpreted, bf16 rounded to nearest first: the interpreter's cast truncates)."""
+    offs_n = n0 + tl.arange(0, BN)
+    if W_IN:
+        g = g * wt[:, None]
+        u = u * wt[:, None]
+    h = _act(g, u, ACT, alpha, limit)
+    if EMULATE and h_ptr.dtype.element_ty == tl.bfloat16:
+        h = _round_bf16(h)
+    tl.store(h_ptr + pairs.to(tl.int64)[:, None] * s_hp + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=rmask[:, None] & (offs_n < N)[None, :])
+
+
 @triton.jit(do_not_specialize=["P", "n_tiles"])
 def grouped_gemm_fp8_kernel(
     a_ptr, s_at, as_ptr, s_ast, wts_ptr, counts_ptr, sorted_ptr,
@@ -336,11 +385,12 @@ def grouped_gemm_fp8_kernel(
     PROJ: tl.constexpr, K_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, A8: tl.constexpr, UE8M0: tl.constexpr, FOLD: tl.constexpr,
-    ACT: tl.constexpr, W_IN: tl.constexpr, EMULATE: tl.constexpr,
+    ACT: tl.constexpr, W_IN: tl.constexpr, EMULATE: tl.constexpr, QLOAD: tl.constexpr = False,
 ):
-    """PROJ 0: A = x [T, D] rows of the tile's tokens (A8: xq e4m3 + scales as_ [T, D / G]); B = gate and up
-    rows n0 + [0, BN) of gate_up [E, 2F, D] (scales [E, 2F / R, D / C], up's sup scale rows after gate's);
-    epilogue: activation → h [P, F] (A8: hq e4m3 [P, F] + hs [P, F / G]).
+    """PROJ 0: A = x [T, D] rows of the tile's tokens (A8: xq e4m3 + scales as_ [T, D / G]; A8 with QLOAD: x,
+    quantised per K step); B = gate and up rows n0 + [0, BN) of gate_up [E, 2F, D] (scales [E, 2F / R, D / C],
+    up's sup scale rows after gate's); epilogue: activation → h [P, F] (A8: hq e4m3 [P, F] + hs [P, F / G];
+    with QLOAD 16-bit h, quantised by the down GEMM's loads).
     PROJ 1: A = h rows of the tile's pairs; B = down rows n0 + [0, BN) of [E, D, F] over the F range of split
     program_id(1); epilogue: routing weight → y[split] [P, D]."""
     tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
@@ -365,15 +415,15 @@ def grouped_gemm_fp8_kernel(
         accg = tl.zeros([BM, BN], dtype=tl.float32)
         accu = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, k_end, BK):
+            a, sa = _load_a(arow, asrow, k0, rmask, BM, BK, G, A8, QLOAD, EMULATE)
             sg = _scale_of(srow + (k0 // C) * ssk, nm, UE8M0)[None, :]  # [1, BN]
             su = _scale_of(srow + sup + (k0 // C) * ssk, nm, UE8M0)[None, :]
             if A8:
-                sa = tl.load(asrow + k0 // G, mask=rmask, other=0.0)[:, None]  # [BM, 1]
-                sg = sa * sg
+                sg = sa * sg  # [BM, BN]
                 su = sa * su
-            accg = _step(arow, bcol, sk, k0, rmask, nm, accg, sg, BK, A8, FOLD, EMULATE)
-            accu = _step(arow, bcol + up, sk, k0, rmask, nm, accu, su, BK, A8, FOLD, EMULATE)
-        if A8:
+            accg = _mma(a, bcol, sk, k0, nm, accg, sg, BK, A8, FOLD, EMULATE)
+            accu = _mma(a, bcol + up, sk, k0, nm, accu, su, BK, A8, FOLD, EMULATE)
+        if A8 and not QLOAD:  # h quantised here; with QLOAD the down GEMM quantises its 16-bit rows
             if W_IN:
                 accg = accg * wt[:, None]
                 accu = accu * wt[:, None]
@@ -384,18 +434,18 @@ def grouped_gemm_fp8_kernel(
             tl.store(hs_ptr + pairs.to(tl.int64)[:, None] * s_hsp + offs_g[None, :], s,
                      mask=rmask[:, None] & (offs_g < N // G)[None, :])
         else:
-            _store_h(h_ptr, s_hp, pairs, rmask, accg, accu, wt, w_ptr, 0, 0, n0, N, alpha, limit,
-                     BN, ACT, False, W_IN)
+            _store_h16(h_ptr, s_hp, pairs, rmask, accg, accu, wt, n0, N, alpha, limit, BN, ACT, W_IN, EMULATE)
     else:
         ks = tl.program_id(1)  # split of the F reduction: partial planes y [S, P, D]
         k_lo = ks * k_split
         k_hi = tl.where(left > 0, tl.minimum(k_lo + k_split, K), k_lo)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BK):
+            a, sa = _load_a(arow, asrow, k0, rmask, BM, BK, G, A8, QLOAD, EMULATE)
             sc = _scale_of(srow + (k0 // C) * ssk, nm, UE8M0)[None, :]
             if A8:
-                sc = tl.load(asrow + k0 // G, mask=rmask, other=0.0)[:, None] * sc
-            acc = _step(arow, bcol, sk, k0, rmask, nm, acc, sc, BK, A8, FOLD, EMULATE)
+                sc = sa * sc
+            acc = _mma(a, bcol, sk, k0, nm, acc, sc, BK, A8, FOLD, EMULATE)
         _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, w_ptr, 0, (ks == 0).to(tl.float32),
                  n0, N, BN, False, W_IN)
 
@@ -441,8 +491,10 @@ def build(block: MoEBlock, schedule: Schedule):
         meta = dict(K_TOP=block.k, BLOCK_E=a.meta["BLOCK_E"], ACT=a.meta["ACT"], W_IN=a.meta["W_IN"],
                     BM=p.block_m, GROUP_M=p.group_m, R=R, C=C, G=G or C, A8=a8, UE8M0=ue8m0,
                     FOLD=p.fold_scale and not a8, EMULATE=interpreting())
+        if p.quant_on_load:  # (QLOAD left at its default otherwise)
+            meta["QLOAD"] = True
         nt = max_tiles(P, E, p.block_m)
-        if a8:
+        if a8 and not p.quant_on_load:
             xa, xs = quant_rows(x, G)  # [T, D] e4m3, [T, D / G]
             h = torch.empty(P, F, dtype=torch.float8_e4m3fn, device=x.device)  # [P, F]
             hs = torch.empty(P, F // G, dtype=torch.float32, device=x.device)  # [P, F / G]
