@@ -18,6 +18,7 @@ from triton.compiler import ASTSource
 from triton_sm90 import ALIGNED_INTS, UNIT_STRIDES, ptxas_usage
 
 FP8_ALIGNED = ALIGNED_INTS | {"s_at", "sse", "ssn", "sup", "s_ast", "s_hsp"}
+FP8_UNIT_STRIDES = UNIT_STRIDES | {"ssk"}  # the scales' contiguous K axis
 
 
 def pointer_types(kernel_name: str, proj: int, a8: bool, ue8m0: bool, y_half: bool, qload: bool = False) -> dict:
@@ -31,15 +32,20 @@ def pointer_types(kernel_name: str, proj: int, a8: bool, ue8m0: bool, y_half: bo
                 y_ptr="*bf16" if y_half else "*fp32")
 
 
-def compile_fp8(kernel, constexprs: dict, types: dict, **options):
-    """triton.compile for sm_90 with the pointers typed by `types` (argument name → '*fp8e4nv', ...)."""
+def compile_fp8(kernel, constexprs: dict, types: dict, descs: dict | None = None, **options):
+    """triton.compile for sm_90 with the pointers typed by `types` (argument name → '*fp8e4nv', ...) and the TMA
+    descriptors by `descs` (argument name → (element type, box shape))."""
+    descs = descs or {}
     constexprs = dict(constexprs)
     for prm in kernel.params:
         if prm.is_constexpr and prm.name not in constexprs and prm.has_default:
             constexprs[prm.name] = prm.default
     sig, cx, attrs = {}, {}, {}
     for i, n in enumerate(kernel.arg_names):
-        if n in constexprs or n in UNIT_STRIDES:
+        if n in descs:
+            ty, box = descs[n]
+            sig[n] = f"tensordesc<{ty}[{', '.join(map(str, box))}]>"
+        elif n in constexprs or n in FP8_UNIT_STRIDES:
             sig[n] = "constexpr"
             cx[(i,)] = constexprs.get(n, 1)
         elif n.endswith("_ptr"):
@@ -58,7 +64,12 @@ def compile_fp8(kernel, constexprs: dict, types: dict, **options):
 def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]]:
     """(projection, kernel, constexprs, pointer types, options) of every kernel an Fp8GemmParams schedule
     launches on `block` (the launcher's constexprs)."""
-    from moetune.codegen.triton.grouped_gemm_fp8 import act_group, grouped_gemm_fp8_kernel, quant_rows_kernel
+    from moetune.codegen.triton.grouped_gemm_fp8 import (
+        act_group,
+        grouped_gemm_fp8_kernel,
+        grouped_gemm_fp8_tma_kernel,
+        quant_rows_kernel,
+    )
 
     p = params
     g = act_group(p.act_quant)
@@ -75,12 +86,15 @@ def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]
         br = max(1, min(16, 4096 // g))
         out.append(("quant_x", quant_rows_kernel, dict(BR=br, G=g, EMULATE=False),
                     pointer_types("quant_rows_kernel", 0, a8, ue8m0, False), dict(num_warps=4)))
-    out.append(("gate_up", grouped_gemm_fp8_kernel, dict(m, PROJ=0, BN=p.block_n, BK=p.block_k),
-                pointer_types("grouped_gemm_fp8_kernel", 0, a8, ue8m0, p.y_half, p.quant_on_load),
-                dict(num_warps=p.num_warps, num_stages=p.num_stages)))
-    out.append(("down", grouped_gemm_fp8_kernel, dict(m, PROJ=1, BN=p.down_block_n, BK=p.down_block_k),
-                pointer_types("grouped_gemm_fp8_kernel", 1, a8, ue8m0, p.y_half, p.quant_on_load),
-                dict(num_warps=p.down_warps, num_stages=p.down_stages)))
+    kern = grouped_gemm_fp8_tma_kernel if p.tma else grouped_gemm_fp8_kernel
+    act = "fp8e4nv" if a8 and not p.quant_on_load else "bf16"
+    for proj, bn, bk, warps, stages in ((0, p.block_n, p.block_k, p.num_warps, p.num_stages),
+                                        (1, p.down_block_n, p.down_block_k, p.down_warps, p.down_stages)):
+        opts = dict(num_warps=warps, num_stages=stages)
+        if p.tma:  # A: the sorted rows (x's gathered copy or h), B: the e4m3 weights
+            opts["descs"] = dict(a_desc=(act, [p.block_m, bk]), b_desc=("fp8e4nv", [bn, bk]))
+        out.append(("gate_up" if proj == 0 else "down", kern, dict(m, PROJ=proj, BN=bn, BK=bk),
+                    pointer_types(kern.fn.__name__, proj, a8, ue8m0, p.y_half, p.quant_on_load), opts))
     return out
 
 
@@ -93,12 +107,15 @@ def resources(k) -> dict:
                 local=len(re.findall(r"(ld|st)\.local", ptx)),
                 mma=len(re.findall(r"\bmma\.|wgmma", ptx)),
                 fp8_mma=len(re.findall(r"wgmma\.mma_async\S*e4m3|mma\S*e4m3", ptx)),
-                cvt_e4m3=len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2", ptx)))
+                cvt_e4m3=len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2", ptx)),
+                tma=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)))
 
 
 QUICK = [  # (tag, preset, params): one point per path the tests' compile check covers
-    ("w8a16", "qwen3-30b-a3b", dict(block_m=16, block_n=64, block_k=128, num_stages=4, down_block_n=64,
+    ("w8a16", "qwen3-30b-a3b", dict(block_m=16, block_n=128, block_k=128, num_stages=4, down_block_n=128,
                                     down_block_k=128, down_stages=4)),
+    ("w8a16", "qwen3.5-397b-a17b", dict(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=4,
+                                        down_block_n=128, down_block_k=128, down_warps=8, down_stages=4)),
     ("w8a16_exact", "qwen3-30b-a3b", dict(block_m=16, block_n=64, block_k=128, num_stages=4, down_block_n=64,
                                           down_block_k=128, fold_scale=False)),
     ("w8a16", "mixtral-8x7b", dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
@@ -110,6 +127,11 @@ QUICK = [  # (tag, preset, params): one point per path the tests' compile check 
     ("w8a8_qload", "deepseek-v3", dict(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=3,
                                        down_block_n=128, down_block_k=128, down_warps=8, down_stages=3,
                                        act_quant="fp8_1x128", quant_on_load=True)),
+    ("w8a8_tma", "mixtral-8x7b", dict(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=4,
+                                      down_block_n=128, down_block_k=128, down_warps=8, down_stages=4,
+                                      act_quant="fp8_1x128", tma=True)),
+    ("w8a16_tma", "qwen3-30b-a3b", dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
+                                        down_block_n=128, down_block_k=64, down_warps=8, down_stages=4, tma=True)),
 ]
 EXTRA = [  # compiled by the full run only: candidates whose resources are worth knowing
     ("w8a8_qload", "mixtral-8x7b", dict(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3,
@@ -124,6 +146,9 @@ EXTRA = [  # compiled by the full run only: candidates whose resources are worth
     ("w8a8", "mixtral-8x7b", dict(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3,
                                   down_block_n=256, down_block_k=128, down_warps=8, down_stages=3,
                                   act_quant="fp8_1x128")),
+    ("w8a8_qload_tma", "deepseek-v3", dict(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=3,
+                                           down_block_n=128, down_block_k=128, down_warps=8, down_stages=3,
+                                           act_quant="fp8_1x128", quant_on_load=True, tma=True)),
 ]
 
 

@@ -30,6 +30,11 @@ hs [P, F / G] fp32 in pair order; or, with quant_on_load, each 16-bit A tile (x,
 activations' dtype) quantised as it is loaded, per row over its K step of BK = G channels. Scales stored as
 ue8m0 are read as bytes b and widened to 2^(b − 127) exactly.
 
+Operand paths, as grouped_gemm.py's: pointer (`grouped_gemm_fp8_kernel`: A gathered row by row, h and y in pair
+order) and tma (`grouped_gemm_fp8_tma_kernel`, Fp8GemmParams.tma): the token rows first copied in expert order
+(routing.gather: x in its 16-bit dtype, or the pre-pass's e4m3 rows), h written in that order, and every
+operand one TMA box: A [row0, row0 + BM) of the sorted rows, B the e4m3 weights seen as [E·2F, D] / [E·D, F].
+
 Interpreted (TRITON_INTERPRET=1, EMULATE), where Triton's float → e4m3 and float → bf16 casts do not round to
 nearest and its e4m3 → float cast widens the NaN bytes to ±480: e4m3 values are rounded in fp32 arithmetic
 first (`_round_e4m3`, then cast exactly), the fold's bf16 rounding likewise (`_round_bf16`), and every dot
@@ -57,7 +62,7 @@ from ..contract import KernelKind, sources
 from . import combine as _combine
 from . import routing
 from ._common import _act, _find_tile, _store_y
-from .grouped_gemm import _grouped_tile, max_tiles
+from .grouped_gemm import _desc, _grouped_tile, max_tiles
 from .launch import launch
 from .layout import act_args, call_args, cdiv, check_pow2, check_smem, interpreting
 
@@ -100,6 +105,10 @@ class Fp8GemmParams:
     # (block_k = down_block_k = the group), instead of the x pre-pass and h quantised in the gate/up epilogue:
     # no pre-pass launch, no e4m3 copy of x, and block_n free of the group
     quant_on_load: bool = False
+    # both operands of both GEMMs through TMA descriptors: the token rows first gathered in expert order
+    # (routing.gather; w8a8 from the pre-pass: its e4m3 rows), h written in that order, the e4m3 weights as
+    # [E·2F, D] / [E·D, F] boxes
+    tma: bool = False
 
     def __post_init__(self) -> None:
         g = act_group(self.act_quant)
@@ -205,6 +214,7 @@ CHOICES = (
     ("y_half", (False, True)),
     ("fold_scale", (True, False)),
     ("quant_on_load", (False, True)),
+    ("tma", (False, True)),
 )
 
 
@@ -217,20 +227,20 @@ def space(block: MoEBlock, target: Target) -> ParamSpace:
 
 def default_params(block: MoEBlock, T: int, target: Target) -> Fp8GemmParams:
     """Weight-only (bf16 activations): tiles of rows per active expert, as grouped_gemm's default: 16-row
-    tiles while experts get a few rows, 64-row tiles beyond, then 128-row tiles with 8 warps. K steps of 128
-    columns (one scale block) on the narrow tiles, of 64 on the wide ones (their shared memory)."""
+    tiles while experts get a few rows, 64-row tiles beyond, then 128-row tiles; 128 weight columns per tile
+    (the one-byte weights: a K step moves the bytes of grouped_gemm's 64-column bf16 tile), K steps of one scale
+    block column where the registers allow it, 8 warps on the wide tiles (no register spills on sm_90)."""
     rows = rows_per_active(block, T)
     c = block.weight_format.block[1] if block.weight_format.block else 128
-    bk = min(128, c)
+    bk, bk_wide = min(128, c), min(64, c)
     if rows < 12:
-        return Fp8GemmParams(block_m=16, block_n=64, block_k=bk, num_stages=4, down_block_n=64,
+        return Fp8GemmParams(block_m=16, block_n=128, block_k=bk, num_stages=4, down_block_n=128,
                              down_block_k=bk, down_stages=4)
     if rows < 48:
-        return Fp8GemmParams(block_m=64, block_n=64, block_k=bk, num_stages=4, down_block_n=128,
-                             down_block_k=bk, down_stages=4)
-    bk = min(64, c)
-    return Fp8GemmParams(block_m=128, block_n=128, block_k=bk, num_warps=8, num_stages=4,
-                         down_block_n=128, down_block_k=bk, down_warps=8, down_stages=4)
+        return Fp8GemmParams(block_m=64, block_n=128, block_k=bk_wide, num_warps=8, num_stages=4,
+                             down_block_n=128, down_block_k=bk, down_warps=8, down_stages=4)
+    return Fp8GemmParams(block_m=128, block_n=128, block_k=bk_wide, num_warps=8, num_stages=4,
+                         down_block_n=128, down_block_k=bk_wide, down_warps=8, down_stages=4)
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -331,13 +341,19 @@ def _load_a(arow, asrow, k0, rmask, BM: tl.constexpr, BK: tl.constexpr, G: tl.co
 @triton.jit
 def _mma(a, bcol, sk, k0, cmask, acc, sc, BK: tl.constexpr, A8: tl.constexpr, FOLD: tl.constexpr,
          EMULATE: tl.constexpr):
-    """One K step: acc += (a · Q[k0:k0+BK, cols]) · sc for a [R, BK] (16-bit, or e4m3 with A8), the e4m3 weight
-    columns at bcol [1, C] with K stride sk, sc the step's scales ([R | 1, C]).
-    FOLD (16-bit a, sc [1, C]): acc += a · dtype(Q · sc) instead, the product accumulated in place.
-    EMULATE (interpreted): every operand widened to fp32 (e4m3 NaN kept, the fold's rounding done in fp32) and
-    multiplied in fp32, the exact products of the same values (a bf16 tl.dot is wrong there)."""
+    """One K step on pointers: `_dot` of a with the e4m3 weight columns at bcol [1, C] (K stride sk) over
+    [k0, k0 + BK)."""
     offs_k = k0 + tl.arange(0, BK)
     b = tl.load(bcol + offs_k[:, None] * sk, mask=cmask[None, :], other=0.0)  # [BK, C] e4m3
+    return _dot(a, b, acc, sc, A8, FOLD, EMULATE)
+
+
+@triton.jit
+def _dot(a, b, acc, sc, A8: tl.constexpr, FOLD: tl.constexpr, EMULATE: tl.constexpr):
+    """acc += (a · b) · sc for a [R, BK] (16-bit, or e4m3 with A8), b [BK, C] e4m3, sc the step's scales
+    ([R | 1, C]). FOLD (16-bit a, sc [1, C]): acc += a · dtype(b · sc) instead, the product accumulated in place.
+    EMULATE (interpreted): every operand widened to fp32 (e4m3 NaN kept, the fold's rounding done in fp32) and
+    multiplied in fp32, the exact products of the same values (a bf16 tl.dot is wrong there)."""
     if EMULATE:
         if A8:
             a32 = _widen_e4m3(a)
@@ -359,6 +375,23 @@ def _mma(a, bcol, sk, k0, cmask, acc, sc, BK: tl.constexpr, A8: tl.constexpr, FO
     else:
         acc = acc + tl.dot(a, b.to(a.dtype)) * sc  # e4m3 → bf16 / fp16: exact
     return acc
+
+
+@triton.jit
+def _store_hq(h_ptr, s_hp, hs_ptr, s_hsp, rows, rmask, g, u, wt, n0, N, alpha, limit, BM: tl.constexpr,
+              BN: tl.constexpr, G: tl.constexpr, ACT: tl.constexpr, W_IN: tl.constexpr, EMULATE: tl.constexpr):
+    """Gate/up epilogue of w8a8: (weight on the input) → act → h quantised per row and G columns: e4m3 at
+    h[rows, n0 + [0, BN)], scales at hs[rows, n0 / G + [0, BN / G)]."""
+    offs_n = n0 + tl.arange(0, BN)
+    if W_IN:
+        g = g * wt[:, None]
+        u = u * wt[:, None]
+    q, s = _quant_groups(_act(g, u, ACT, alpha, limit), BM, BN, G, EMULATE)
+    tl.store(h_ptr + rows.to(tl.int64)[:, None] * s_hp + offs_n[None, :], q,
+             mask=rmask[:, None] & (offs_n < N)[None, :])
+    offs_g = n0 // G + tl.arange(0, BN // G)
+    tl.store(hs_ptr + rows.to(tl.int64)[:, None] * s_hsp + offs_g[None, :], s,
+             mask=rmask[:, None] & (offs_g < N // G)[None, :])
 
 
 @triton.jit
@@ -424,15 +457,8 @@ def grouped_gemm_fp8_kernel(
             accg = _mma(a, bcol, sk, k0, nm, accg, sg, BK, A8, FOLD, EMULATE)
             accu = _mma(a, bcol + up, sk, k0, nm, accu, su, BK, A8, FOLD, EMULATE)
         if A8 and not QLOAD:  # h quantised here; with QLOAD the down GEMM quantises its 16-bit rows
-            if W_IN:
-                accg = accg * wt[:, None]
-                accu = accu * wt[:, None]
-            q, s = _quant_groups(_act(accg, accu, ACT, alpha, limit), BM, BN, G, EMULATE)
-            m2 = rmask[:, None] & nm[None, :]
-            tl.store(h_ptr + pairs.to(tl.int64)[:, None] * s_hp + offs_n[None, :], q, mask=m2)
-            offs_g = n0 // G + tl.arange(0, BN // G)
-            tl.store(hs_ptr + pairs.to(tl.int64)[:, None] * s_hsp + offs_g[None, :], s,
-                     mask=rmask[:, None] & (offs_g < N // G)[None, :])
+            _store_hq(h_ptr, s_hp, hs_ptr, s_hsp, pairs, rmask, accg, accu, wt, n0, N, alpha, limit, BM, BN, G,
+                      ACT, W_IN, EMULATE)
         else:
             _store_h16(h_ptr, s_hp, pairs, rmask, accg, accu, wt, n0, N, alpha, limit, BN, ACT, W_IN, EMULATE)
     else:
@@ -448,6 +474,76 @@ def grouped_gemm_fp8_kernel(
             acc = _mma(a, bcol, sk, k0, nm, acc, sc, BK, A8, FOLD, EMULATE)
         _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, w_ptr, 0, (ks == 0).to(tl.float32),
                  n0, N, BN, False, W_IN)
+
+
+@triton.jit(do_not_specialize=["P", "n_tiles"])
+def grouped_gemm_fp8_tma_kernel(
+    a_desc, as_ptr, s_ast, b_desc, ws_ptr, sse, ssn, ssk, sup, wts_ptr, counts_ptr, sorted_ptr,
+    h_ptr, hs_ptr, s_hsp, y_ptr, P, E, N, K, n_tiles, k_split, alpha, limit,
+    PROJ: tl.constexpr, K_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, A8: tl.constexpr, UE8M0: tl.constexpr, FOLD: tl.constexpr,
+    ACT: tl.constexpr, W_IN: tl.constexpr, EMULATE: tl.constexpr, QLOAD: tl.constexpr = False,
+):
+    """The TMA operand path (Fp8GemmParams.tma). a_desc: the sorted rows, box [BM, BK]: xs [P, D] (PROJ 0; the
+    token rows gathered in expert order, 16-bit, or e4m3 with A8 from the pre-pass, whose scales stay in token
+    order at as_ [T, D / G]) or h [P, F] (PROJ 1, written by PROJ 0 in sorted order, as its scales hs);
+    b_desc: gate_up as [E·2F, D] (gate rows e·2F + n, up rows e·2F + F + n) or down as [E·D, F] in e4m3, box
+    [BN, BK]. A tile's A is one box [row0, row0 + BM) (rows past its expert belong to the next one: computed and
+    dropped); boxes past a tensor's edge read zeros."""
+    tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
+    e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
+    if left > 0:
+        r = tl.arange(0, BM)
+        rmask = r < left
+        pairs = tl.load(sorted_ptr + row0 + r, mask=rmask, other=0)  # [BM]
+        wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)  # [BM]
+        offs_n = n0 + tl.arange(0, BN)
+        nm = offs_n < N
+        srow = ws_ptr + e.to(tl.int64) * sse + (offs_n // R) * ssn  # [BN]
+        if PROJ == 0:
+            asrow = as_ptr + (pairs // K_TOP).to(tl.int64) * s_ast  # x's scales by token
+        else:
+            asrow = as_ptr + (row0 + r).to(tl.int64) * s_ast  # h's by sorted row
+        if PROJ == 0:
+            accg = tl.zeros([BM, BN], dtype=tl.float32)
+            accu = tl.zeros([BM, BN], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                a = a_desc.load([row0, k0])  # [BM, BK]
+                if A8 and QLOAD:
+                    a, sa = _quant_groups(a.to(tl.float32), BM, BK, BK, EMULATE)
+                elif A8:
+                    sa = tl.load(asrow + k0 // G, mask=rmask, other=0.0)[:, None]  # [BM, 1]
+                sg = _scale_of(srow + (k0 // C) * ssk, nm, UE8M0)[None, :]  # [1, BN]
+                su = _scale_of(srow + sup + (k0 // C) * ssk, nm, UE8M0)[None, :]
+                if A8:
+                    sg = sa * sg
+                    su = sa * su
+                bg = b_desc.load([e * 2 * N + n0, k0])  # [BN, BK]
+                bu = b_desc.load([e * 2 * N + N + n0, k0])
+                accg = _dot(a, bg.T, accg, sg, A8, FOLD, EMULATE)
+                accu = _dot(a, bu.T, accu, su, A8, FOLD, EMULATE)
+            if A8 and not QLOAD:  # h in sorted order: row row0 + r
+                _store_hq(h_ptr, N, hs_ptr, s_hsp, row0 + r, rmask, accg, accu, wt, n0, N, alpha, limit, BM, BN,
+                          G, ACT, W_IN, EMULATE)
+            else:
+                _store_h16(h_ptr, N, row0 + r, rmask, accg, accu, wt, n0, N, alpha, limit, BN, ACT, W_IN, EMULATE)
+        else:
+            ks = tl.program_id(1)  # split of the F reduction: partial planes y [S, P, D]
+            k_lo = ks * k_split
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BK):
+                a = a_desc.load([row0, k0])  # [BM, BK]
+                if A8 and QLOAD:
+                    a, sa = _quant_groups(a.to(tl.float32), BM, BK, BK, EMULATE)
+                elif A8:
+                    sa = tl.load(asrow + k0 // G, mask=rmask, other=0.0)[:, None]
+                sc = _scale_of(srow + (k0 // C) * ssk, nm, UE8M0)[None, :]
+                if A8:
+                    sc = sa * sc
+                acc = _dot(a, b_desc.load([e * N + n0, k0]).T, acc, sc, A8, FOLD, EMULATE)
+            _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, y_ptr, 0, (ks == 0).to(tl.float32),
+                     n0, N, BN, False, W_IN)
 
 
 # ------------------------------------------------------------------------------------------------ host
@@ -476,23 +572,20 @@ def build(block: MoEBlock, schedule: Schedule):
     if why:
         raise UnsupportedSchedule(why)
     E, D, F = block.E, block.D, block.F
-    R, C = block.weight_format.block
+    R = block.weight_format.block[0]
     G = act_group(p.act_quant)
     a8 = G is not None
-    ue8m0 = block.weight_format.scale_dtype == "ue8m0"
     alpha, limit = act_args(block)
     memo: dict = {}  # call_args' per-weights host work
+    if p.tma:
+        return _build_tma(block, p, alpha, limit)
 
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
         a = call_args(block, x, ids, weights, w, memo)
         T, P, gs, ds, wts_f = a.T, a.P, a.gs, a.ds, a.weights
         gsc, dsc = _scales(w.gate_up_scale), _scales(w.down_scale)
         counts, sorted_pairs = routing.route(ids, E)
-        meta = dict(K_TOP=block.k, BLOCK_E=a.meta["BLOCK_E"], ACT=a.meta["ACT"], W_IN=a.meta["W_IN"],
-                    BM=p.block_m, GROUP_M=p.group_m, R=R, C=C, G=G or C, A8=a8, UE8M0=ue8m0,
-                    FOLD=p.fold_scale and not a8, EMULATE=interpreting())
-        if p.quant_on_load:  # (QLOAD left at its default otherwise)
-            meta["QLOAD"] = True
+        meta = _meta(block, p, a)
         nt = max_tiles(P, E, p.block_m)
         if a8 and not p.quant_on_load:
             xa, xs = quant_rows(x, G)  # [T, D] e4m3, [T, D / G]
@@ -523,6 +616,74 @@ def build(block: MoEBlock, schedule: Schedule):
     return run
 
 
+def _meta(block: MoEBlock, p: Fp8GemmParams, a) -> dict:
+    """The constexprs both kernels of a schedule share (a: the call's CallArgs)."""
+    R, C = block.weight_format.block
+    G = act_group(p.act_quant)
+    meta = dict(K_TOP=block.k, BLOCK_E=a.meta["BLOCK_E"], ACT=a.meta["ACT"], W_IN=a.meta["W_IN"],
+                BM=p.block_m, GROUP_M=p.group_m, R=R, C=C, G=G or C, A8=G is not None,
+                UE8M0=block.weight_format.scale_dtype == "ue8m0", FOLD=p.fold_scale and G is None,
+                EMULATE=interpreting())
+    if p.quant_on_load:  # (QLOAD left at its default otherwise)
+        meta["QLOAD"] = True
+    return meta
+
+
+def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
+    E, D, F = block.E, block.D, block.F
+    R = block.weight_format.block[0]
+    G = act_group(p.act_quant)
+    prepass = G is not None and not p.quant_on_load
+    weight_descs: dict = {}  # the last weights' two descriptors (host objects), by pointer, shape and strides
+    memo: dict = {}
+
+    def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
+        a = call_args(block, x, ids, weights, w, memo)
+        T, P, gs, ds, wts_f = a.T, a.P, a.gs, a.ds, a.weights
+        gu, dn = w.gate_up, w.down
+        key = (gu.data_ptr(), dn.data_ptr(), gu.shape, dn.shape, gu.stride(), dn.stride())
+        if key not in weight_descs:
+            if gs.se != 2 * F * gs.sn or ds.se != D * ds.sn or gs.up != F * gs.sn:
+                raise UnsupportedSchedule(f"grouped_gemm fp8 tma: expert weights gate_up {tuple(gu.stride())} / "
+                                          f"down {tuple(dn.stride())} are not one [E·rows, cols] matrix each")
+            weight_descs.clear()
+            weight_descs[key] = (_desc(gu, [E * 2 * F, D], [gs.sn, 1], [p.block_n, p.block_k]),
+                                 _desc(dn, [E * D, F], [ds.sn, 1], [p.down_block_n, p.down_block_k]))
+        gu_desc, dn_desc = weight_descs[key]
+        gsc, dsc = _scales(w.gate_up_scale), _scales(w.down_scale)
+        counts, sorted_pairs = routing.route(ids, E)
+        meta = _meta(block, p, a)
+        nt = max_tiles(P, E, p.block_m)
+        rows = max(P, 1)
+        if prepass:
+            xq, xsc = quant_rows(x, G)  # [T, D] e4m3, [T, D / G] (token order)
+            xs = routing.gather(xq, counts, sorted_pairs, block.k, xq.dtype)  # [P, D] sorted e4m3 rows
+            h = torch.empty(rows, F, dtype=torch.float8_e4m3fn, device=x.device)  # [P, F] sorted
+            hs = torch.empty(rows, F // G, dtype=torch.float32, device=x.device)  # [P, F / G] sorted
+        else:
+            xs = routing.gather(x, counts, sorted_pairs, block.k, x.dtype)  # [P, D] sorted 16-bit rows
+            xsc = hs = wts_f
+            h = torch.empty(rows, F, dtype=x.dtype, device=x.device)  # [P, F] sorted
+        grouped_gemm_fp8_tma_kernel[(nt * cdiv(F, p.block_n),)](  # descriptors: new objects each call
+            _desc(xs, [rows, D], [D, 1], [p.block_m, p.block_k]), xsc, xsc.stride(0), gu_desc,
+            gsc, gsc.stride(0), gsc.stride(1), gsc.stride(2), (F // R) * gsc.stride(1), wts_f, counts, sorted_pairs,
+            h, hs, hs.stride(0), h, P, E, F, D, nt, D, alpha, limit,
+            PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta)
+        k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
+        S = cdiv(F, k_split)
+        y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
+        grouped_gemm_fp8_tma_kernel[(nt * cdiv(D, p.down_block_n), S)](
+            _desc(h, [rows, F], [F, 1], [p.block_m, p.down_block_k]), hs, hs.stride(0), dn_desc,
+            dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0, wts_f, counts, sorted_pairs,
+            h, hs, hs.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
+            PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
+            **meta)
+        out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
+        return _combine.combine(y, ids, out, E)
+
+    return run
+
+
 def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
     """(flops, bytes): e4m3 weights and their scales of each distinct expert once (L2 serves the other
     tiles), x, h (bf16, or e4m3 + scales with w8a8, and the quantised x), y, the combine and the routing."""
@@ -533,11 +694,14 @@ def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float
     tiles = P / params.block_m + distinct
     flops = 2.0 * 3 * tiles * params.block_m * block.D * block.F  # padded rows included
     g = act_group(params.act_quant)
-    if g is None:
+    if g is None or params.quant_on_load:
         act = tokens * block.D * ab + 2 * P * block.F * ab
+        sorted_copy = 2 * P * block.D * ab  # tma: xs written, read
     else:  # x read, xq written (1 B + scales) and read by every pair, hq written and read
         act = (tokens * block.D * (ab + 1 + 4 / g) + P * block.D * (1 + 4 / g)
                + 2 * P * block.F * (1 + 4 / g))
+        sorted_copy = 2 * P * block.D
+    act += sorted_copy if params.tma else 0
     by = (distinct * block.weight_bytes_per_expert + act
           + _combine.cost(params.split_k, P, tokens, block.D, ab, yb)[1] + params.split_k * P * block.D * yb
           + routing.cost(P, block.E)[1])
