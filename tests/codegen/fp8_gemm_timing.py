@@ -2,6 +2,7 @@
 test; run on the H200):
 
     python tests/codegen/fp8_gemm_timing.py --out DIR [--budget 190] [--shapes qwen3-30b-a3b,...] [--tokens 64,...]
+                                           [--points default,w8a8_m16_n128_k128,...]
 
 Per cell (the FP8 presets' shapes, 128×128 blocks with fp32 scales, × T) the default and a handful of points of
 the space, both act_quant settings: each checked against the float32 reference (moetune.search.objective) on two
@@ -36,9 +37,7 @@ SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "qwen3.5-397b-a17b": (512, 10, 4
           "deepseek-v3": (256, 8, 7168, 2048), "mixtral-8x7b": (8, 2, 4096, 14336)}
 TOKENS = (64, 128, 256, 512, 1024)
 POINTS = {  # a handful of points of the space beside the default (names say what differs)
-    "w8a16_m64_n128_k128_w8": dict(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3,
-                                   down_block_n=128, down_block_k=128, down_warps=8, down_stages=3),
-    "w8a8_m16_n128_k128": dict(block_m=16, block_n=128, block_k=128, num_stages=4, down_block_n=64,
+    "w8a8_m16_n128_k128": dict(block_m=16, block_n=128, block_k=128, num_stages=4, down_block_n=128,
                                down_block_k=128, down_stages=4, act_quant="fp8_1x128"),
     "w8a8_m64_n128_k128_w8": dict(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3,
                                   down_block_n=128, down_block_k=128, down_warps=8, down_stages=3,
@@ -46,12 +45,12 @@ POINTS = {  # a handful of points of the space beside the default (names say wha
     "w8a8_tma_m64_n128_k128_w8_s4": dict(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=4,
                                          down_block_n=128, down_block_k=128, down_warps=8, down_stages=4,
                                          act_quant="fp8_1x128", tma=True),
-    "w8a16_tma_m128_n128_k64_w8_s4": dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
-                                          down_block_n=128, down_block_k=64, down_warps=8, down_stages=4,
-                                          tma=True),
     "w8a8_onload_m128_n64_k128_w8": dict(block_m=128, block_n=64, block_k=128, num_warps=8, num_stages=3,
                                          down_block_n=128, down_block_k=128, down_warps=8, down_stages=3,
                                          act_quant="fp8_1x128", quant_on_load=True),
+    "w8a16_tma_m128_n128_k64_w8_s4": dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
+                                          down_block_n=128, down_block_k=64, down_warps=8, down_stages=4,
+                                          tma=True),
 }
 
 
@@ -97,6 +96,7 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=190.0, help="seconds; no new cell starts after them")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--points", default=",".join(["default", *POINTS]), help="which of default and POINTS")
     ap.add_argument("--reps", type=int, default=100)
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -120,8 +120,9 @@ def main() -> int:
             fl = floor(block, "h200", T)
             cases = make_cases(block, w, T, n_routings(block, T), torch.Generator().manual_seed(T))
             refs = [reference(block, c) for c in cases[:2]]
-            points = [("default", BACKEND.default(block, "grouped_gemm", T).params)]
-            points += [(tag, space.make(**g)) for tag, g in POINTS.items()]
+            chosen = args.points.split(",")
+            points = [("default", BACKEND.default(block, "grouped_gemm", T).params)] if "default" in chosen else []
+            points += [(tag, space.make(**g)) for tag, g in POINTS.items() if tag in chosen]
             for tag, p in points:
                 rec = dict(shape=shape, T=T, point=tag, params=repr(p), act_quant=p.act_quant,
                            floor_us=fl.time_s * 1e6, bound=fl.bound, routings=len(cases), device=name)
