@@ -6,6 +6,7 @@ a GPU, the default and a sample of the space at the FP8 presets' shapes, eagerly
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -37,15 +38,19 @@ def fp8_block(E, k, D, F, block=(32, 32), scale_dtype="float32", compute_dtype="
         WeightFormat.fp8_block(block, scale_dtype, compute_dtype))
 
 
-def problem(block, T, kind, seed=0):
-    """(x [T, D], ids [T, k], weights [T, k], FP8 expert tensors) on DEV."""
+def inputs(block, T, kind, seed=0):
+    """(x [T, D], ids [T, k], weights [T, k]) on DEV, routed per `kind` (triton_cases.make_ids)."""
     gen = torch.Generator().manual_seed(seed)
     dt = getattr(torch, block.weight_format.compute_dtype)
-    w = expert_tensors(block, DEV, seed)
     x = torch.randn(T, block.D, generator=gen).to(dt).to(DEV)
     ids = make_ids(kind, T, block.E, block.k, gen).to(DEV)
     weights = torch.softmax(torch.randn(T, block.k, generator=gen), -1).to(dt).to(DEV)
-    return x, ids, weights, w
+    return x, ids, weights
+
+
+def problem(block, T, kind, seed=0):
+    """inputs(...) and the block's FP8 expert tensors (moetune.search.objective.expert_tensors) on DEV."""
+    return (*inputs(block, T, kind, seed), expert_tensors(block, DEV, seed))
 
 
 def schedule(**params) -> Schedule:
@@ -322,15 +327,22 @@ GPU_SAMPLE = [  # a sample of the space beside the default
 ]
 
 
+@functools.lru_cache(maxsize=1)
+def _preset_weights(preset: str):
+    """(block, FP8 expert tensors) of a preset shape, kept for the next test of the same preset."""
+    E, k, D, F = PRESETS[preset]
+    block = fp8_block(E, k, D, F, block=(128, 128), name=preset)
+    return block, expert_tensors(block, DEV, 0)
+
+
 @pytest.mark.skipif(not (ON_GPU and os.environ.get("MOETUNE_TEST_GPU")),
                     reason="the FP8 grouped GEMM at the presets' shapes needs a CUDA device and MOETUNE_TEST_GPU=1")
 class TestGpu:
-    @pytest.mark.parametrize("preset", list(PRESETS))
     @pytest.mark.parametrize("T", [64, 256, 1024])
+    @pytest.mark.parametrize("preset", list(PRESETS))
     def test_default_and_sample_eager_and_graph(self, preset, T):
-        E, k, D, F = PRESETS[preset]
-        block = fp8_block(E, k, D, F, block=(128, 128), name=preset)
-        x, ids, weights, w = problem(block, T, "uniform")
+        block, w = _preset_weights(preset)
+        x, ids, weights = inputs(block, T, "uniform")
         ref = experts_reference(block, x, ids, weights, w)
         space = BACKEND.space(block, "grouped_gemm")
         points = [BACKEND.default(block, "grouped_gemm", T).params] + [space.make(**g) for g in GPU_SAMPLE]
@@ -348,7 +360,7 @@ class TestGpu:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 static = fn(x, ids, weights, w)
-            new_x, new_ids, new_w, _ = problem(block, T, "uniform", seed=1)
+            new_x, new_ids, new_w = inputs(block, T, "uniform", seed=1)
             want = fn(new_x, new_ids, new_w, w)
             x.copy_(new_x)
             ids.copy_(new_ids)
@@ -356,4 +368,5 @@ class TestGpu:
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(static, want), f"{preset}/T{T}/{p}: graph replay differs from the eager call"
-            x, ids, weights, _ = problem(block, T, "uniform")
+            del graph, static
+            x, ids, weights = inputs(block, T, "uniform")
