@@ -295,6 +295,9 @@ def test_representative_fp8_configs_compile_for_sm_90():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("MOETUNE_FP8_FULL_COMPILE"),
+                    reason="the full sm_90 grid (about a hundred kernels): MOETUNE_FP8_FULL_COMPILE=1, or "
+                           "python tests/codegen/fp8_sm90.py")
 def test_every_fp8_default_and_sample_compiles_for_sm_90():
     """The default of every FP8 preset at the timing script's token counts, the GPU tests' sample of the space and
     a few wide candidates compile for sm_90 within the shared memory; the defaults without register spills."""
