@@ -176,12 +176,13 @@ def _shape_refusal(block: MoEBlock, p: Fp8GemmParams) -> str | None:
 
 def smem_bytes(p: Fp8GemmParams, proj: int) -> int:
     """Shared memory of one projection's pipelined loop: `stages` copies of the A tile (1-byte e4m3 with
-    w8a8 from the pre-pass, 2-byte otherwise) and of the e4m3 B tiles (gate and up, or down), and the
-    epilogue's scratch."""
+    w8a8 from the pre-pass, 2-byte otherwise) and of the e4m3 B tiles (gate and up, or down), with 16-bit
+    activations one more B tile each (the compiled loop stages one as it widens it), and the epilogue's
+    scratch."""
     bn, bk, st, nb = ((p.block_n, p.block_k, p.num_stages, 2) if proj == 0
                       else (p.down_block_n, p.down_block_k, p.down_stages, 1))
     if p.act_quant == "none":
-        return st * (p.block_m * bk * 2 + nb * bk * bn) + SCRATCH
+        return st * (p.block_m * bk * 2 + nb * bk * bn) + nb * bk * bn + SCRATCH
     if p.quant_on_load:  # 16-bit A tiles in flight, the quantised one staged for the tensor cores
         return st * (p.block_m * bk * 2 + nb * bk * bn) + p.block_m * bk + SCRATCH
     return st * (p.block_m * bk + nb * bk * bn) + SCRATCH
@@ -253,6 +254,21 @@ def _scale_of(ptr, mask, UE8M0: tl.constexpr):
         s = (tl.load(ptr, mask=mask, other=127).to(tl.int32) << 23).to(tl.float32, bitcast=True)
     else:
         s = tl.load(ptr, mask=mask, other=0.0)
+    return s
+
+
+@triton.jit
+def _w_scale(srow, s0, off, nm, BN: tl.constexpr, R: tl.constexpr, UE8M0: tl.constexpr):
+    """A K step's weight scales for the tile's columns: one value when its BN columns lie in one block row
+    (BN divides R; s0 is their scale's address), else one per column, [1, BN] (srow [BN]: each column's);
+    `off` the step's block column offset."""
+    if R % BN == 0:
+        if UE8M0:
+            s = (tl.load(s0 + off).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        else:
+            s = tl.load(s0 + off)
+    else:
+        s = _scale_of(srow + off, nm, UE8M0)[None, :]
     return s
 
 
@@ -443,14 +459,15 @@ def grouped_gemm_fp8_kernel(
     asrow = as_ptr + arows.to(tl.int64) * s_ast  # [BM]
     bcol = w_ptr + ec * se + offs_n[None, :] * sn  # [1, BN]
     srow = ws_ptr + ec * sse + (offs_n // R) * ssn  # [BN] scale rows of the columns
+    s0 = ws_ptr + ec * sse + (n0 // R) * ssn  # the first column's
     if PROJ == 0:
         k_end = tl.where(left > 0, K, 0)
         accg = tl.zeros([BM, BN], dtype=tl.float32)
         accu = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, k_end, BK):
             a, sa = _load_a(arow, asrow, k0, rmask, BM, BK, G, A8, QLOAD, EMULATE)
-            sg = _scale_of(srow + (k0 // C) * ssk, nm, UE8M0)[None, :]  # [1, BN]
-            su = _scale_of(srow + sup + (k0 // C) * ssk, nm, UE8M0)[None, :]
+            sg = _w_scale(srow, s0, (k0 // C) * ssk, nm, BN, R, UE8M0)  # [] or [1, BN]
+            su = _w_scale(srow, s0, sup + (k0 // C) * ssk, nm, BN, R, UE8M0)
             if A8:
                 sg = sa * sg  # [BM, BN]
                 su = sa * su
@@ -468,7 +485,7 @@ def grouped_gemm_fp8_kernel(
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BK):
             a, sa = _load_a(arow, asrow, k0, rmask, BM, BK, G, A8, QLOAD, EMULATE)
-            sc = _scale_of(srow + (k0 // C) * ssk, nm, UE8M0)[None, :]
+            sc = _w_scale(srow, s0, (k0 // C) * ssk, nm, BN, R, UE8M0)
             if A8:
                 sc = sa * sc
             acc = _mma(a, bcol, sk, k0, nm, acc, sc, BK, A8, FOLD, EMULATE)
@@ -501,6 +518,7 @@ def grouped_gemm_fp8_tma_kernel(
         offs_n = n0 + tl.arange(0, BN)
         nm = offs_n < N
         srow = ws_ptr + e.to(tl.int64) * sse + (offs_n // R) * ssn  # [BN]
+        s0 = ws_ptr + e.to(tl.int64) * sse + (n0 // R) * ssn
         if PROJ == 0:
             asrow = as_ptr + (pairs // K_TOP).to(tl.int64) * s_ast  # x's scales by token
         else:
@@ -514,8 +532,8 @@ def grouped_gemm_fp8_tma_kernel(
                     a, sa = _quant_groups(a.to(tl.float32), BM, BK, BK, EMULATE)
                 elif A8:
                     sa = tl.load(asrow + k0 // G, mask=rmask, other=0.0)[:, None]  # [BM, 1]
-                sg = _scale_of(srow + (k0 // C) * ssk, nm, UE8M0)[None, :]  # [1, BN]
-                su = _scale_of(srow + sup + (k0 // C) * ssk, nm, UE8M0)[None, :]
+                sg = _w_scale(srow, s0, (k0 // C) * ssk, nm, BN, R, UE8M0)  # [] or [1, BN]
+                su = _w_scale(srow, s0, sup + (k0 // C) * ssk, nm, BN, R, UE8M0)
                 if A8:
                     sg = sa * sg
                     su = sa * su
@@ -538,7 +556,7 @@ def grouped_gemm_fp8_tma_kernel(
                     a, sa = _quant_groups(a.to(tl.float32), BM, BK, BK, EMULATE)
                 elif A8:
                     sa = tl.load(asrow + k0 // G, mask=rmask, other=0.0)[:, None]
-                sc = _scale_of(srow + (k0 // C) * ssk, nm, UE8M0)[None, :]
+                sc = _w_scale(srow, s0, (k0 // C) * ssk, nm, BN, R, UE8M0)
                 if A8:
                     sc = sa * sc
                 acc = _dot(a, b_desc.load([e * N + n0, k0]).T, acc, sc, A8, FOLD, EMULATE)
