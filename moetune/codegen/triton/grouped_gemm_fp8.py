@@ -10,7 +10,7 @@ then combine.py sums the S planes and the k rows of each token in fp32.
 Block scales (moetune.codegen.quant): w[n, k] = q[n, k] · s_w[n // R, k // C] for a weight block (R, C) =
 (rows, cols) of the [N, K] matrix (gate_up: N = 2F over K = D, the up half's scale rows F/R after the gate's;
 down: N = D over K = F). A K step of BK columns lies inside one block column (BK divides C), so each step
-has one scale per column of the tile:
+has one scale per column of the tile (one for the whole tile when its BN columns lie in one block row):
 
     act_quant "none" (w8a16), fold_scale (default)
         acc = dot(a, bf16(q · s_w[n // R, k0 // C]), acc)     the e4m3 tile widened and scaled in registers,
