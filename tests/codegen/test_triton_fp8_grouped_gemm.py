@@ -266,6 +266,21 @@ def test_default_is_weight_only_and_admitted_at_every_token_count():
     assert "w8a8" in accuracy(Fp8GemmParams(block_n=128, act_quant="fp8_1x128"))
 
 
+def test_the_search_objective_checks_w8a8_to_its_tolerance():
+    """moetune.search.objective scores both act_quant settings "ok" on an FP8 block: fresh inputs against the
+    float32 reference, w8a8 with the a8 tolerance its params state."""
+    from moetune.search.objective import Objective, make_cases
+    from moetune.search.timing import FakeTimer
+
+    block = fp8_block(8, 2, 128, 128, block=(64, 64))
+    w = expert_tensors(block, DEV, 0)
+    cases = make_cases(block, w, 6, 2, torch.Generator().manual_seed(0))
+    obj = Objective(block, BACKEND, FakeTimer(lambda s: 1e-3), cases, (6,))
+    for aq in ("none", "fp8_1x64"):
+        o = obj.evaluate(schedule(block_m=16, block_n=64, block_k=64, down_block_k=64, act_quant=aq))
+        assert o.status == "ok" and o.rel_err <= 1, (aq, o.status, o.reason)
+
+
 def test_cost_reads_one_byte_weights_and_their_scales():
     block = fp8_block(8, 2, 256, 256, block=(128, 128))
     s = schedule(block_m=16)
