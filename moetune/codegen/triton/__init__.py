@@ -4,6 +4,7 @@ Kernel files, one per schedule kind, each with its kernel, launcher, parameters,
 (the per-kind contract, moetune.codegen.contract):
     stream_gemv.py   weight-streaming GEMV (schedule kind stream_gemv)
     grouped_gemm.py  grouped GEMM over expert-sorted rows (grouped_gemm)
+    grouped_gemm_fp8.py  the grouped GEMM on FP8 block-quantised weights, w8a16 and w8a8 (grouped_gemm, fp8_block)
     hybrid.py        GEMM tiles for heavy experts + GEMV for light ones in one launch (hybrid)
 What they share:
     routing.py       device-side counts [E] and expert-sorted pair order [P]
@@ -22,7 +23,7 @@ import os
 
 from ..backend import register
 from ..contract import KernelBackend
-from . import grouped_gemm, hybrid, stream_gemv
+from . import grouped_gemm, grouped_gemm_fp8, hybrid, stream_gemv
 from .grouped_gemm import GemmParams
 from .hybrid import HybridParams
 from .stream_gemv import GemvParams
@@ -31,7 +32,7 @@ from .stream_gemv import GemvParams
 class TritonBackend(KernelBackend):
     name = "triton"
     library = "triton"
-    KINDS = (stream_gemv.KIND, grouped_gemm.KIND, hybrid.KIND)
+    KINDS = (stream_gemv.KIND, grouped_gemm.KIND, hybrid.KIND, grouped_gemm_fp8.KIND)
     TARGET = "h200"
 
     def available(self) -> str | None:

@@ -1,0 +1,730 @@
+"""grouped_gemm for FP8 block-quantised expert weights (scheme fp8_block): expert-sorted rows in BLOCK_M
+tiles through tl.dot, the weights read as e4m3 bytes with their per-block scales.
+
+The structure is grouped_gemm.py's pointer path: routing.py's `counts` and `sorted_pairs`, tile t of expert
+e over sorted rows [t·BM, t·BM + BM) found by `_find_tile`, a static grid of `max_tiles` tiles × column
+blocks in grouped order (`_grouped_tile`, GROUP_M tiles per column-block sweep), two projections of one
+kernel (PROJ 0 gate/up + activation → h [P, F]; PROJ 1 down → rows y [S, P, D] with the routing weight),
+then combine.py sums the S planes and the k rows of each token in fp32.
+
+Block scales (moetune.codegen.quant): w[n, k] = q[n, k] · s_w[n // R, k // C] for a weight block (R, C) =
+(rows, cols) of the [N, K] matrix (gate_up: N = 2F over K = D, the up half's scale rows F/R after the gate's;
+down: N = D over K = F). A K step of BK columns lies inside one block column (BK divides C), so each step
+has one scale per column of the tile (one for the whole tile when its BN columns lie in one block row):
+
+    act_quant "none" (w8a16), fold_scale (default)
+        acc = dot(a, bf16(q · s_w[n // R, k0 // C]), acc)     the e4m3 tile widened and scaled in registers,
+                                                              rounded once to the activations' dtype; one
+                                                              accumulator the tensor cores add into
+    act_quant "none", fold_scale False
+        acc += dot(a, bf16(q)) · s_w[n // R, k0 // C]          exact weights (e4m3 → bf16 is exact); each step's
+                                                              fp32 product scaled, a second accumulator
+    act_quant "fp8_1x<G>" (w8a8)
+        acc += dot(q_a, q) · s_a[row, k0 // G] · s_w[n // R, k0 // C]    e4m3 × e4m3 on the FP8 tensor cores,
+                                                              fp32 accumulation per step; BK divides G too
+
+w8a8 activations follow `quant.quantize_rows` (per row, per G channels: s = amax / 448, q = x / s rounded to
+e4m3): x by a pre-pass (`quant_rows_kernel`, T rows: every pair of a token reads its token's row), h in the
+gate/up epilogue, which holds whole G-column groups of each row (block_n a multiple of G): hq [P, F] e4m3 and
+hs [P, F / G] fp32 in pair order; or, with quant_on_load, each 16-bit A tile (x, and h stored in the
+activations' dtype) quantised as it is loaded, per row over its K step of BK = G channels. Scales stored as
+ue8m0 are read as bytes b and widened to 2^(b − 127) exactly.
+
+Operand paths, as grouped_gemm.py's: pointer (`grouped_gemm_fp8_kernel`: A gathered row by row, h and y in pair
+order) and tma (`grouped_gemm_fp8_tma_kernel`, Fp8GemmParams.tma): the token rows first copied in expert order
+(routing.gather: x in its 16-bit dtype, or the pre-pass's e4m3 rows), h written in that order, and every
+operand one TMA box: A [row0, row0 + BM) of the sorted rows, B the e4m3 weights seen as [E·2F, D] / [E·D, F].
+
+Interpreted (TRITON_INTERPRET=1, EMULATE), where Triton's float → e4m3 and float → bf16 casts do not round to
+nearest and its e4m3 → float cast widens the NaN bytes to ±480: e4m3 values are rounded in fp32 arithmetic
+first (`_round_e4m3`, then cast exactly), the fold's bf16 rounding likewise (`_round_bf16`), and every dot
+operand is widened to fp32 by `_widen_e4m3` (NaN kept) and multiplied in fp32: the exact products of the
+values the GPU multiplies. On the GPU: the conversion instructions (round to nearest even, saturating to ±448)
+and tensor-core dots on the 16-bit or e4m3 operands.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import triton
+import triton.language as tl
+
+from ...ir import MoEBlock, Schedule, UnsupportedSchedule
+from ...passes.policy import rows_per_active
+from ...passes.stats import uniform_distinct
+from ...passes.targets import Target
+from ..common import ExpertTensors, ParamSpace
+from ..contract import KernelKind, sources
+from . import combine as _combine
+from . import routing
+from ._common import _act, _find_tile, _store_y
+from .grouped_gemm import _desc, _grouped_tile, max_tiles
+from .launch import launch
+from .layout import act_args, call_args, cdiv, check_pow2, check_smem, interpreting
+
+SCRATCH = 4096  # shared memory the compiled kernels take beyond their pipelines (reductions, layout changes)
+SOURCES = ("grouped_gemm_fp8.py", "grouped_gemm.py", "_common.py", "layout.py", "routing.py", "combine.py",
+           "launch.py")
+
+ACT_QUANT = re.compile(r"fp8_1x(\d+)$")
+
+
+def act_group(act_quant: str) -> int | None:
+    """Channels per activation scale of `act_quant` ("fp8_1x128" → 128; "none" → None)."""
+    if act_quant == "none":
+        return None
+    m = ACT_QUANT.match(act_quant)
+    if m is None:
+        raise UnsupportedSchedule(f"Fp8GemmParams.act_quant = {act_quant!r}: 'none' or 'fp8_1x<group>'")
+    return int(m.group(1))
+
+
+@dataclass(frozen=True)
+class Fp8GemmParams:
+    block_m: int = 64
+    block_n: int = 64  # gate/up: F columns per tile (two accumulators: gate and up)
+    block_k: int = 128  # divides the weight block's columns (and the activation group with w8a8)
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    down_block_n: int = 64  # down: D columns per tile
+    down_block_k: int = 128
+    down_warps: int = 4
+    down_stages: int = 3
+    split_k: int = 1  # down: F split in this many partial planes of y
+    y_half: bool = False  # down: y rows in x's 16-bit dtype instead of fp32 (the sum over k stays fp32)
+    act_quant: str = "none"  # "none": bf16 activations (w8a16); "fp8_1x128": e4m3 per 1×128 group (w8a8)
+    # w8a16: the weight scales folded into the weight tile as it is widened (bf16(q · s), one accumulator the
+    # tensor cores add into) instead of scaling each step's fp32 product (exact weights, a second accumulator)
+    fold_scale: bool = True
+    # w8a8: each A tile (x, and h in the activations' dtype) quantised as it is loaded, per row over the K step
+    # (block_k = down_block_k = the group), instead of the x pre-pass and h quantised in the gate/up epilogue:
+    # no pre-pass launch, no e4m3 copy of x, and block_n free of the group
+    quant_on_load: bool = False
+    # both operands of both GEMMs through TMA descriptors: the token rows first gathered in expert order
+    # (routing.gather; w8a8 from the pre-pass: its e4m3 rows), h written in that order, the e4m3 weights as
+    # [E·2F, D] / [E·D, F] boxes
+    tma: bool = False
+
+    def __post_init__(self) -> None:
+        g = act_group(self.act_quant)
+        check_pow2("Fp8GemmParams", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
+                   down_block_n=self.down_block_n, down_block_k=self.down_block_k,
+                   num_warps=self.num_warps, down_warps=self.down_warps, **({} if g is None else {"group": g}))
+        least = 32 if g is not None else 16  # an FP8 tl.dot reduces at least 32 channels a step
+        if not interpreting() and min(self.block_m, self.block_n, self.down_block_n) < 16:
+            raise UnsupportedSchedule(f"Fp8GemmParams {self}: tl.dot needs every block ≥ 16")
+        if not interpreting() and min(self.block_k, self.down_block_k) < least:
+            raise UnsupportedSchedule(f"Fp8GemmParams block_k = {self.block_k} / down_block_k = "
+                                      f"{self.down_block_k}: tl.dot on {self.act_quant} operands needs ≥ {least}")
+        if g is None and self.quant_on_load:
+            object.__setattr__(self, "quant_on_load", False)  # nothing to quantise: one spelling of each point
+        if self.quant_on_load and (self.block_k != g or self.down_block_k != g):
+            raise UnsupportedSchedule(f"Fp8GemmParams.quant_on_load: block_k = {self.block_k} and down_block_k = "
+                                      f"{self.down_block_k} must each be the activation group {g} (a step "
+                                      "quantises whole groups)")
+        if g is not None and not self.quant_on_load and self.block_n % g:
+            raise UnsupportedSchedule(f"Fp8GemmParams.block_n = {self.block_n} with act_quant {self.act_quant}: "
+                                      f"the gate/up epilogue quantises h in whole groups of {g} columns; "
+                                      f"raise block_n to a multiple of {g}")
+        if g is not None and not self.fold_scale:
+            object.__setattr__(self, "fold_scale", True)  # w8a8 scales its products: one spelling of each point
+        if self.split_k not in (1, 2, 4, 8):
+            raise UnsupportedSchedule(f"Fp8GemmParams.split_k = {self.split_k}: 1, 2, 4 or 8")
+        if self.group_m < 1:
+            raise UnsupportedSchedule(f"Fp8GemmParams.group_m = {self.group_m}: must be ≥ 1")
+
+
+def refusal(block: MoEBlock) -> str | None:
+    """Why these kernels cannot run `block` (None: they can): every matrix in whole scale blocks."""
+    fmt = block.weight_format
+    if fmt.scheme != "fp8_block":
+        return f"grouped_gemm fp8 reads fp8_block weights, not {fmt}"
+    r, c = fmt.block
+    for name, n, what, b in (("F", block.F, "rows", r), ("D", block.D, "columns", c),
+                             ("D", block.D, "rows", r), ("F", block.F, "columns", c)):
+        if n % b:
+            return (f"grouped_gemm fp8: {name} = {n} is not a multiple of the weight block's {what} ({b}); "
+                    f"the kernels read whole {r}x{c} scale blocks")
+    return None
+
+
+def _shape_refusal(block: MoEBlock, p: Fp8GemmParams) -> str | None:
+    """What of `p` does not fit `block`'s scale blocks and activation group (None: all fits)."""
+    why = refusal(block)
+    if why:
+        return why
+    r, c = block.weight_format.block
+    g = act_group(p.act_quant)
+    for name, bk in (("block_k", p.block_k), ("down_block_k", p.down_block_k)):
+        if c % bk:
+            return (f"Fp8GemmParams.{name} = {bk}: a K step must lie in one weight block column of {c}; "
+                    f"use a divisor of {c}")
+        if g is not None and g % bk:
+            return (f"Fp8GemmParams.{name} = {bk}: a K step must lie in one activation group of {g}; "
+                    f"use a divisor of {g}")
+    if g is not None:
+        for name, n in (("D", block.D), ("F", block.F)):
+            if n % g:
+                return f"act_quant {p.act_quant}: {name} = {n} is not a multiple of the activation group {g}"
+    return None
+
+
+def smem_bytes(p: Fp8GemmParams, proj: int) -> int:
+    """Shared memory of one projection's pipelined loop: `stages` copies of the A tile (1-byte e4m3 with
+    w8a8 from the pre-pass, 2-byte otherwise) and of the e4m3 B tiles (gate and up, or down), with 16-bit
+    activations one more B tile each (the compiled loop stages one as it widens it), and the epilogue's
+    scratch."""
+    bn, bk, st, nb = ((p.block_n, p.block_k, p.num_stages, 2) if proj == 0
+                      else (p.down_block_n, p.down_block_k, p.down_stages, 1))
+    if p.act_quant == "none":
+        return st * (p.block_m * bk * 2 + nb * bk * bn) + nb * bk * bn + SCRATCH
+    if p.quant_on_load:  # 16-bit A tiles in flight, the quantised one staged for the tensor cores
+        return st * (p.block_m * bk * 2 + nb * bk * bn) + p.block_m * bk + SCRATCH
+    return st * (p.block_m * bk + nb * bk * bn) + SCRATCH
+
+
+def check(p: Fp8GemmParams, block: MoEBlock, target: Target) -> None:
+    """What `block` or `target` cannot run: the scale blocks (`_shape_refusal`), then each GEMM's pipeline
+    over the shared memory of one block."""
+    why = _shape_refusal(block, p)
+    if why:
+        raise UnsupportedSchedule(why)
+    for proj, name, bn, bk, st in ((0, "gate/up", p.block_n, p.block_k, p.num_stages),
+                                   (1, "down", p.down_block_n, p.down_block_k, p.down_stages)):
+        check_smem(f"Fp8GemmParams {name} tile block_m={p.block_m} block_n={bn} block_k={bk} stages={st} "
+                   f"act_quant={p.act_quant}", smem_bytes(p, proj), target, "lower block_k or the stages")
+
+
+CHOICES = (
+    ("block_m", (16, 32, 64, 128)),
+    ("block_n", (64, 128, 256)),
+    ("block_k", (64, 128)),
+    ("group_m", (1, 8, 32)),
+    ("num_warps", (4, 8)),
+    ("num_stages", (2, 3, 4)),
+    ("down_block_n", (64, 128, 256)),
+    ("down_block_k", (64, 128)),
+    ("down_warps", (4, 8)),
+    ("down_stages", (2, 3, 4)),
+    ("split_k", (1, 2, 4)),
+    ("y_half", (False, True)),
+    ("fold_scale", (True, False)),
+    ("quant_on_load", (False, True)),
+    ("tma", (False, True)),
+)
+
+
+def space(block: MoEBlock, target: Target) -> ParamSpace:
+    """The tiles above; act_quant "none" or per-row groups of the weight block's columns (w8a8)."""
+    c = block.weight_format.block[1] if block.weight_format.block else 128
+    return ParamSpace(Fp8GemmParams, CHOICES + (("act_quant", ("none", f"fp8_1x{c}")),),
+                      check=partial(check, block=block, target=target))
+
+
+def default_params(block: MoEBlock, T: int, target: Target) -> Fp8GemmParams:
+    """Weight-only (bf16 activations): tiles of rows per active expert, as grouped_gemm's default: 16-row
+    tiles while experts get a few rows, 64-row tiles beyond, then 128-row tiles; 128 weight columns per tile
+    (the one-byte weights: a K step moves the bytes of grouped_gemm's 64-column bf16 tile), K steps of one scale
+    block column where the registers allow it, 8 warps on the wide tiles (no register spills on sm_90)."""
+    rows = rows_per_active(block, T)
+    c = block.weight_format.block[1] if block.weight_format.block else 128
+    bk, bk_wide = min(128, c), min(64, c)
+    if rows < 12:
+        return Fp8GemmParams(block_m=16, block_n=128, block_k=bk, num_stages=4, down_block_n=128,
+                             down_block_k=bk, down_stages=4)
+    if rows < 48:
+        return Fp8GemmParams(block_m=64, block_n=128, block_k=bk_wide, num_warps=8, num_stages=4,
+                             down_block_n=128, down_block_k=bk, down_warps=8, down_stages=4)
+    return Fp8GemmParams(block_m=128, block_n=128, block_k=bk_wide, num_warps=8, num_stages=4,
+                         down_block_n=128, down_block_k=bk_wide, down_warps=8, down_stages=4)
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _scale_of(ptr, mask, UE8M0: tl.constexpr):
+    """Block scales at `ptr` as fp32: fp32 values, or ue8m0 bytes b → 2^(b − 127) (exact)."""
+    if UE8M0:
+        s = (tl.load(ptr, mask=mask, other=127).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    else:
+        s = tl.load(ptr, mask=mask, other=0.0)
+    return s
+
+
+@triton.jit
+def _w_scale(srow, s0, off, nm, BN: tl.constexpr, R: tl.constexpr, UE8M0: tl.constexpr):
+    """A K step's weight scales for the tile's columns: one value when its BN columns lie in one block row
+    (BN divides R; s0 is their scale's address), else one per column, [1, BN] (srow [BN]: each column's);
+    `off` the step's block column offset."""
+    if R % BN == 0:
+        if UE8M0:
+            s = (tl.load(s0 + off).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        else:
+            s = tl.load(s0 + off)
+    else:
+        s = _scale_of(srow + off, nm, UE8M0)[None, :]
+    return s
+
+
+@triton.jit
+def _round_e4m3(v):
+    """v (fp32, |v| ≤ 448 or NaN) rounded to the nearest e4m3 value (ties to even, subnormals kept), in fp32
+    arithmetic: the interpreter's float → e4m3 cast is exact only on the e4m3 grid."""
+    bits = v.to(tl.int32, bitcast=True)
+    ex = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # the binade (the subnormals share 2^-6's step)
+    step = ((ex - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(ex − 3): 3 mantissa bits
+    r = ((v / step + 12582912.0) - 12582912.0) * step  # 1.5·2^23: round to an integer multiple, ties to even
+    r = tl.where(r == 0, v * 0.0, r)  # the sign of a value rounded to zero
+    return tl.where(v != v, v, r)
+
+
+@triton.jit
+def _round_bf16(v):
+    """fp32 v rounded to the nearest bf16 value (ties to even), kept in fp32: the interpreter's float → bf16
+    cast truncates."""
+    bits = v.to(tl.int32, bitcast=True)
+    r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(v != v, v, r)
+
+
+@triton.jit
+def _to_e4m3(v, EMULATE: tl.constexpr):
+    """fp32 v → e4m3 (values beyond ±448 saturate; NaN stays NaN)."""
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    if EMULATE:
+        q = _round_e4m3(v).to(tl.float8e4nv)
+        bits = tl.where(v != v, 0x7F, q.to(tl.uint8, bitcast=True))  # the cast does not keep NaN
+        return bits.to(tl.float8e4nv, bitcast=True)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quant_groups(v, R: tl.constexpr, W: tl.constexpr, G: tl.constexpr, EMULATE: tl.constexpr):
+    """v [R, W] fp32 → (q [R, W] e4m3, s [R, W // G] fp32), per row and G columns: s = amax / 448 (1 for a
+    zero group), q = v / s rounded to e4m3 (quant.quantize_rows)."""
+    v3 = tl.reshape(v, [R, W // G, G])
+    amax = tl.max(tl.abs(v3), axis=2)  # [R, W // G]
+    s = tl.where(amax > 0, amax / 448.0, 1.0)
+    q = _to_e4m3(v3 / s[:, :, None], EMULATE)
+    return tl.reshape(q, [R, W]), s
+
+
+@triton.jit(do_not_specialize=["T"])
+def quant_rows_kernel(x_ptr, s_xt, q_ptr, s_ptr, T, D, BR: tl.constexpr, G: tl.constexpr,
+                      EMULATE: tl.constexpr):
+    """x [T, D] → q [T, D] e4m3, s [T, D / G] fp32: one program per BR rows and one group of G channels."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rm = rows < T
+    offs = tl.program_id(1) * G + tl.arange(0, G)
+    v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * s_xt + offs[None, :], mask=rm[:, None], other=0.0)
+    q, s = _quant_groups(v.to(tl.float32), BR, G, G, EMULATE)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * D + offs[None, :], q, mask=rm[:, None])
+    tl.store(s_ptr + rows.to(tl.int64)[:, None] * (D // G) + tl.program_id(1) + tl.arange(0, 1)[None, :], s,
+             mask=rm[:, None])
+
+
+@triton.jit
+def _widen_e4m3(b):
+    """e4m3 b → fp32 with its NaN bytes (0x7F, 0xFF) as NaN: the interpreter's cast widens them to ±480."""
+    v = b.to(tl.float32)
+    nan = (v.to(tl.int32, bitcast=True) | 0x7FC00000).to(tl.float32, bitcast=True)
+    return tl.where((b.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, nan, v)
+
+
+@triton.jit
+def _load_a(arow, asrow, k0, rmask, BM: tl.constexpr, BK: tl.constexpr, G: tl.constexpr, A8: tl.constexpr,
+            QLOAD: tl.constexpr, EMULATE: tl.constexpr):
+    """The A tile of one K step, A[rows, k0:k0+BK] (rows at arow [BM, 1]), as the dot takes it, and its rows'
+    scales [BM, 1]: 16-bit rows (scale 1); e4m3 rows with their stored scales (A8, at asrow [BM]); or 16-bit
+    rows quantised here, per row over the step's BK = G channels (A8 with QLOAD)."""
+    offs_k = k0 + tl.arange(0, BK)
+    a = tl.load(arow + offs_k[None, :], mask=rmask[:, None], other=0.0)  # [BM, BK]
+    if A8 and QLOAD:
+        a, sa = _quant_groups(a.to(tl.float32), BM, BK, BK, EMULATE)  # [BM, BK] e4m3, [BM, 1]
+    elif A8:
+        sa = tl.load(asrow + k0 // G, mask=rmask, other=0.0)[:, None]  # [BM, 1]
+    else:
+        sa = tl.full([BM, 1], 1.0, tl.float32)
+    return a, sa
+
+
+@triton.jit
+def _mma(a, bcol, sk, k0, cmask, acc, sc, BK: tl.constexpr, A8: tl.constexpr, FOLD: tl.constexpr,
+         EMULATE: tl.constexpr):
+    """One K step on pointers: `_dot` of a with the e4m3 weight columns at bcol [1, C] (K stride sk) over
+    [k0, k0 + BK)."""
+    offs_k = k0 + tl.arange(0, BK)
+    b = tl.load(bcol + offs_k[:, None] * sk, mask=cmask[None, :], other=0.0)  # [BK, C] e4m3
+    return _dot(a, b, acc, sc, A8, FOLD, EMULATE)
+
+
+@triton.jit
+def _dot(a, b, acc, sc, A8: tl.constexpr, FOLD: tl.constexpr, EMULATE: tl.constexpr):
+    """acc += (a · b) · sc for a [R, BK] (16-bit, or e4m3 with A8), b [BK, C] e4m3, sc the step's scales
+    ([R | 1, C]). FOLD (16-bit a, sc [1, C]): acc += a · dtype(b · sc) instead, the product accumulated in place.
+    EMULATE (interpreted): every operand widened to fp32 (e4m3 NaN kept, the fold's rounding done in fp32) and
+    multiplied in fp32, the exact products of the same values (a bf16 tl.dot is wrong there)."""
+    if EMULATE:
+        if A8:
+            a32 = _widen_e4m3(a)
+        else:
+            a32 = a.to(tl.float32)
+        b32 = _widen_e4m3(b)
+        if FOLD:
+            if a.dtype == tl.bfloat16:
+                b32 = _round_bf16(b32 * sc)
+            else:
+                b32 = (b32 * sc).to(a.dtype).to(tl.float32)
+            acc = tl.dot(a32, b32, acc)
+        else:
+            acc = acc + tl.dot(a32, b32) * sc
+    elif FOLD:
+        acc = tl.dot(a, (b.to(tl.float32) * sc).to(a.dtype), acc)  # the dequantised weights, rounded once
+    elif A8:
+        acc = acc + tl.dot(a, b) * sc  # e4m3 × e4m3 on the FP8 tensor cores
+    else:
+        acc = acc + tl.dot(a, b.to(a.dtype)) * sc  # e4m3 → bf16 / fp16: exact
+    return acc
+
+
+@triton.jit
+def _store_hq(h_ptr, s_hp, hs_ptr, s_hsp, rows, rmask, g, u, wt, n0, N, alpha, limit, BM: tl.constexpr,
+              BN: tl.constexpr, G: tl.constexpr, ACT: tl.constexpr, W_IN: tl.constexpr, EMULATE: tl.constexpr):
+    """Gate/up epilogue of w8a8: (weight on the input) → act → h quantised per row and G columns: e4m3 at
+    h[rows, n0 + [0, BN)], scales at hs[rows, n0 / G + [0, BN / G)]."""
+    offs_n = n0 + tl.arange(0, BN)
+    if W_IN:
+        g = g * wt[:, None]
+        u = u * wt[:, None]
+    q, s = _quant_groups(_act(g, u, ACT, alpha, limit), BM, BN, G, EMULATE)
+    tl.store(h_ptr + rows.to(tl.int64)[:, None] * s_hp + offs_n[None, :], q,
+             mask=rmask[:, None] & (offs_n < N)[None, :])
+    offs_g = n0 // G + tl.arange(0, BN // G)
+    tl.store(hs_ptr + rows.to(tl.int64)[:, None] * s_hsp + offs_g[None, :], s,
+             mask=rmask[:, None] & (offs_g < N // G)[None, :])
+
+
+@triton.jit
+def _store_h16(h_ptr, s_hp, pairs, rmask, g, u, wt, n0, N, alpha, limit, BN: tl.constexpr, ACT: tl.constexpr,
+               W_IN: tl.constexpr, EMULATE: tl.constexpr):
+    """Gate/up epilogue in the activations' 16-bit dtype: (weight on the input) → act → h[pairs, n0 + [0, BN)]
+    (interpreted, bf16 rounded to nearest first: the interpreter's cast truncates)."""
+    offs_n = n0 + tl.arange(0, BN)
+    if W_IN:
+        g = g * wt[:, None]
+        u = u * wt[:, None]
+    h = _act(g, u, ACT, alpha, limit)
+    if EMULATE and h_ptr.dtype.element_ty == tl.bfloat16:
+        h = _round_bf16(h)
+    tl.store(h_ptr + pairs.to(tl.int64)[:, None] * s_hp + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=rmask[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["P", "n_tiles"])
+def grouped_gemm_fp8_kernel(
+    a_ptr, s_at, as_ptr, s_ast, wts_ptr, counts_ptr, sorted_ptr,
+    w_ptr, se, sn, sk, up, ws_ptr, sse, ssn, ssk, sup,
+    h_ptr, s_hp, hs_ptr, s_hsp, y_ptr, P, E, N, K, n_tiles, k_split, alpha, limit,
+    PROJ: tl.constexpr, K_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, A8: tl.constexpr, UE8M0: tl.constexpr, FOLD: tl.constexpr,
+    ACT: tl.constexpr, W_IN: tl.constexpr, EMULATE: tl.constexpr, QLOAD: tl.constexpr = False,
+):
+    """PROJ 0: A = x [T, D] rows of the tile's tokens (A8: xq e4m3 + scales as_ [T, D / G]; A8 with QLOAD: x,
+    quantised per K step); B = gate and up rows n0 + [0, BN) of gate_up [E, 2F, D] (scales [E, 2F / R, D / C],
+    up's sup scale rows after gate's); epilogue: activation → h [P, F] (A8: hq e4m3 [P, F] + hs [P, F / G];
+    with QLOAD 16-bit h, quantised by the down GEMM's loads).
+    PROJ 1: A = h rows of the tile's pairs; B = down rows n0 + [0, BN) of [E, D, F] over the F range of split
+    program_id(1); epilogue: routing weight → y[split] [P, D]."""
+    tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
+    e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
+    r = tl.arange(0, BM)
+    rmask = r < left
+    pairs = tl.load(sorted_ptr + row0 + r, mask=rmask, other=0)  # [BM]
+    ec = tl.where(left > 0, e, 0).to(tl.int64)
+    wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)  # [BM]
+    offs_n = n0 + tl.arange(0, BN)
+    nm = offs_n < N
+    if PROJ == 0:
+        arows = pairs // K_TOP  # x by token
+    else:
+        arows = pairs  # h by pair
+    arow = a_ptr + arows.to(tl.int64)[:, None] * s_at  # [BM, 1]
+    asrow = as_ptr + arows.to(tl.int64) * s_ast  # [BM]
+    bcol = w_ptr + ec * se + offs_n[None, :] * sn  # [1, BN]
+    srow = ws_ptr + ec * sse + (offs_n // R) * ssn  # [BN] scale rows of the columns
+    s0 = ws_ptr + ec * sse + (n0 // R) * ssn  # the first column's
+    if PROJ == 0:
+        k_end = tl.where(left > 0, K, 0)
+        accg = tl.zeros([BM, BN], dtype=tl.float32)
+        accu = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, k_end, BK):
+            a, sa = _load_a(arow, asrow, k0, rmask, BM, BK, G, A8, QLOAD, EMULATE)
+            sg = _w_scale(srow, s0, (k0 // C) * ssk, nm, BN, R, UE8M0)  # [] or [1, BN]
+            su = _w_scale(srow, s0, sup + (k0 // C) * ssk, nm, BN, R, UE8M0)
+            if A8:
+                sg = sa * sg  # [BM, BN]
+                su = sa * su
+            accg = _mma(a, bcol, sk, k0, nm, accg, sg, BK, A8, FOLD, EMULATE)
+            accu = _mma(a, bcol + up, sk, k0, nm, accu, su, BK, A8, FOLD, EMULATE)
+        if A8 and not QLOAD:  # h quantised here; with QLOAD the down GEMM quantises its 16-bit rows
+            _store_hq(h_ptr, s_hp, hs_ptr, s_hsp, pairs, rmask, accg, accu, wt, n0, N, alpha, limit, BM, BN, G,
+                      ACT, W_IN, EMULATE)
+        else:
+            _store_h16(h_ptr, s_hp, pairs, rmask, accg, accu, wt, n0, N, alpha, limit, BN, ACT, W_IN, EMULATE)
+    else:
+        ks = tl.program_id(1)  # split of the F reduction: partial planes y [S, P, D]
+        k_lo = ks * k_split
+        k_hi = tl.where(left > 0, tl.minimum(k_lo + k_split, K), k_lo)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BK):
+            a, sa = _load_a(arow, asrow, k0, rmask, BM, BK, G, A8, QLOAD, EMULATE)
+            sc = _w_scale(srow, s0, (k0 // C) * ssk, nm, BN, R, UE8M0)
+            if A8:
+                sc = sa * sc
+            acc = _mma(a, bcol, sk, k0, nm, acc, sc, BK, A8, FOLD, EMULATE)
+        _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, w_ptr, 0, (ks == 0).to(tl.float32),
+                 n0, N, BN, False, W_IN)
+
+
+@triton.jit(do_not_specialize=["P", "n_tiles"])
+def grouped_gemm_fp8_tma_kernel(
+    a_desc, as_ptr, s_ast, b_desc, ws_ptr, sse, ssn, ssk, sup, wts_ptr, counts_ptr, sorted_ptr,
+    h_ptr, hs_ptr, s_hsp, y_ptr, P, E, N, K, n_tiles, k_split, alpha, limit,
+    PROJ: tl.constexpr, K_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, A8: tl.constexpr, UE8M0: tl.constexpr, FOLD: tl.constexpr,
+    ACT: tl.constexpr, W_IN: tl.constexpr, EMULATE: tl.constexpr, QLOAD: tl.constexpr = False,
+):
+    """The TMA operand path (Fp8GemmParams.tma). a_desc: the sorted rows, box [BM, BK]: xs [P, D] (PROJ 0; the
+    token rows gathered in expert order, 16-bit, or e4m3 with A8 from the pre-pass, whose scales stay in token
+    order at as_ [T, D / G]) or h [P, F] (PROJ 1, written by PROJ 0 in sorted order, as its scales hs);
+    b_desc: gate_up as [E·2F, D] (gate rows e·2F + n, up rows e·2F + F + n) or down as [E·D, F] in e4m3, box
+    [BN, BK]. A tile's A is one box [row0, row0 + BM) (rows past its expert belong to the next one: computed and
+    dropped); boxes past a tensor's edge read zeros."""
+    tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
+    e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
+    if left > 0:
+        r = tl.arange(0, BM)
+        rmask = r < left
+        pairs = tl.load(sorted_ptr + row0 + r, mask=rmask, other=0)  # [BM]
+        wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)  # [BM]
+        offs_n = n0 + tl.arange(0, BN)
+        nm = offs_n < N
+        srow = ws_ptr + e.to(tl.int64) * sse + (offs_n // R) * ssn  # [BN]
+        s0 = ws_ptr + e.to(tl.int64) * sse + (n0 // R) * ssn
+        if PROJ == 0:
+            asrow = as_ptr + (pairs // K_TOP).to(tl.int64) * s_ast  # x's scales by token
+        else:
+            asrow = as_ptr + (row0 + r).to(tl.int64) * s_ast  # h's by sorted row
+        if PROJ == 0:
+            accg = tl.zeros([BM, BN], dtype=tl.float32)
+            accu = tl.zeros([BM, BN], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                a = a_desc.load([row0, k0])  # [BM, BK]
+                if A8 and QLOAD:
+                    a, sa = _quant_groups(a.to(tl.float32), BM, BK, BK, EMULATE)
+                elif A8:
+                    sa = tl.load(asrow + k0 // G, mask=rmask, other=0.0)[:, None]  # [BM, 1]
+                sg = _w_scale(srow, s0, (k0 // C) * ssk, nm, BN, R, UE8M0)  # [] or [1, BN]
+                su = _w_scale(srow, s0, sup + (k0 // C) * ssk, nm, BN, R, UE8M0)
+                if A8:
+                    sg = sa * sg
+                    su = sa * su
+                bg = b_desc.load([e * 2 * N + n0, k0])  # [BN, BK]
+                bu = b_desc.load([e * 2 * N + N + n0, k0])
+                accg = _dot(a, bg.T, accg, sg, A8, FOLD, EMULATE)
+                accu = _dot(a, bu.T, accu, su, A8, FOLD, EMULATE)
+            if A8 and not QLOAD:  # h in sorted order: row row0 + r
+                _store_hq(h_ptr, N, hs_ptr, s_hsp, row0 + r, rmask, accg, accu, wt, n0, N, alpha, limit, BM, BN,
+                          G, ACT, W_IN, EMULATE)
+            else:
+                _store_h16(h_ptr, N, row0 + r, rmask, accg, accu, wt, n0, N, alpha, limit, BN, ACT, W_IN, EMULATE)
+        else:
+            ks = tl.program_id(1)  # split of the F reduction: partial planes y [S, P, D]
+            k_lo = ks * k_split
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BK):
+                a = a_desc.load([row0, k0])  # [BM, BK]
+                if A8 and QLOAD:
+                    a, sa = _quant_groups(a.to(tl.float32), BM, BK, BK, EMULATE)
+                elif A8:
+                    sa = tl.load(asrow + k0 // G, mask=rmask, other=0.0)[:, None]
+                sc = _w_scale(srow, s0, (k0 // C) * ssk, nm, BN, R, UE8M0)
+                if A8:
+                    sc = sa * sc
+                acc = _dot(a, b_desc.load([e * N + n0, k0]).T, acc, sc, A8, FOLD, EMULATE)
+            _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, y_ptr, 0, (ks == 0).to(tl.float32),
+                     n0, N, BN, False, W_IN)
+
+
+# ------------------------------------------------------------------------------------------------ host
+
+
+def quant_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [T, D] e4m3, s [T, D / group] fp32) of x [T, D] by `quant_rows_kernel` (quant.quantize_rows' rule)."""
+    T, D = x.shape
+    q = torch.empty(T, D, dtype=torch.float8_e4m3fn, device=x.device)  # [T, D]
+    s = torch.empty(T, D // group, dtype=torch.float32, device=x.device)  # [T, D / G]
+    br = max(1, min(16, 4096 // group))
+    launch(quant_rows_kernel, (cdiv(T, br), D // group), x, x.stride(0), q, s, T, D,
+           BR=br, G=group, EMULATE=interpreting(), num_warps=4)
+    return q, s
+
+
+def _scales(t: torch.Tensor) -> torch.Tensor:
+    """A scale tensor as the kernels read it: fp32, or ue8m0 as its bytes."""
+    return t if t.dtype == torch.float32 else t.view(torch.uint8)
+
+
+def build(block: MoEBlock, schedule: Schedule):
+    """ExpertsFn of a grouped_gemm schedule on fp8_block weights (params: Fp8GemmParams)."""
+    p = schedule.params
+    why = _shape_refusal(block, p)
+    if why:
+        raise UnsupportedSchedule(why)
+    E, D, F = block.E, block.D, block.F
+    R = block.weight_format.block[0]
+    G = act_group(p.act_quant)
+    a8 = G is not None
+    alpha, limit = act_args(block)
+    memo: dict = {}  # call_args' per-weights host work
+    if p.tma:
+        return _build_tma(block, p, alpha, limit)
+
+    def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
+        a = call_args(block, x, ids, weights, w, memo)
+        T, P, gs, ds, wts_f = a.T, a.P, a.gs, a.ds, a.weights
+        gsc, dsc = _scales(w.gate_up_scale), _scales(w.down_scale)
+        counts, sorted_pairs = routing.route(ids, E)
+        meta = _meta(block, p, a)
+        nt = max_tiles(P, E, p.block_m)
+        if a8 and not p.quant_on_load:
+            xa, xs = quant_rows(x, G)  # [T, D] e4m3, [T, D / G]
+            h = torch.empty(P, F, dtype=torch.float8_e4m3fn, device=x.device)  # [P, F]
+            hs = torch.empty(P, F // G, dtype=torch.float32, device=x.device)  # [P, F / G]
+        else:
+            xa, xs = x, wts_f
+            h = torch.empty(P, F, dtype=x.dtype, device=x.device)  # [P, F]
+            hs = wts_f
+        launch(grouped_gemm_fp8_kernel, (nt * cdiv(F, p.block_n),),
+            xa, xa.stride(0), xs, xs.stride(0), wts_f, counts, sorted_pairs,
+            w.gate_up, gs.se, gs.sn, gs.sk, gs.up, gsc, gsc.stride(0), gsc.stride(1), gsc.stride(2),
+            (F // R) * gsc.stride(1),
+            h, h.stride(0), hs, hs.stride(0), h, P, E, F, D, nt, D, alpha, limit,
+            PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta)
+        k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
+        S = cdiv(F, k_split)
+        y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
+        launch(grouped_gemm_fp8_kernel, (nt * cdiv(D, p.down_block_n), S),
+            h, h.stride(0), hs, hs.stride(0), wts_f, counts, sorted_pairs,
+            w.down, ds.se, ds.sn, ds.sk, 0, dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0,
+            h, h.stride(0), hs, hs.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
+            PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
+            **meta)
+        out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
+        return _combine.combine(y, ids, out, E)
+
+    return run
+
+
+def _meta(block: MoEBlock, p: Fp8GemmParams, a) -> dict:
+    """The constexprs both kernels of a schedule share (a: the call's CallArgs)."""
+    R, C = block.weight_format.block
+    G = act_group(p.act_quant)
+    meta = dict(K_TOP=block.k, BLOCK_E=a.meta["BLOCK_E"], ACT=a.meta["ACT"], W_IN=a.meta["W_IN"],
+                BM=p.block_m, GROUP_M=p.group_m, R=R, C=C, G=G or C, A8=G is not None,
+                UE8M0=block.weight_format.scale_dtype == "ue8m0", FOLD=p.fold_scale and G is None,
+                EMULATE=interpreting())
+    if p.quant_on_load:  # (QLOAD left at its default otherwise)
+        meta["QLOAD"] = True
+    return meta
+
+
+def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
+    E, D, F = block.E, block.D, block.F
+    R = block.weight_format.block[0]
+    G = act_group(p.act_quant)
+    prepass = G is not None and not p.quant_on_load
+    weight_descs: dict = {}  # the last weights' two descriptors (host objects), by pointer, shape and strides
+    memo: dict = {}
+
+    def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
+        a = call_args(block, x, ids, weights, w, memo)
+        T, P, gs, ds, wts_f = a.T, a.P, a.gs, a.ds, a.weights
+        gu, dn = w.gate_up, w.down
+        key = (gu.data_ptr(), dn.data_ptr(), gu.shape, dn.shape, gu.stride(), dn.stride())
+        if key not in weight_descs:
+            if gs.se != 2 * F * gs.sn or ds.se != D * ds.sn or gs.up != F * gs.sn:
+                raise UnsupportedSchedule(f"grouped_gemm fp8 tma: expert weights gate_up {tuple(gu.stride())} / "
+                                          f"down {tuple(dn.stride())} are not one [E·rows, cols] matrix each")
+            weight_descs.clear()
+            weight_descs[key] = (_desc(gu, [E * 2 * F, D], [gs.sn, 1], [p.block_n, p.block_k]),
+                                 _desc(dn, [E * D, F], [ds.sn, 1], [p.down_block_n, p.down_block_k]))
+        gu_desc, dn_desc = weight_descs[key]
+        gsc, dsc = _scales(w.gate_up_scale), _scales(w.down_scale)
+        counts, sorted_pairs = routing.route(ids, E)
+        meta = _meta(block, p, a)
+        nt = max_tiles(P, E, p.block_m)
+        rows = max(P, 1)
+        if prepass:
+            xq, xsc = quant_rows(x, G)  # [T, D] e4m3, [T, D / G] (token order)
+            xs = routing.gather(xq, counts, sorted_pairs, block.k, xq.dtype)  # [P, D] sorted e4m3 rows
+            h = torch.empty(rows, F, dtype=torch.float8_e4m3fn, device=x.device)  # [P, F] sorted
+            hs = torch.empty(rows, F // G, dtype=torch.float32, device=x.device)  # [P, F / G] sorted
+        else:
+            xs = routing.gather(x, counts, sorted_pairs, block.k, x.dtype)  # [P, D] sorted 16-bit rows
+            xsc = hs = wts_f
+            h = torch.empty(rows, F, dtype=x.dtype, device=x.device)  # [P, F] sorted
+        grouped_gemm_fp8_tma_kernel[(nt * cdiv(F, p.block_n),)](  # descriptors: new objects each call
+            _desc(xs, [rows, D], [D, 1], [p.block_m, p.block_k]), xsc, xsc.stride(0), gu_desc,
+            gsc, gsc.stride(0), gsc.stride(1), gsc.stride(2), (F // R) * gsc.stride(1), wts_f, counts, sorted_pairs,
+            h, hs, hs.stride(0), h, P, E, F, D, nt, D, alpha, limit,
+            PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta)
+        k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
+        S = cdiv(F, k_split)
+        y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
+        grouped_gemm_fp8_tma_kernel[(nt * cdiv(D, p.down_block_n), S)](
+            _desc(h, [rows, F], [F, 1], [p.block_m, p.down_block_k]), hs, hs.stride(0), dn_desc,
+            dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0, wts_f, counts, sorted_pairs,
+            h, hs, hs.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
+            PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
+            **meta)
+        out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
+        return _combine.combine(y, ids, out, E)
+
+    return run
+
+
+def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
+    """(flops, bytes): e4m3 weights and their scales of each distinct expert once (L2 serves the other
+    tiles), x, h (bf16, or e4m3 + scales with w8a8, and the quantised x), y, the combine and the routing."""
+    params, distinct = schedule.params, uniform_distinct(block.E, block.k, tokens)
+    ab = 2  # the activations' dtype (bf16 / fp16)
+    yb = ab if params.y_half else 4
+    P = tokens * block.k
+    tiles = P / params.block_m + distinct
+    flops = 2.0 * 3 * tiles * params.block_m * block.D * block.F  # padded rows included
+    g = act_group(params.act_quant)
+    if g is None or params.quant_on_load:
+        act = tokens * block.D * ab + 2 * P * block.F * ab
+        sorted_copy = 2 * P * block.D * ab  # tma: xs written, read
+    else:  # x read, xq written (1 B + scales) and read by every pair, hq written and read
+        act = (tokens * block.D * (ab + 1 + 4 / g) + P * block.D * (1 + 4 / g)
+               + 2 * P * block.F * (1 + 4 / g))
+        sorted_copy = 2 * P * block.D
+    act += sorted_copy if params.tma else 0
+    by = (distinct * block.weight_bytes_per_expert + act
+          + _combine.cost(params.split_k, P, tokens, block.D, ab, yb)[1] + params.split_k * P * block.D * yb
+          + routing.cost(P, block.E)[1])
+    return flops, by
+
+
+KIND = KernelKind("grouped_gemm", Fp8GemmParams, space, default_params, build, cost,
+                  sources(__file__, SOURCES), refusal=refusal, formats=("fp8_block",))
