@@ -37,7 +37,7 @@ class FinalRound:
     finals: Finals  # (candidate, time at the representative T, {other T: time}), winner first
     notes: tuple[str, ...] = ()  # what the budget cut short
     spread_s: float | None = None  # the larger spread of the winner's and the default's timings (`spread`)
-    kept: str = ""  # why the bucket keeps the default (nothing to write): the numbers it was judged by
+    kept: str = ""  # why the bucket keeps the default (no winner to write): the numbers it was judged by
 
 
 def spread(times: Sequence[float], iqr_s: Sequence[float] = ()) -> float:

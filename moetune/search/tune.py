@@ -12,9 +12,10 @@ A bucket's tuning:
 3. The best few are re-timed beside the default, at the bucket's other token counts too; the one that
    holds best wins, or the bucket is split into parts (finalists.py). A winner that does not beat the
    default by more than the spread of those re-timings is not written: the bucket keeps the default, and
-   its result says why. Else the winner is written to the table with its time at the representative
-   count, floor, default time, baseline time and that spread; a written entry replaces the older entries
-   it overlaps.
+   its result says why; where no usable entry of the table covers the bucket, the default itself is written
+   as its entry (the table then covers every bucket tuned, and a resumed run skips it). Else the winner is
+   written to the table with its time at the representative count, floor, default time, baseline time
+   and that spread; a written entry replaces the older entries it overlaps.
 
 The budget is kept as a whole: `tune_block` gives each bucket still to tune an equal share of what is
 left, a bucket whose one candidate would not fit in its share (estimated from the buckets before it) is
@@ -135,7 +136,14 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
         trials=len(st.trials), evaluated=len(outcomes), failures=loop.failures,
         stopped="; ".join(x for x in (loop.stopped, *notes, *fr.notes, fr.kept) if x), space=space.describe(),
         finalists=fr.finals, elapsed_s=share.spent(), spread_s=fr.spread_s)
-    if fr.kept:  # the runtime's default serves the bucket: nothing to write
+    if fr.kept:  # the default serves the bucket: written as its entry only where no usable entry covers it
+        if table is not None and fr.winner is not None and fr.default_time_s is not None:
+            versions = versions or Versions.current(backend.name, objective.device)
+            if not _covered(table, block, target, backend.name, bucket, versions, objective.device):
+                written = _write(table, result, block, target, versions, timer, fr, outcomes, space, default)
+                result = dataclasses.replace(result, written=written, elapsed_s=share.spent(), stopped="; ".join(
+                    x for x in (result.stopped, "the default written as the bucket's entry (no usable entry "
+                                                "covered it)" if written else "") if x))
         return result
     split = options.split if options.split is not None else objective.device.startswith("cuda")
     if split and fr.winner is not None:
@@ -186,6 +194,19 @@ def _write(table: DispatchTable, result: BucketResult, block: MoEBlock, target: 
     d_row = next(({rep: t} | at for f, t, at in fr.finals if default is not None and key(f) == key(default)), {})
     parts = [entry((lo, hi), s, t_s, T, d_row.get(T)) for lo, hi, s, t_s, T in result.parts]
     return any(table.put_all(parts, replace=True, supersede=True))  # the parts go in together or not at all
+
+
+def _covered(table: DispatchTable, block: MoEBlock, target: str, backend: str, bucket: Bucket, versions: Versions,
+             device: str) -> bool:
+    """Whether a usable entry of the table (`DispatchTable.lookup` with `versions`) covers a token count of
+    `bucket`: then a bucket that keeps its default leaves the table as it is; else the default is written, so
+    the table covers the bucket (a compiled model finds an entry, a resumed run does not tune it again) and a
+    stale entry under it is split away."""
+    try:
+        usable = table.lookup(block, target, backend, versions=versions, device=device).usable
+    except CacheError:
+        return False
+    return any(lo <= bucket.hi and bucket.lo <= hi for lo, hi, _ in usable)
 
 
 def _floor_us(block: MoEBlock, target: str, tokens: int) -> float | None:
