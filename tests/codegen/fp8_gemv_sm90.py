@@ -56,10 +56,11 @@ def configs(block, tokens: int, p) -> list[tuple[str, dict, dict]]:
 
     k = block.k
     rb, cb = block.weight_format.block
+    fused = p.fused_route and tokens * k <= FUSED_ROUTE_MAX_PAIRS
     m = dict(ACT=0, HAS_BIAS=False, W_IN=False, UPCAST=False, K_TOP=k, KP=1 << (k - 1).bit_length(),
-             BLOCK_E=max(16, 1 << (block.E - 1).bit_length()), BP=max(16, 1 << (tokens * k - 1).bit_length()),
-             FUSED=p.fused_route and tokens * k <= FUSED_ROUTE_MAX_PAIRS, ROWS=p.rows, RB=rb, CB=cb,
-             STAGES=p.num_stages)
+             BLOCK_E=max(16, 1 << (block.E - 1).bit_length()),
+             BP=max(16, 1 << (tokens * k - 1).bit_length()) if fused else 16,
+             FUSED=fused, ROWS=p.rows, RB=rb, CB=cb, STAGES=p.num_stages)
     return [("gate_up", dict(m, PROJ=0, BN=p.block_n, BK=p.block_k),
              dict(num_warps=p.num_warps, num_stages=p.num_stages)),
             ("down", dict(m, PROJ=2 if p.down_mode == "token" else 1, BN=p.down_block_n, BK=p.down_block_k),

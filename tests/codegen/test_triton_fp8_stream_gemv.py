@@ -303,10 +303,10 @@ class TestOnGPU:
     """The FP8 presets' shapes on the GPU: the default and a sample of the space at T = 1, 4, 64, eagerly and
     replayed from a CUDA graph on new inputs."""
 
-    SAMPLE = (dict(), dict(block_n=32, block_k=512, num_warps=8), dict(block_n=8, block_k=128, num_stages=3),
-              dict(rows=16, block_n=64, block_k=128, down_block_n=64, down_block_k=128, down_mode="expert",
-                   fused_route=False),
-              dict(down_mode="expert", split_k=2, down_block_n=16, down_block_k=256))
+    SAMPLE = (dict(block_n=32, block_k=512, num_warps=8, num_stages=3, fused_route=False),
+              dict(rows=16, block_n=128, block_k=128, num_warps=8, down_block_n=32, down_block_k=128,
+                   down_mode="expert", fused_route=False),
+              dict(block_n=8, down_mode="expert", split_k=2, down_block_n=16, down_block_k=256))
 
     weights: dict = {}  # one preset's weights at a time, drawn once for its token counts
 

@@ -111,8 +111,12 @@ def test_every_backend_hashes_one_part_per_kind():
         if name == "triton":
             pytest.importorskip("triton")
         h = kernel_source_hash(name)
-        assert [p.split("=")[0] for p in h.split(";")] == list(KINDS) and all(
+        names = [p.split("=")[0] for p in h.split(";")]  # "kind", and "kind@scheme" for quantised weights
+        assert [n for n in names if "@" not in n] == list(KINDS) and all(
             len(kernel_hash_part(h, k)) == 16 for k in KINDS)
+        for n in names:
+            kind, _, scheme = n.partition("@")
+            assert kind in KINDS and len(kernel_hash_part(h, kind, scheme or "none")) == 16, n
 
 
 def test_device_and_library_identities():

@@ -415,8 +415,9 @@ def build(block: MoEBlock, schedule: Schedule):
             counts, sorted_pairs = ids_f, ids_f
         else:
             counts, sorted_pairs = routing.route(ids, E)
-        meta = dict(a.meta, KP=next_pow2(k), BP=max(16, next_pow2(P)), FUSED=fused, ROWS=p.rows, RB=RB, CB=CB,
-                    UE8M0=ue8)
+        # BP only matters to the fused routing: one compiled kernel for every P otherwise
+        meta = dict(a.meta, KP=next_pow2(k), BP=max(16, next_pow2(P)) if fused else 16, FUSED=fused, ROWS=p.rows,
+                    RB=RB, CB=CB, UE8M0=ue8)
         slots = min(P, E)
         h = torch.empty(P, F, dtype=x.dtype, device=x.device)  # [P, F]
         launch(stream_gemv_fp8_kernel, (slots, F // p.block_n, 1),
