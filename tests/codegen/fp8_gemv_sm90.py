@@ -63,7 +63,8 @@ def configs(block, tokens: int, p) -> list[tuple[str, dict, dict]]:
              FUSED=fused, ROWS=p.rows, RB=rb, CB=cb, STAGES=p.num_stages)
     return [("gate_up", dict(m, PROJ=0, BN=p.block_n, BK=p.block_k),
              dict(num_warps=p.num_warps, num_stages=p.num_stages)),
-            ("down", dict(m, PROJ=2 if p.down_mode == "token" else 1, BN=p.down_block_n, BK=p.down_block_k),
+            ("down", dict(m, PROJ=2 if p.down_mode == "token" else 1, BN=p.down_block_n, BK=p.down_block_k,
+                          NB=p.down_nb),
              dict(num_warps=p.down_warps, num_stages=p.num_stages))]
 
 
@@ -102,8 +103,8 @@ def sample() -> list[tuple[str, object, object, int]]:
         for r, bn, bk, nw, dbn, dbk, ns in ((16, 64, 128, 8, 64, 128, 5), (16, 128, 128, 8, 128, 64, 3),
                                             (32, 64, 128, 4, 32, 128, 4), (16, 32, 64, 4, 16, 64, 2))
     ] + [
-        dict(down_block_n=dbn, down_block_k=dbk, down_warps=dw)
-        for dbn, dbk, dw in ((2, 128, 4), (8, 128, 4), (16, 64, 8), (4, 64, 4))
+        dict(down_block_n=dbn, down_block_k=dbk, down_warps=dw, down_nb=nb)
+        for dbn, dbk, dw, nb in ((2, 128, 4, 1), (8, 128, 4, 2), (16, 64, 8, 1), (4, 64, 4, 4), (4, 128, 4, 2))
     ] + [
         dict(down_mode="expert", split_k=s, down_block_n=dbn, down_block_k=dbk, down_warps=dw)
         for s, dbn, dbk, dw in ((1, 16, 512, 4), (2, 32, 256, 8), (4, 8, 128, 4))

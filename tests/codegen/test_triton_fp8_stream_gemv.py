@@ -44,12 +44,15 @@ def sched(**kw) -> Schedule:
 # CI-sized schedules of every path for (32, 32) scale blocks: FMA rows with chunks of two column blocks and
 # of half a block, the token / expert downs (split K), the 16-row tl.dot passes fused and routed
 SCHEDULES = {
-    "fma_token": sched(block_n=16, block_k=64, down_block_n=8, down_block_k=32),
-    "fma_expert_split": sched(block_n=16, block_k=16, down_block_n=32, down_block_k=64, down_mode="expert",
+    "fma_token": sched(block_n=16, block_k=64, down_block_n=16, down_block_k=32),
+    "fma_expert_split": sched(block_n=32, block_k=16, down_block_n=32, down_block_k=64, down_mode="expert",
                               split_k=2, fused_route=False),
     "dot_expert": sched(rows=16, block_n=32, block_k=32, down_block_n=16, down_block_k=16, down_mode="expert",
                         fused_route=False),
     "dot_fused_token": sched(rows=16, block_n=16, block_k=16, down_block_n=32, down_block_k=32),
+    # the token down walking 4 D-blocks per program: at D = 160 (10 blocks of 16) and 96 the last program's
+    # blocks partly past D
+    "fma_token_nb4": sched(block_n=32, block_k=32, down_block_n=16, down_block_k=16, down_nb=4),
 }
 
 CASES = [  # name, E, k, D, F, T, routing, scale block, scale dtype, compute dtype, block overrides
@@ -98,7 +101,9 @@ def check(block, x, ids, weights, w, schedule, what: str) -> torch.Tensor:
     return out
 
 
-PAIRS = [(c, s) for c in CASES for s in SCHEDULES if c[0] in CORE or s in ("fma_token", "dot_expert")]
+PAIRS = [(c, s) for c in CASES for s in SCHEDULES
+         if c[0] in CORE and s != "fma_token_nb4" or s in ("fma_token", "dot_expert")
+         or s == "fma_token_nb4" and c[0] in ("odd_block_counts", "ue8m0", "k1")]
 
 
 @pytest.mark.parametrize("case, name", PAIRS, ids=[f"{c[0]}-{s}" for c, s in PAIRS])
@@ -116,12 +121,10 @@ def test_against_reference(case, name, poisoned):
 
 def test_128_blocks_at_odd_block_counts():
     """The checkpoints' 128 x 128 blocks at D = 384, F = 640 (3 and 5 blocks): the default's long FMA
-    chunks (the last one partly past D) and the dot pass."""
+    chunks (the last one partly past D) and the dot pass with split K."""
     block, x, ids, weights, w = make_problem(3, 1, 384, 640, 2, "uniform", (128, 128), "float32", "bfloat16", {})
     check(block, x, ids, weights, w, BACKEND.default(block, "stream_gemv", 1), "default")
     assert BACKEND.default(block, "stream_gemv", 1).params.block_k == 256
-    check(block, x, ids, weights, w, sched(block_n=32, block_k=512, num_warps=8, down_block_n=32,
-                                           down_block_k=512, down_mode="expert"), "fma_512")
     check(block, x, ids, weights, w, sched(rows=16, block_n=128, block_k=128, down_block_n=64, down_block_k=128,
                                            down_mode="expert", split_k=2), "dot_split")
 
@@ -158,8 +161,8 @@ def test_e4m3_edge_values(scale_dtype, name):
     check(block, x, ids, weights, w, SCHEDULES[name], f"edges/{scale_dtype}/{name}")
 
 
-@settings(max_examples=8, deadline=None)
-@given(E=st.integers(2, 10), k=st.integers(1, 3), T=st.integers(1, 6), nd=st.integers(1, 3), nf=st.integers(1, 3),
+@settings(max_examples=5, deadline=None)
+@given(E=st.integers(2, 8), k=st.integers(1, 3), T=st.integers(1, 5), nd=st.integers(1, 2), nf=st.integers(1, 3),
        fb=st.sampled_from([(16, 16), (16, 32), (32, 16)]), sd=st.sampled_from(["float32", "ue8m0"]),
        seed=st.integers(0, 2**16), name=st.sampled_from(sorted(SCHEDULES)))
 def test_hypothesis_shapes_and_routings(E, k, T, nd, nf, fb, sd, seed, name):
@@ -204,6 +207,8 @@ def test_partial_blocks_are_refused_with_the_reason():
     (dict(rows=4), "1 \\(FMA\\) or 16 / 32"),
     (dict(rows=16, block_n=8), "≥ 16"),
     (dict(split_k=2), "only with"),
+    (dict(down_mode="expert", down_nb=2), "down_mode='token'"),
+    (dict(down_nb=3), "1, 2, 4 or 8"),
     (dict(block_n=32, block_k=1024, num_warps=4), "registers"),
 ])
 def test_params_refused_with_reason(bad, why):

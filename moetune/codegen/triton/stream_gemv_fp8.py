@@ -20,7 +20,8 @@ scale multiplies the product [ROWS, BN].
   PROJ 1 down      grid (slot, D-block, K split): fp32 partial rows y [S, P, D] · routing weight, then
                    combine.py sums splits and the k experts of each token.
   PROJ 2 down      grid (token, D-block): the token's k experts in one [KP, BN, BK] tile per chunk (BK ≤ CB:
-                   one scale per expert and chunk), out [T, D] written directly, no combine.
+                   one scale per expert and chunk), out [T, D] written directly, no combine; with down_nb > 1
+                   a program walks that many D-blocks in one flattened pipelined loop.
 Work comes from routing.py's counts / sorted pairs, or with `fused_route` and P ≤ 64 from the ids
 themselves (stream_gemv's `_fused_slot`): then the block is two launches.
 
@@ -68,6 +69,8 @@ class Fp8GemvParams:
     down_mode: Literal["token", "expert"] = "token"
     split_k: int = 1  # down, expert mode: F split in this many fp32 partials
     fused_route: bool = True  # P ≤ 64: each program groups the ids itself (no routing kernel)
+    # token-mode down: D-blocks per program, walked in one flattened pipelined loop (as stream_gemv's)
+    down_nb: int = 1
 
     def __post_init__(self) -> None:
         check_pow2("Fp8GemvParams", block_n=self.block_n, block_k=self.block_k, rows=self.rows,
@@ -77,6 +80,9 @@ class Fp8GemvParams:
             raise UnsupportedSchedule(f"Fp8GemvParams.rows = {self.rows}: 1 (FMA) or 16 / 32 (tl.dot)")
         if self.down_mode not in ("token", "expert"):
             raise UnsupportedSchedule(f"Fp8GemvParams.down_mode = {self.down_mode!r}: 'token' or 'expert'")
+        if self.down_nb not in (1, 2, 4, 8) or (self.down_nb > 1 and self.down_mode != "token"):
+            raise UnsupportedSchedule(f"Fp8GemvParams.down_nb = {self.down_nb}: 1, 2, 4 or 8, and > 1 only with "
+                                      "down_mode='token'")
         if self.split_k < 1 or (self.split_k > 1 and self.down_mode != "expert"):
             raise UnsupportedSchedule(f"Fp8GemvParams.split_k = {self.split_k}: ≥ 1, and > 1 only with "
                                       "down_mode='expert' (the token mode has no partials to combine)")
@@ -145,6 +151,7 @@ CHOICES = (
     ("down_mode", ("token", "expert")),
     ("split_k", (1, 2, 4)),
     ("fused_route", (True, False)),
+    ("down_nb", (1, 2, 4)),
 )
 
 
@@ -313,6 +320,43 @@ def _token_down8(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, s_ptr, sse,
     return tl.sum(y, axis=0)
 
 
+@triton.jit
+def _token_down8_nb(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, s_ptr, sse, ssn, ssk,
+                    b_ptr, sbe, sbn, n_first, N, K, y_row, K_TOP: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    W_IN: tl.constexpr, STAGES: tl.constexpr, UE8M0: tl.constexpr):
+    """_token_down8 over NB consecutive D-blocks [n_first + b·BN, +BN) in ONE pipelined loop over (b, chunk)
+    flattened (stream_gemv's down_nb): the next block's first chunks load while the current one ends, the
+    ids, weights and addresses are set up once. Each block's out[t, n0:n0+BN] is stored when it is complete."""
+    p, ok, ec, wt = _token_pairs(ids_ptr, wts_ptr, t, E, K_TOP, KP)
+    wbase = w_ptr + ec[:, None, None] * se  # [KP, 1, 1]
+    sbase = s_ptr + ec * sse  # [KP]
+    hbase = h_ptr + p.to(tl.int64)[:, None] * s_hp  # [KP, 1]
+    nk = K // BK
+    nb = tl.minimum(NB, (N - n_first) // BN)  # blocks of this program inside [0, N)
+    acc = tl.zeros([KP, BN, BK], dtype=tl.float32)
+    for i in tl.range(0, nb * nk, num_stages=STAGES):
+        b = i // nk
+        k0 = (i - b * nk) * BK
+        n0 = n_first + b * BN
+        offs_n = n0 + tl.arange(0, BN)
+        offs_k = k0 + tl.arange(0, BK)
+        s = _scale(sbase + (n0 // RB) * ssn + (k0 // CB) * ssk, UE8M0)  # [KP]
+        hv = tl.load(hbase + offs_k[None, :], mask=ok[:, None], other=0.0).to(tl.float32)  # [KP, BK]
+        wv = tl.load(wbase + offs_n[None, :, None] * sn + offs_k[None, None, :], mask=ok[:, None, None], other=0.0,
+                     eviction_policy="evict_first")  # [KP, BN, BK]
+        acc += wv.to(tl.float32) * (hv * s[:, None])[:, None, :]
+        if k0 + BK >= K:  # block b complete
+            y = tl.sum(acc, axis=2)  # [KP, BN]
+            if HAS_BIAS:
+                bias = tl.load(b_ptr + ec[:, None] * sbe + offs_n[None, :] * sbn, mask=ok[:, None], other=0.0)
+                y += bias.to(tl.float32)
+            if not W_IN:
+                y = y * wt[:, None]
+            tl.store(y_row + offs_n, tl.sum(y, axis=0).to(y_row.dtype.element_ty))
+            acc = tl.zeros([KP, BN, BK], dtype=tl.float32)
+
+
 @triton.jit(do_not_specialize=["P"])
 def stream_gemv_fp8_kernel(
     x_ptr, s_xt, ids_ptr, wts_ptr, counts_ptr, sorted_ptr,
@@ -323,11 +367,16 @@ def stream_gemv_fp8_kernel(
     FUSED: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     RB: tl.constexpr, CB: tl.constexpr, UE8M0: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, NB: tl.constexpr = 1,
 ):
     n0 = tl.program_id(1) * BN
     offs_n = n0 + tl.arange(0, BN)
-    if PROJ == 2:
+    if PROJ == 2 and NB > 1:
+        t = tl.program_id(0)
+        _token_down8_nb(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, s_ptr, sse, ssn, ssk, b_ptr, sbe, sbn,
+                        n0 * NB, N, K, y_ptr + t.to(tl.int64) * s_yt, K_TOP, KP, BN, BK, NB, RB, CB, HAS_BIAS, W_IN,
+                        STAGES, UE8M0)
+    elif PROJ == 2:
         t = tl.program_id(0)
         out = _token_down8(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, s_ptr, sse, ssn, ssk,
                            b_ptr, sbe, sbn, n0, K, K_TOP, KP, BN, BK, RB, CB, HAS_BIAS, W_IN, STAGES, UE8M0)
@@ -431,10 +480,10 @@ def build(block: MoEBlock, schedule: Schedule):
         down = (w.down, ds.se, ds.sn, 0, dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0,
                 db, ds.sbe, ds.sbn, 0)
         if p.down_mode == "token":
-            launch(stream_gemv_fp8_kernel, (T, D // p.down_block_n, 1),
+            launch(stream_gemv_fp8_kernel, (T, cdiv(D // p.down_block_n, p.down_nb), 1),
                 x, x.stride(0), ids_f, wts_f, counts, sorted_pairs, *down,
                 h, h.stride(0), out, out.stride(0), P, E, D, F, F, alpha, limit,
-                PROJ=2, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps,
+                PROJ=2, BN=p.down_block_n, BK=p.down_block_k, NB=p.down_nb, num_warps=p.down_warps,
                 num_stages=p.num_stages, STAGES=p.num_stages, **meta)
             return out
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
