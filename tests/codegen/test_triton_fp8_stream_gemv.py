@@ -255,6 +255,17 @@ def test_default_is_a_point_of_the_space_and_costs_fp8_bytes(name):
     assert isinstance(BACKEND.default(bf16, "stream_gemv", 1).params, GemvParams)
 
 
+@pytest.mark.parametrize("fb", [(128, 128), (64, 64), (256, 128), (128, 256), (32, 16), (8, 16)])
+def test_default_fits_every_scale_block(fb):
+    block = fp8_block(64, 6, 1024, 512, fb)
+    space = BACKEND.space(block, "stream_gemv")
+    for T in (1, 4, 16, 64, 512):
+        p = BACKEND.default(block, "stream_gemv", T).params
+        for field, values in space.choices:
+            assert getattr(p, field) in values, (fb, T, field)
+        space.admit(p)
+
+
 def test_space_holds_only_block_aligned_tiles():
     sp = BACKEND.space(fp8_block(8, 2, 64, 64, (32, 32)), "stream_gemv")
     ch = dict(sp.choices)

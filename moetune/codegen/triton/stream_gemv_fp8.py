@@ -156,15 +156,23 @@ CHOICES = (
 
 
 def space(block: MoEBlock, target: Target) -> ParamSpace:
-    """CHOICES less the tile sizes that cannot align with the block's scale blocks."""
+    """CHOICES, with the tile sizes also scaled to the block's scale blocks when they are not 128 x 128 (a
+    block of 32 columns: chunks of 16 and 32 too), less those that cannot align with them."""
     r, c = block.weight_format.block if block.weight_format.quantized else (128, 128)
-    keep = {
-        "block_n": lambda v: r % v == 0,
-        "down_block_n": lambda v: r % v == 0,
-        "block_k": lambda v: _aligned(v, c),
-        "down_block_k": lambda v: _aligned(v, c),
-    }
-    choices = tuple((n, tuple(v for v in vals if keep.get(n, lambda _: True)(v))) for n, vals in CHOICES)
+    dims = {"block_n": (r, 2), "down_block_n": (r, 2), "block_k": (c, 16), "down_block_k": (c, 16)}
+
+    def fits(name: str, v: int) -> bool:
+        b = dims[name][0]
+        return b % v == 0 if name.endswith("block_n") else _aligned(v, b)
+
+    def values(name: str, vals: tuple) -> tuple:
+        if name not in dims:
+            return vals
+        b, least = dims[name]
+        scaled = {v * b // 128 for v in vals if v * b % 128 == 0 and v * b // 128 >= least}
+        return tuple(v for v in sorted(set(vals) | scaled) if fits(name, v))
+
+    choices = tuple((n, values(n, vals)) for n, vals in CHOICES)
     return ParamSpace(Fp8GemvParams, choices, check=partial(check, block=block, target=target))
 
 
@@ -174,7 +182,7 @@ def default_params(block: MoEBlock, T: int, target: Target) -> Fp8GemvParams:
     each tile, one read of each weight for all of an expert's rows, and the expert-mode down."""
     r, c = block.weight_format.block if block.weight_format.quantized else (128, 128)
     bk = min(128, c)
-    if rows_per_active(block, T) <= 1.5:
+    if rows_per_active(block, T) <= 1.5 or min(r, c) < 16:  # (tl.dot needs tiles of ≥ 16)
         bn = min(16, r)
         dbn = min(r, max(2, 32 // next_pow2(block.k)))
         return Fp8GemvParams(block_n=bn, block_k=2 * c if c <= 128 else c, down_block_n=dbn,
