@@ -217,6 +217,15 @@ def test_params_refused_with_reason(bad, why):
         space.make(**bad)
 
 
+def test_token_down_over_the_registers_is_refused():
+    """The token-mode down holds one [BN, BK] accumulator per expert of the token (next_pow2(k) of them)."""
+    space = BACKEND.space(fp8_preset("deepseek-v3"), "stream_gemv")
+    with pytest.raises(UnsupportedSchedule, match=r"token mode, k = 8\): 512 fp32 accumulator registers"):
+        space.make(down_block_n=64, down_block_k=128)
+    space.make(down_block_n=64, down_block_k=128, down_mode="expert")
+    space.make(down_block_n=16, down_block_k=128)
+
+
 def test_dot_pass_over_the_targets_shared_memory_is_refused():
     space = BACKEND.space(fp8_block(8, 2, 512, 256, (256, 256)), "stream_gemv")
     with pytest.raises(UnsupportedSchedule, match=r"KiB shared memory, limit 227 KiB on h200; lower block_k"):

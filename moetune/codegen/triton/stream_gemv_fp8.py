@@ -104,8 +104,8 @@ def _aligned(bk: int, cols: int) -> bool:
 
 
 def check(p: Fp8GemvParams, block: MoEBlock, target: Target) -> None:
-    """What `block`'s scale blocks or `target` refuse: tiles that straddle a scale block, the dot pass's
-    shared memory."""
+    """What `block`'s scale blocks or `target` refuse: tiles that straddle a scale block, a down tile over the
+    registers (the token mode holds one per expert of a token), the dot pass's shared memory."""
     r, c = block.weight_format.block if block.weight_format.quantized else (128, 128)
     what = f"Fp8GemvParams on {r}x{c} scale blocks"
     for name in ("block_n", "down_block_n"):
@@ -118,6 +118,13 @@ def check(p: Fp8GemvParams, block: MoEBlock, target: Target) -> None:
     if c % p.down_block_k and (p.down_mode == "token" or p.rows >= 16 or not _aligned(p.down_block_k, c)):
         raise UnsupportedSchedule(f"{what}: down_block_k = {p.down_block_k} must divide the block columns {c} "
                                   f"(a multiple of them only in the expert mode with rows = 1)")
+    streams = next_pow2(block.k) if p.down_mode == "token" else 1
+    regs = streams * p.down_block_n * p.down_block_k // (32 * p.down_warps)
+    if (p.down_mode == "token" or p.rows == 1) and regs > 128:
+        raise UnsupportedSchedule(
+            f"Fp8GemvParams down_block_n={p.down_block_n} down_block_k={p.down_block_k} down_warps={p.down_warps}"
+            f" ({p.down_mode} mode, k = {block.k}): {regs} fp32 accumulator registers per thread, limit 128; lower "
+            "down_block_n or down_block_k, or raise down_warps")
     if p.rows >= 16:
         check_smem(f"Fp8GemvParams rows={p.rows} block_n={p.block_n} block_k={p.block_k} "
                    f"num_stages={p.num_stages}",
