@@ -61,6 +61,8 @@ def configs(block, tokens: int, p) -> list[tuple[str, dict, dict]]:
              BLOCK_E=max(16, 1 << (block.E - 1).bit_length()),
              BP=max(16, 1 << (tokens * k - 1).bit_length()) if fused else 16,
              FUSED=fused, ROWS=p.rows, RB=rb, CB=cb, STAGES=p.num_stages)
+    if p.f16_dot:
+        m["F16"] = True
     return [("gate_up", dict(m, PROJ=0, BN=p.block_n, BK=p.block_k),
              dict(num_warps=p.num_warps, num_stages=p.num_stages)),
             ("down", dict(m, PROJ=2 if p.down_mode == "token" else 1, BN=p.down_block_n, BK=p.down_block_k,
@@ -102,6 +104,10 @@ def sample() -> list[tuple[str, object, object, int]]:
              down_mode="expert", fused_route=False)
         for r, bn, bk, nw, dbn, dbk, ns in ((16, 64, 128, 8, 64, 128, 5), (16, 128, 128, 8, 128, 64, 3),
                                             (32, 64, 128, 4, 32, 128, 4), (16, 32, 64, 4, 16, 64, 2))
+    ] + [
+        dict(rows=r, block_n=bn, block_k=128, num_warps=nw, down_block_n=dbn, down_block_k=128, down_mode="expert",
+             fused_route=False, f16_dot=True)
+        for r, bn, nw, dbn in ((16, 64, 4, 64), (16, 128, 8, 128), (32, 64, 8, 32))
     ] + [
         dict(down_block_n=dbn, down_block_k=dbk, down_warps=dw, down_nb=nb)
         for dbn, dbk, dw, nb in ((2, 128, 4, 1), (8, 128, 4, 2), (16, 64, 8, 1), (4, 64, 4, 4), (4, 128, 4, 2))

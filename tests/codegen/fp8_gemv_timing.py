@@ -42,6 +42,8 @@ ONE_ROW = {
 MANY_ROWS = {
     "dot16_bn128_w8": dict(rows=16, block_n=128, block_k=128, num_warps=8, down_block_n=128, down_block_k=128,
                            down_warps=8, down_mode="expert", fused_route=False),
+    "dot16_f16": dict(rows=16, block_n=64, block_k=128, down_block_n=64, down_block_k=128, down_mode="expert",
+                      fused_route=False, f16_dot=True),
     "fma_bn32_bk512_w8": ONE_ROW["fma_bn32_bk512_w8"],
 }
 

@@ -50,6 +50,8 @@ SCHEDULES = {
     "dot_expert": sched(rows=16, block_n=32, block_k=32, down_block_n=16, down_block_k=16, down_mode="expert",
                         fused_route=False),
     "dot_fused_token": sched(rows=16, block_n=16, block_k=16, down_block_n=32, down_block_k=32),
+    "dot_f16_expert": sched(rows=16, block_n=32, block_k=32, down_block_n=32, down_block_k=32, down_mode="expert",
+                            split_k=2, fused_route=False, f16_dot=True),
     # the token down walking 4 D-blocks per program: at D = 160 (10 blocks of 16) and 96 the last program's
     # blocks partly past D
     "fma_token_nb4": sched(block_n=32, block_k=32, down_block_n=16, down_block_k=16, down_nb=4),
@@ -102,8 +104,9 @@ def check(block, x, ids, weights, w, schedule, what: str) -> torch.Tensor:
 
 
 PAIRS = [(c, s) for c in CASES for s in SCHEDULES
-         if c[0] in CORE and s != "fma_token_nb4" or s in ("fma_token", "dot_expert")
-         or s == "fma_token_nb4" and c[0] in ("odd_block_counts", "ue8m0", "k1")]
+         if (c[0] in CORE and s not in ("fma_token_nb4", "dot_f16_expert")) or s in ("fma_token", "dot_expert")
+         or (s == "fma_token_nb4" and c[0] in ("odd_block_counts", "ue8m0", "k1"))
+         or (s == "dot_f16_expert" and c[0] in ("uniform", "one_expert_every_row", "fp16_weight_on_input"))]
 
 
 @pytest.mark.parametrize("case, name", PAIRS, ids=[f"{c[0]}-{s}" for c, s in PAIRS])
@@ -161,6 +164,20 @@ def test_e4m3_edge_values(scale_dtype, name):
     check(block, x, ids, weights, w, SCHEDULES[name], f"edges/{scale_dtype}/{name}")
 
 
+@pytest.mark.parametrize("name", ["dot_expert", "dot_f16_expert"])
+def test_activation_rows_far_apart_in_scale(name):
+    """Rows 2^20 times larger and 2^30 times smaller than the rest (beyond float16's range both ways): each
+    token's output within bf16's relative error of its own reference (f16_dot scales each chunk's rows)."""
+    block, x, ids, weights, w = make_problem(6, 2, 64, 64, 7, "one_hot_expert", (32, 32), "float32", "bfloat16", {})
+    x[0] *= 2.0**20
+    x[1] *= 2.0**-30
+    out = BACKEND.build(block, SCHEDULES[name])(x, ids, weights, w)
+    ref = experts_reference(block, x, ids, weights, w)
+    for t in range(3):
+        rel = ((out[t].float() - ref[t]).abs().max() / ref[t].abs().max()).item()
+        assert rel < 2e-2, f"{name}: token {t} relative error {rel:.2e}"
+
+
 @settings(max_examples=5, deadline=None)
 @given(E=st.integers(2, 8), k=st.integers(1, 3), T=st.integers(1, 5), nd=st.integers(1, 2), nf=st.integers(1, 3),
        fb=st.sampled_from([(16, 16), (16, 32), (32, 16)]), sd=st.sampled_from(["float32", "ue8m0"]),
@@ -209,6 +226,7 @@ def test_partial_blocks_are_refused_with_the_reason():
     (dict(split_k=2), "only with"),
     (dict(down_mode="expert", down_nb=2), "down_mode='token'"),
     (dict(down_nb=3), "1, 2, 4 or 8"),
+    (dict(f16_dot=True), "only with the tl.dot pass"),
     (dict(block_n=32, block_k=1024, num_warps=4), "registers"),
 ])
 def test_params_refused_with_reason(bad, why):
@@ -283,6 +301,12 @@ def test_space_holds_only_block_aligned_tiles():
     assert 128 in sp128["block_n"] and {128, 256, 512} <= set(sp128["block_k"])
 
 
+def test_f16_dot_is_refused_for_float32_activations():
+    block = fp8_block(4, 2, 64, 64, (32, 32), compute="float32")
+    with pytest.raises(UnsupportedSchedule, match="f16_dot rounds float32 activations"):
+        BACKEND.build(block, SCHEDULES["dot_f16_expert"])
+
+
 def test_strided_weights_are_refused():
     block, x, ids, weights, w = make_problem(4, 2, 64, 64, 2, "uniform", (32, 32), "float32", "bfloat16", {})
     gu = w.gate_up.transpose(1, 2).contiguous().transpose(1, 2)
@@ -331,7 +355,9 @@ class TestOnGPU:
     SAMPLE = (dict(block_n=32, block_k=512, num_warps=8, num_stages=3, fused_route=False),
               dict(rows=16, block_n=128, block_k=128, num_warps=8, down_block_n=32, down_block_k=128,
                    down_mode="expert", fused_route=False),
-              dict(block_n=8, down_mode="expert", split_k=2, down_block_n=16, down_block_k=256))
+              dict(block_n=8, down_mode="expert", split_k=2, down_block_n=16, down_block_k=256),
+              dict(rows=16, block_n=64, block_k=128, down_block_n=64, down_block_k=128, down_mode="expert",
+                   fused_route=False, f16_dot=True))
 
     weights: dict = {}  # one preset's weights at a time, drawn once for its token counts
 

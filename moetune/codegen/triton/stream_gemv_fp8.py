@@ -11,7 +11,9 @@ chunk the scale depends on the column block only: the chunk [BK] is J = BK / CW 
 CW = min(BK, CB) columns, and the J scales multiply the activation chunk [J, CW] (J·CW products), never
 the weight tile [BN, J, CW]; the weights only go e4m3 → fp32 and into the FMA. On the tl.dot path
 (ROWS ≥ 16; BK ≤ CB) the tile is widened to the activations' dtype (exact for e4m3) and the chunk's one
-scale multiplies the product [ROWS, BN].
+scale multiplies the product [ROWS, BN]; with f16_dot it is widened to float16 alone (one e4m3x2 → f16x2
+conversion per two weights) and each chunk's activation rows are scaled by a power of two into float16's
+range and back.
 
   PROJ 0 gate/up   grid (slot, F-block): slot s = s-th distinct selected expert; its rows one at a time
                    (ROWS = 1, FMA, each row streams the tile) or ROWS at once through tl.dot (one read of
@@ -71,6 +73,9 @@ class Fp8GemvParams:
     fused_route: bool = True  # P ≤ 64: each program groups the ids itself (no routing kernel)
     # token-mode down: D-blocks per program, walked in one flattened pipelined loop (as stream_gemv's)
     down_nb: int = 1
+    # the tl.dot pass in float16: each chunk's activation rows scaled by a power of two into f16 (their max to
+    # [0.5, 1)), so the tile needs e4m3 → f16 only (one conversion per two weights), not → bf16
+    f16_dot: bool = False
 
     def __post_init__(self) -> None:
         check_pow2("Fp8GemvParams", block_n=self.block_n, block_k=self.block_k, rows=self.rows,
@@ -86,6 +91,8 @@ class Fp8GemvParams:
         if self.split_k < 1 or (self.split_k > 1 and self.down_mode != "expert"):
             raise UnsupportedSchedule(f"Fp8GemvParams.split_k = {self.split_k}: ≥ 1, and > 1 only with "
                                       "down_mode='expert' (the token mode has no partials to combine)")
+        if self.f16_dot and self.rows < 16:
+            raise UnsupportedSchedule("Fp8GemvParams.f16_dot: only with the tl.dot pass (rows 16 or 32)")
         if self.rows >= 16 and (self.block_n < 16 or self.block_k < 16 or self.down_block_n < 16
                                 or self.down_block_k < 16):
             raise UnsupportedSchedule(
@@ -159,6 +166,7 @@ CHOICES = (
     ("split_k", (1, 2, 4)),
     ("fused_route", (True, False)),
     ("down_nb", (1, 2, 4)),
+    ("f16_dot", (False, True)),
 )
 
 
@@ -260,11 +268,40 @@ def _row_down8(h_row, w_e, sn, sc, ssk, n0, k_lo, k_hi, K,
 
 
 @triton.jit
+def _f16_rows(a):
+    """Activation rows a [R, BK] as float16 scaled by a power of two each (a row's max to [0.5, 1): exact in
+    fp32, f16's rounding only), and the [R] powers of two that undo it."""
+    af = a.to(tl.float32)
+    eb = (tl.max(tl.abs(af), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF  # [R] biased exponent of the max
+    eb = tl.minimum(eb, 253)
+    up = ((253 - eb) << 23).to(tl.float32, bitcast=True)  # 2^(126 - eb)
+    down = ((eb + 1) << 23).to(tl.float32, bitcast=True)  # 2^(eb - 126)
+    return (af * up[:, None]).to(tl.float16), down
+
+
+@triton.jit
+def _dot8(a, b, s, F16: tl.constexpr, UPCAST: tl.constexpr):
+    """dequant chunk product a [R, BK] · (b [BK, N] e4m3 · s) in fp32: b widened to a's dtype (exact), or with
+    F16 both in float16, a's rows scaled into its range and back (`_f16_rows`)."""
+    if F16:
+        a16, back = _f16_rows(a)
+        if UPCAST:
+            y = tl.dot(a16.to(tl.float32), b.to(tl.float32)) * (s * back[:, None])
+        else:
+            y = tl.dot(a16, b.to(tl.float16)) * (s * back[:, None])
+    else:
+        if UPCAST:
+            a = a.to(tl.float32)
+        y = tl.dot(a, b.to(a.dtype)) * s
+    return y
+
+
+@triton.jit
 def _tile_gate_up8(x_ptr, s_xt, toks, rmask, w_e, sn, up, sc, ssk, sup, n0, K,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CB: tl.constexpr,
-                   STAGES: tl.constexpr, UE8M0: tl.constexpr, UPCAST: tl.constexpr):
-    """BM rows through tl.dot: (gate, up) [BM, BN] fp32; the tile [BK, BN] widened to x's dtype (exact),
-    each chunk's product times its one scale (BK divides CB)."""
+                   STAGES: tl.constexpr, UE8M0: tl.constexpr, UPCAST: tl.constexpr, F16: tl.constexpr):
+    """BM rows through tl.dot: (gate, up) [BM, BN] fp32; the tile [BK, BN] widened to x's dtype (exact) or
+    with F16 to float16, each chunk's product times its one scale (BK divides CB)."""
     offs_n = n0 + tl.arange(0, BN)
     arow = x_ptr + toks.to(tl.int64)[:, None] * s_xt  # [BM, 1]
     bcol = w_e + offs_n[None, :] * sn  # [1, BN]
@@ -278,17 +315,15 @@ def _tile_gate_up8(x_ptr, s_xt, toks, rmask, w_e, sn, up, sc, ssk, sup, n0, K,
         bu = tl.load(bp + up, eviction_policy="evict_first")
         sg = _scale(sc + (k0 // CB) * ssk, UE8M0)
         su = _scale(sc + sup + (k0 // CB) * ssk, UE8M0)
-        if UPCAST:
-            a = a.to(tl.float32)
-        accg += tl.dot(a, bg.to(a.dtype)) * sg
-        accu += tl.dot(a, bu.to(a.dtype)) * su
+        accg += _dot8(a, bg, sg, F16, UPCAST)
+        accu += _dot8(a, bu, su, F16, UPCAST)
     return accg, accu
 
 
 @triton.jit
 def _tile_down8(h_ptr, s_hp, pairs, rmask, w_e, sn, sc, ssk, n0, k_lo, k_hi,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CB: tl.constexpr,
-                STAGES: tl.constexpr, UE8M0: tl.constexpr, UPCAST: tl.constexpr):
+                STAGES: tl.constexpr, UE8M0: tl.constexpr, UPCAST: tl.constexpr, F16: tl.constexpr):
     """BM rows through tl.dot: y [BM, BN] = h[pairs, k_lo:k_hi] · dequant(W[n0:n0+BN, k_lo:k_hi])ᵀ, fp32."""
     offs_n = n0 + tl.arange(0, BN)
     arow = h_ptr + pairs.to(tl.int64)[:, None] * s_hp
@@ -300,9 +335,7 @@ def _tile_down8(h_ptr, s_hp, pairs, rmask, w_e, sn, sc, ssk, n0, k_lo, k_hi,
         a = tl.load(arow + offs_k[None, :], mask=rmask[:, None] & km[None, :], other=0.0)  # [BM, BK]
         b = tl.load(bcol + offs_k[:, None], mask=km[:, None], other=0.0, eviction_policy="evict_first")
         s = _scale(sc + (k0 // CB) * ssk, UE8M0)
-        if UPCAST:
-            a = a.to(tl.float32)
-        acc += tl.dot(a, b.to(a.dtype)) * s
+        acc += _dot8(a, b, s, F16, UPCAST)
     return acc
 
 
@@ -382,7 +415,7 @@ def stream_gemv_fp8_kernel(
     FUSED: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     RB: tl.constexpr, CB: tl.constexpr, UE8M0: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
-    STAGES: tl.constexpr, NB: tl.constexpr = 1,
+    STAGES: tl.constexpr, NB: tl.constexpr = 1, F16: tl.constexpr = False,
 ):
     n0 = tl.program_id(1) * BN
     offs_n = n0 + tl.arange(0, BN)
@@ -433,10 +466,10 @@ def stream_gemv_fp8_kernel(
             else:
                 if PROJ == 0:
                     g, u = _tile_gate_up8(x_ptr, s_xt, pairs // K_TOP, rmask, w_e, sn, up, sc, ssk, sup, n0, K,
-                                          ROWS, BN, BK, CB, STAGES, UE8M0, UPCAST)
+                                          ROWS, BN, BK, CB, STAGES, UE8M0, UPCAST, F16)
                 else:
                     acc = _tile_down8(h_ptr, s_hp, pairs, rmask, w_e, sn, sc, ssk, n0, k_lo, k_hi,
-                                      ROWS, BN, BK, CB, STAGES, UE8M0, UPCAST)
+                                      ROWS, BN, BK, CB, STAGES, UE8M0, UPCAST, F16)
             if PROJ == 0:
                 _store_h(h_ptr, s_hp, pairs, rmask, g, u, wt, b_e, sbn, bup, n0, N,
                          alpha, limit, BN, ACT, HAS_BIAS, W_IN)
@@ -460,6 +493,9 @@ def build(block: MoEBlock, schedule: Schedule):
     if why:
         raise UnsupportedSchedule(why)
     p = schedule.params
+    if p.f16_dot and block.weight_format.compute_dtype == "float32":
+        raise UnsupportedSchedule("Fp8GemvParams.f16_dot rounds float32 activations to float16; keep f16_dot=False "
+                                  "for a float32 block")
     E, k, D, F = block.E, block.k, block.D, block.F
     RB, CB = block.weight_format.block
     alpha, limit = act_args(block)
@@ -481,7 +517,7 @@ def build(block: MoEBlock, schedule: Schedule):
             counts, sorted_pairs = routing.route(ids, E)
         # BP only matters to the fused routing: one compiled kernel for every P otherwise
         meta = dict(a.meta, KP=next_pow2(k), BP=max(16, next_pow2(P)) if fused else 16, FUSED=fused, ROWS=p.rows,
-                    RB=RB, CB=CB, UE8M0=ue8)
+                    RB=RB, CB=CB, UE8M0=ue8, F16=p.f16_dot)
         slots = min(P, E)
         h = torch.empty(P, F, dtype=x.dtype, device=x.device)  # [P, F]
         launch(stream_gemv_fp8_kernel, (slots, F // p.block_n, 1),
