@@ -38,6 +38,7 @@ N_ROUT = 32
 ONE_ROW = {
     "fma_bn32_bk512_w8": dict(block_n=32, block_k=512, num_warps=8, fused_route=False),
     "fma_bn8_bk256_s5": dict(block_n=8, block_k=256, num_stages=5, fused_route=False),
+    "dot16_f16_token": dict(rows=16, block_n=64, block_k=128, f16_dot=True, fused_route=False),
 }
 MANY_ROWS = {
     "dot16_bn128_w8": dict(rows=16, block_n=128, block_k=128, num_warps=8, down_block_n=128, down_block_k=128,

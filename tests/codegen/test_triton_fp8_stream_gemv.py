@@ -50,6 +50,7 @@ SCHEDULES = {
     "dot_expert": sched(rows=16, block_n=32, block_k=32, down_block_n=16, down_block_k=16, down_mode="expert",
                         fused_route=False),
     "dot_fused_token": sched(rows=16, block_n=16, block_k=16, down_block_n=32, down_block_k=32),
+    "dot_f16_token": sched(rows=16, block_n=16, block_k=32, down_block_n=8, down_block_k=32, f16_dot=True),
     "dot_f16_expert": sched(rows=16, block_n=32, block_k=32, down_block_n=32, down_block_k=32, down_mode="expert",
                             split_k=2, fused_route=False, f16_dot=True),
     # the token down walking 4 D-blocks per program: at D = 160 (10 blocks of 16) and 96 the last program's
@@ -104,7 +105,9 @@ def check(block, x, ids, weights, w, schedule, what: str) -> torch.Tensor:
 
 
 PAIRS = [(c, s) for c in CASES for s in SCHEDULES
-         if (c[0] in CORE and s not in ("fma_token_nb4", "dot_f16_expert")) or s in ("fma_token", "dot_expert")
+         if (c[0] in CORE and s not in ("fma_token_nb4", "dot_f16_expert", "dot_f16_token"))
+         or s in ("fma_token", "dot_expert")
+         or (s == "dot_f16_token" and c[0] in ("one_row_per_expert", "ue8m0", "sentinel_ids"))
          or (s == "fma_token_nb4" and c[0] in ("odd_block_counts", "ue8m0", "k1"))
          or (s == "dot_f16_expert" and c[0] in ("uniform", "one_expert_every_row", "fp16_weight_on_input"))]
 
@@ -222,7 +225,8 @@ def test_partial_blocks_are_refused_with_the_reason():
     (dict(down_block_k=64), "down_block_k = 64 must divide"),
     (dict(rows=16, block_k=64, block_n=16, down_block_n=16, down_block_k=16), "block_k = 64 must divide"),
     (dict(rows=4), "1 \\(FMA\\) or 16 / 32"),
-    (dict(rows=16, block_n=8), "≥ 16"),
+    (dict(rows=16, block_n=8), "tl.dot tiles need ≥ 16, got block_n = 8"),
+    (dict(rows=16, block_n=16, block_k=16, down_mode="expert", down_block_n=8, down_block_k=16), "down_block_n = 8"),
     (dict(split_k=2), "only with"),
     (dict(down_mode="expert", down_nb=2), "down_mode='token'"),
     (dict(down_nb=3), "1, 2, 4 or 8"),

@@ -62,7 +62,7 @@ SOURCES = ("stream_gemv_fp8.py", "stream_gemv.py", "_common.py", "layout.py", "r
 class Fp8GemvParams:
     block_n: int = 16  # gate/up output rows (of F) per program; divides the block's rows
     block_k: int = 256  # reduction chunk along D: a multiple or a divisor of the block's columns
-    rows: int = 1  # 1: FMA, one row per tile read; 16 / 32: that many rows per tl.dot pass
+    rows: int = 1  # 1: FMA, one row per tile read; 16 / 32: that many rows per tl.dot pass (the token down: FMA)
     num_warps: int = 4
     num_stages: int = 4  # depth of the cp.async pipeline of every K loop
     down_block_n: int = 4  # down output rows (of D) per program (token mode: × next_pow2(k) streams)
@@ -93,11 +93,12 @@ class Fp8GemvParams:
                                       "down_mode='expert' (the token mode has no partials to combine)")
         if self.f16_dot and self.rows < 16:
             raise UnsupportedSchedule("Fp8GemvParams.f16_dot: only with the tl.dot pass (rows 16 or 32)")
-        if self.rows >= 16 and (self.block_n < 16 or self.block_k < 16 or self.down_block_n < 16
-                                or self.down_block_k < 16):
-            raise UnsupportedSchedule(
-                f"Fp8GemvParams rows={self.rows}: tl.dot needs block_n, block_k, down_block_n, down_block_k "
-                f"≥ 16, got {self.block_n}, {self.block_k}, {self.down_block_n}, {self.down_block_k}")
+        dots = [("block_n", self.block_n), ("block_k", self.block_k)]
+        if self.down_mode == "expert":  # (the token-mode down is FMA at any rows)
+            dots += [("down_block_n", self.down_block_n), ("down_block_k", self.down_block_k)]
+        small = [f"{n} = {v}" for n, v in dots if v < 16]
+        if self.rows >= 16 and small:
+            raise UnsupportedSchedule(f"Fp8GemvParams rows={self.rows}: tl.dot tiles need ≥ 16, got {', '.join(small)}")
         regs = 2 * self.block_n * self.block_k // (32 * self.num_warps)
         if self.rows == 1 and regs > 128:
             raise UnsupportedSchedule(
@@ -122,12 +123,13 @@ def check(p: Fp8GemvParams, block: MoEBlock, target: Target) -> None:
     if not _aligned(p.block_k, c) or (p.rows >= 16 and c % p.block_k):
         raise UnsupportedSchedule(f"{what}: block_k = {p.block_k} must divide the block columns {c} "
                                   f"(or, for rows = 1, be a multiple of them)")
-    if c % p.down_block_k and (p.down_mode == "token" or p.rows >= 16 or not _aligned(p.down_block_k, c)):
+    dot_down = p.rows >= 16 and p.down_mode == "expert"
+    if c % p.down_block_k and (p.down_mode == "token" or dot_down or not _aligned(p.down_block_k, c)):
         raise UnsupportedSchedule(f"{what}: down_block_k = {p.down_block_k} must divide the block columns {c} "
-                                  f"(a multiple of them only in the expert mode with rows = 1)")
+                                  f"(a multiple of them only for the expert mode's FMA rows)")
     streams = next_pow2(block.k) if p.down_mode == "token" else 1
     regs = streams * p.down_block_n * p.down_block_k // (32 * p.down_warps)
-    if (p.down_mode == "token" or p.rows == 1) and regs > 128:
+    if not dot_down and regs > 128:
         raise UnsupportedSchedule(
             f"Fp8GemvParams down_block_n={p.down_block_n} down_block_k={p.down_block_k} down_warps={p.down_warps}"
             f" ({p.down_mode} mode, k = {block.k}): {regs} fp32 accumulator registers per thread, limit 128; lower "
