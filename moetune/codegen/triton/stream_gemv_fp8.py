@@ -275,7 +275,7 @@ def _f16_rows(a):
     fp32, f16's rounding only), and the [R] powers of two that undo it."""
     af = a.to(tl.float32)
     eb = (tl.max(tl.abs(af), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF  # [R] biased exponent of the max
-    eb = tl.minimum(eb, 253)
+    eb = tl.minimum(eb, 252)  # (a max of 2^126 or more, inf and NaN: scaled by 2^-126)
     up = ((253 - eb) << 23).to(tl.float32, bitcast=True)  # 2^(126 - eb)
     down = ((eb + 1) << 23).to(tl.float32, bitcast=True)  # 2^(eb - 126)
     return (af * up[:, None]).to(tl.float16), down
@@ -288,9 +288,9 @@ def _dot8(a, b, s, F16: tl.constexpr, UPCAST: tl.constexpr):
     if F16:
         a16, back = _f16_rows(a)
         if UPCAST:
-            y = tl.dot(a16.to(tl.float32), b.to(tl.float32)) * (s * back[:, None])
+            y = tl.dot(a16.to(tl.float32), b.to(tl.float32)) * s * back[:, None]
         else:
-            y = tl.dot(a16, b.to(tl.float16)) * (s * back[:, None])
+            y = tl.dot(a16, b.to(tl.float16)) * s * back[:, None]
     else:
         if UPCAST:
             a = a.to(tl.float32)
