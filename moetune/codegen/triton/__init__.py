@@ -3,6 +3,7 @@
 Kernel files, one per schedule kind, each with its kernel, launcher, parameters, space, default and cost
 (the per-kind contract, moetune.codegen.contract):
     stream_gemv.py   weight-streaming GEMV (schedule kind stream_gemv)
+    stream_gemv_fp8.py  the same on FP8 block-quantised weights (stream_gemv, weight format fp8_block)
     grouped_gemm.py  grouped GEMM over expert-sorted rows (grouped_gemm)
     grouped_gemm_fp8.py  the grouped GEMM on FP8 block-quantised weights, w8a16 and w8a8 (grouped_gemm, fp8_block)
     hybrid.py        GEMM tiles for heavy experts + GEMV for light ones in one launch (hybrid)
@@ -23,16 +24,17 @@ import os
 
 from ..backend import register
 from ..contract import KernelBackend
-from . import grouped_gemm, grouped_gemm_fp8, hybrid, stream_gemv
+from . import grouped_gemm, grouped_gemm_fp8, hybrid, stream_gemv, stream_gemv_fp8
 from .grouped_gemm import GemmParams
 from .hybrid import HybridParams
 from .stream_gemv import GemvParams
+from .stream_gemv_fp8 import Fp8GemvParams
 
 
 class TritonBackend(KernelBackend):
     name = "triton"
     library = "triton"
-    KINDS = (stream_gemv.KIND, grouped_gemm.KIND, hybrid.KIND, grouped_gemm_fp8.KIND)
+    KINDS = (stream_gemv.KIND, grouped_gemm.KIND, hybrid.KIND, stream_gemv_fp8.KIND, grouped_gemm_fp8.KIND)
     TARGET = "h200"
 
     def available(self) -> str | None:
@@ -45,4 +47,4 @@ class TritonBackend(KernelBackend):
 
 BACKEND = register(TritonBackend())
 
-__all__ = ["BACKEND", "GemmParams", "GemvParams", "HybridParams", "TritonBackend"]
+__all__ = ["BACKEND", "Fp8GemvParams", "GemmParams", "GemvParams", "HybridParams", "TritonBackend"]
