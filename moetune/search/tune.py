@@ -136,14 +136,20 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
         trials=len(st.trials), evaluated=len(outcomes), failures=loop.failures,
         stopped="; ".join(x for x in (loop.stopped, *notes, *fr.notes, fr.kept) if x), space=space.describe(),
         finalists=fr.finals, elapsed_s=share.spent(), spread_s=fr.spread_s)
-    if fr.kept:  # the default serves the bucket: written as its entry only where no usable entry covers it
+    if fr.kept:  # the default serves the bucket: written as its entry where no usable entry covers it
         if table is not None and fr.winner is not None and fr.default_time_s is not None:
             versions = versions or Versions.current(backend.name, objective.device)
-            if not _covered(table, block, target, backend.name, bucket, versions, objective.device):
-                written = _write(table, result, block, target, versions, timer, fr, outcomes, space, default)
+            holes = _holes(table, block, target, backend.name, bucket, versions, objective.device)
+            if holes:
+                whole = holes == [(bucket.lo, bucket.hi)]
+                held = dataclasses.replace(result, parts=() if whole else tuple(
+                    (lo, hi, fr.winner, fr.time_s, inputs.tokens) for lo, hi in holes))
+                written = _write(table, held, block, target, versions, timer, fr, outcomes, space, default)
+                said = ("the default written as the bucket's entry (no usable entry covered it)" if whole else
+                        "the default written where no usable entry covered the bucket: "
+                        + ", ".join(f"[{lo},{hi}]" for lo, hi in holes))
                 result = dataclasses.replace(result, written=written, elapsed_s=share.spent(), stopped="; ".join(
-                    x for x in (result.stopped, "the default written as the bucket's entry (no usable entry "
-                                                "covered it)" if written else "") if x))
+                    x for x in (result.stopped, said if written else "") if x))
         return result
     split = options.split if options.split is not None else objective.device.startswith("cuda")
     if split and fr.winner is not None:
@@ -196,17 +202,26 @@ def _write(table: DispatchTable, result: BucketResult, block: MoEBlock, target: 
     return any(table.put_all(parts, replace=True, supersede=True))  # the parts go in together or not at all
 
 
-def _covered(table: DispatchTable, block: MoEBlock, target: str, backend: str, bucket: Bucket, versions: Versions,
-             device: str) -> bool:
-    """Whether a usable entry of the table (`DispatchTable.lookup` with `versions`) covers a token count of
-    `bucket`: then a bucket that keeps its default leaves the table as it is; else the default is written, so
-    the table covers the bucket (a compiled model finds an entry, a resumed run does not tune it again) and a
-    stale entry under it is split away."""
+def _holes(table: DispatchTable, block: MoEBlock, target: str, backend: str, bucket: Bucket, versions: Versions,
+           device: str) -> list[tuple[int, int]]:
+    """The token ranges of `bucket` no usable entry of the table covers (`DispatchTable.lookup` with
+    `versions`), in order. A bucket that keeps its default gets the default there, so the table covers every
+    bucket tuned (a compiled model finds an entry, a resumed run does not tune it again) and a stale entry
+    there is split away; the usable entries are left as they are."""
     try:
         usable = table.lookup(block, target, backend, versions=versions, device=device).usable
     except CacheError:
-        return False
-    return any(lo <= bucket.hi and bucket.lo <= hi for lo, hi, _ in usable)
+        usable = ()
+    out, nxt = [], bucket.lo
+    for lo, hi, _ in sorted(usable):
+        if hi < nxt or lo > bucket.hi:
+            continue
+        if lo > nxt:
+            out.append((nxt, lo - 1))
+        nxt = max(nxt, hi + 1)
+    if nxt <= bucket.hi:
+        out.append((nxt, bucket.hi))
+    return out
 
 
 def _floor_us(block: MoEBlock, target: str, tokens: int) -> float | None:

@@ -38,7 +38,8 @@ FP8_SIZES: dict[str, dict[str, Any]] = {
 QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
                 "activation_scheme": "dynamic"}
 _EXPERT_KEY = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
-_UNQUANTISED = ("embed_tokens", "lm_head", "norm", "mlp.gate.", "router")  # kept in the model dtype
+# kept in the model dtype: embeddings, norms, the head and the routers (`mlp.gate`, Mixtral's `block_sparse_moe.gate`)
+_UNQUANTISED = ("embed_tokens", "lm_head", "norm", "mlp.gate.", "block_sparse_moe.gate.", "router")
 
 
 def fp8_experts_class() -> type:

@@ -1,6 +1,7 @@
 """Winners judged against noise: the finalists and the default are re-timed together, interleaved, and a
 winner is written only when it beats the default by more than the spread of those timings; else the bucket
-keeps the default, nothing is written, and the result says why with the numbers."""
+keeps the default, says why with the numbers, and the default itself is written where no usable entry covers
+the bucket."""
 
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ def test_spread_and_the_verdict_against_the_default():
     assert against_default(103.0, 100.0, 1.0) == "kept the default: the best finalist 3.0 % slower, spread 1.0 %"
 
 
-def _tune(tmp_path, name: str, candidate_s: float):
+def _tune(tmp_path, name: str, candidate_s: float, before=None):
     """A bucket whose default times 100 µs with ±5 % noise, one other point `candidate_s` steady, every
-    other point 1 ms; every point timed (exhaustive), the three best re-timed in two rounds."""
+    other point 1 ms; every point timed (exhaustive), the three best re-timed in two rounds. `before(t, b)`
+    fills the table first."""
     be = tb.toy(name)
     b = tb.bucket(floor_s=1e-9)
     default = runtime_default(tb.BLOCK, be, "toy-target", b)
@@ -54,6 +56,8 @@ def _tune(tmp_path, name: str, candidate_s: float):
     inputs = bucket_inputs(tb.BLOCK, b, expert_tensors(tb.BLOCK), routings=2)
     opts = TuneOptions(budget_s=60, exhaustive=True, retime=3, retime_rounds=2, edge_timing=False)
     with DispatchTable(tmp_path / f"{name}.sqlite") as t:
+        if before is not None:
+            before(t, b)
         r = tune_bucket(tb.BLOCK, be, "toy-target", b, inputs, FakeTimer(cost), opts, table=t, versions=VERSIONS)
         rows = t.entries()
     return r, rows, default, other, calls
@@ -83,3 +87,21 @@ def test_a_winner_beyond_the_spread_is_written_with_the_spread(tmp_path):
     (e,) = rows
     assert e.schedule(tb.BLOCK) == other and e.time_us == pytest.approx(50.0)
     assert e.default_time_us == pytest.approx(100.0) and e.spread_us == pytest.approx(10.0)
+
+
+def test_a_kept_default_fills_only_what_no_usable_entry_covers(tmp_path):
+    """The table holds a current entry for T = 1…3 of the bucket [1, 8]: the default the bucket keeps is written
+    for 4…8 alone, the entry stays."""
+    from moetune.runtime.table import DispatchEntry
+
+    held = Schedule("grouped_gemm", backend="toy-noise-holes", params=tb.ToyParams(tile=16, stages=3))
+
+    def before(t, b):
+        t.put(DispatchEntry.of(target="toy-target", block=tb.BLOCK, bucket=(1, 3), schedule=held, time_us=90.0,
+                               versions=VERSIONS))
+
+    r, rows, default, _, _ = _tune(tmp_path, "toy-noise-holes", 98e-6, before)
+    assert r.winner == default and r.written
+    assert [(e.bucket_lo, e.bucket_hi) for e in rows] == [(1, 3), (4, 8)]
+    assert rows[0].schedule(tb.BLOCK) == held and rows[1].schedule(tb.BLOCK) == default
+    assert r.stopped.endswith("the default written where no usable entry covered the bucket: [4,8]")
