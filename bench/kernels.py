@@ -326,10 +326,15 @@ def floor_us(block: MoEBlock, T: int, distinct: float) -> float:
     return floor(block, TARGET, T, stats).time_s * 1e6
 
 
-def measure(rec: dict, fn, cases: list[Case], ref: torch.Tensor, timer: CudaGraphTimer, host_only: bool) -> None:
-    """Check `fn` against `ref` (eager, then its graph replays), time it, and fill `rec`."""
+def measure(rec: dict, fn, cases: list[Case], ref: torch.Tensor, timer: CudaGraphTimer, host_only: bool,
+            a8: bool = False) -> None:
+    """Check `fn` against `ref` (eager, then its graph replays; `a8`: with the bound of quantised activations),
+    time it, and fill `rec`."""
+    from functools import partial
+
     from moetune.codegen.torch.tolerance import worst_error
 
+    worst_error = partial(worst_error, a8=a8)
     c0 = cases[0]
     out = fn(c0.x, c0.ids, c0.weights, c0.w)
     torch.cuda.synchronize()
@@ -361,6 +366,7 @@ def measure(rec: dict, fn, cases: list[Case], ref: torch.Tensor, timer: CudaGrap
 
 
 def cell(shape: str, T: int, w, args, timer: CudaGraphTimer, name: str) -> list[dict]:
+    from moetune.codegen.torch.tolerance import quantizes_activations
     from moetune.codegen.triton import BACKEND
     from moetune.search.objective import make_cases, reference
 
@@ -393,7 +399,8 @@ def cell(shape: str, T: int, w, args, timer: CudaGraphTimer, name: str) -> list[
                 fn = hf_fp8_fn(impl, w, block)
             else:
                 fn = eager_fn(E) if impl == "eager" else hf_fn(impl, w, E)
-            measure(rec, fn, cases, ref, timer, host_only=impl == "eager")
+            measure(rec, fn, cases, ref, timer, host_only=impl == "eager",
+                    a8=sched is not None and quantizes_activations(sched.params))
         except Exception as exc:  # noqa: BLE001 - a failing candidate is recorded, never stops the sweep
             rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             torch.cuda.synchronize()
