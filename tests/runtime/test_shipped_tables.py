@@ -200,3 +200,26 @@ def test_h200_table_serves_its_own_versions_and_the_package_pins():
         assert [(lo, hi) for lo, hi, _ in got] == want, f"{block.name} with {installed.backend_version}: {notes}"
         assert len(notes) == 1 and "not used" not in notes[0], f"{block.name}: {notes}"
         assert f"{len(want)} {'entry' if len(want) == 1 else 'entries'} used, to be re-timed" in notes[0], notes
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3", "qwen3.5-397b-a17b", "mixtral-8x7b"])
+def test_a_compiled_bench_preset_finds_an_entry_for_every_token_count(name):
+    """The shipped H200 table covers T = 1 … 4096 (a compiled model's default T_max) for the bench's presets:
+    the dispatcher an H200 builds from it routes every bucket to a table entry and warns of nothing."""
+    import warnings
+
+    pytest.importorskip("triton")
+    from moetune.codegen.triton import BACKEND
+    from moetune.runtime.dispatch import Dispatcher
+
+    block = preset(name)
+    with DispatchTable(H200, create=False) as t:
+        rows = t.entries(target="h200", backend="triton", signature=block.signature_hash())
+    here = replace(rows[0].versions, kernel_hash=kernel_source_hash("triton"))
+    entries = load_entries(H200, block, "h200", "triton", versions=here)
+    spans = sorted((lo, hi) for lo, hi, _ in entries)
+    assert spans[0][0] == 1 and spans[-1][1] >= block.T_max == 4096
+    assert all(b[0] == a[1] + 1 for a, b in zip(spans, spans[1:], strict=False)), spans  # no gap
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Dispatcher.from_entries(block, BACKEND, entries, target="h200", where=H200.name)
