@@ -545,7 +545,8 @@ def table(records: list[dict], ceil: dict, name: str, weights: str = "bf16") -> 
             f"{named('grouped_mm')} | {named('batched_mm')} | {named('eager')} | "
             f"{named('moetune:stream_gemv')} | {named('moetune:grouped_gemm')} | {named('moetune:hybrid')} | "
             f"{max(r['rel_err'] for r in mine):.1e} | {b['extra_mem_bytes'] / 2**20:.2f} |"
-            + (f" {bf16.get((shape, T), '–')} | {f'{x_bf16:.2f}×' if x_bf16 else '–'} |" if fp8 else ""))
+            + (f" {f'{bf16[(shape, T)]:.1f}' if x_bf16 else '–'} | {f'{x_bf16:.2f}×' if x_bf16 else '–'} |"
+               if fp8 else ""))
     lines += [""] + summary_lines(summary, weights)
     if fp8:
         lines += headline(records)

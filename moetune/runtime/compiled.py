@@ -20,7 +20,7 @@ whole-model torch.export and torch.compile(fullgraph=True) see one opaque node p
 id is a graph constant and the registry must still hold it when an exported program runs (uncompile
 removes it). Untraced inference (eager, no_grad or inference_mode, plain tensors) runs the op's body
 without the op's dispatch, which is host time in every MoE layer of an eager decode step
-(`bench/host_overhead.py`).
+(`python -m bench host`).
 
 A model that asked for "moetune" itself (`from_pretrained(..., experts_implementation="moetune")`)
 and was never compiled is compiled on its first untraced experts call: the outermost transformers
@@ -175,7 +175,7 @@ def _untraced_inference(tensors: tuple[torch.Tensor | None, ...]) -> bool:
     functorch transform such as vmap, a tensor subclass such as FakeTensor) and no gradient can flow
     through it. Only then does the experts hook run the op's body itself: the custom op exists for
     tracers and for autograd's error, and its dispatch is host time on every call
-    (`bench/host_overhead.py --tokens 0`, rows op − body)."""
+    (`python -m bench host --tokens 0`, rows op − body)."""
     if not _untraced():
         return False
     grad = torch.is_grad_enabled()

@@ -74,6 +74,21 @@ def test_the_kernels_candidates_of_a_cell_are_in_the_tuners_space(shape, T):
         assert K.in_space(block, s) is None, (tag, K.in_space(block, s))
 
 
+@pytest.mark.parametrize("stem", ["nvidia-h200-kernels", "nvidia-h200-kernels-fp8"])
+def test_each_committed_markdown_is_rendered_from_its_json(tmp_path, stem):
+    """bf16 and FP8 runs alike: the committed .md is `--render` of the committed JSON (the FP8 one with its FP8
+    targets and the committed bf16 times beside it)."""
+    from bench import kernels as K
+
+    src = RESULTS.with_name(f"{stem}.json")
+    copy = tmp_path / src.name
+    copy.write_text(src.read_text())
+    assert K.render(str(copy)) == src.with_suffix(".md").read_text()
+    if stem.endswith("fp8"):
+        assert "65 % at T = 1, 85 % at T = 2–64, 70 % above" in src.with_suffix(".md").read_text()
+        assert "against moetune's bf16 kernels" in src.with_suffix(".md").read_text()
+
+
 def test_the_committed_markdown_is_rendered_from_the_committed_json(tmp_path):
     from bench import kernels as K
 
