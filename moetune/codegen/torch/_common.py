@@ -31,6 +31,7 @@ COMBINES: tuple[Combine, ...] = ("unsort_sum", "index_add")
 
 # Bound on the gathered-weights workspace of the GEMV variants (gathered, hybrid's light part):
 # chunk × one expert's weights must fit in it. Above it, the variant is refused with the reason.
+FORMATS = ("none", "fp8_block")  # what every torch kernel reads: unquantised weights, FP8 blocks dequantised per call
 GATHER_WORKSPACE_BYTES = 256 * 2**20
 CHUNKS = (4, 16, 64, 256)  # pairs per gathered bmm the GEMV variants offer
 

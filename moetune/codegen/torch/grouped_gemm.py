@@ -40,6 +40,7 @@ from ..common import ExpertsFn, ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
 from ._common import (
     COMBINES,
+    FORMATS,
     GATHER_WORKSPACE_BYTES,
     Combine,
     activate,
@@ -59,7 +60,6 @@ from ._common import (
     sort_pairs,
 )
 
-FORMATS = ("none", "fp8_block")  # unquantised weights, and FP8 blocks dequantised per call
 SOURCES = ("grouped_gemm.py", "_common.py", "reference.py")
 
 _grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm

@@ -27,6 +27,7 @@ from ...passes.targets import Target
 from ..common import ExpertsFn, ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
 from ._common import (
+    FORMATS,
     activation_bytes,
     check_chunk,
     chunks,
@@ -45,7 +46,6 @@ from ._common import (
 from .grouped_gemm import grouped_expert_rows, impls, sorted_expert_rows
 from .stream_gemv import gathered_expert_rows, pair_chunk
 
-FORMATS = ("none", "fp8_block")  # unquantised weights, and FP8 blocks dequantised per call
 SOURCES = ("hybrid.py", "grouped_gemm.py", "stream_gemv.py", "_common.py", "reference.py")
 
 

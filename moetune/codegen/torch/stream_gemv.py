@@ -25,6 +25,7 @@ from ...passes.targets import Target
 from ..common import ExpertsFn, ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
 from ._common import (
+    FORMATS,
     activate,
     activation_bytes,
     check_chunk,
@@ -42,7 +43,6 @@ from ._common import (
     pairs,
 )
 
-FORMATS = ("none", "fp8_block")  # unquantised weights, and FP8 blocks dequantised per call
 SOURCES = ("stream_gemv.py", "_common.py", "reference.py")
 
 
