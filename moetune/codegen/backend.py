@@ -1,7 +1,7 @@
 """The interface every backend offers, and the registry the runtime and the search read.
 
     class Backend(Protocol):
-        name: str                                   # "torch" | "triton"
+        name: str                                   # "torch" | "triton" | "pallas_tpu"
         def available(self) -> str | None            # None when usable here, else the reason
         def kinds(self, block) -> dict[kind, str | None]   # schedule kind → None or refusal reason
         def space(self, block, kind) -> ParamSpace   # the kernel's tunables for that kind
@@ -26,7 +26,8 @@ from ..ir import MoEBlock, Schedule, UnsupportedSchedule
 from .common import ExpertsFn, ParamSpace
 
 _REGISTRY: dict[str, Backend] = {}
-_MODULES = {"torch": "moetune.codegen.torch", "triton": "moetune.codegen.triton"}
+_MODULES = {"torch": "moetune.codegen.torch", "triton": "moetune.codegen.triton",
+            "pallas_tpu": "moetune.codegen.pallas"}
 
 
 class Backend(Protocol):

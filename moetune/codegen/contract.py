@@ -67,6 +67,7 @@ class KernelKind:
     sources: tuple[Path, ...]
     refusal: Callable[[MoEBlock], str | None] = _accepts
     formats: tuple[str, ...] = ("none",)
+    build_jax: Callable[[MoEBlock, Schedule], Callable] | None = None
 
     def __post_init__(self) -> None:
         if not self.sources:

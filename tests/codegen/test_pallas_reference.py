@@ -1,0 +1,47 @@
+"""The JAX float32 reference (moetune.codegen.pallas.reference) equals the torch one on every layout,
+activation and weight format, sentinel ids included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+jax = pytest.importorskip("jax")
+
+from moetune.codegen.pallas._common import jax_experts, to_jax  # noqa: E402
+from moetune.codegen.pallas.reference import experts_reference as jax_reference  # noqa: E402
+from moetune.codegen.torch import experts_reference  # noqa: E402
+from moetune.ir import Activation, MoEBlock, WeightFormat, WeightLayout  # noqa: E402
+from moetune.search.objective import expert_tensors  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+BLOCKS = {
+    "standard": MoEBlock(E=6, k=2, D=32, F=16, weight_dtype="float32"),
+    "transposed_bias": MoEBlock(E=5, k=3, D=16, F=24, weight_dtype="float32",
+                                layout=WeightLayout(transposed=True, has_bias=True)),
+    "interleaved_clamped": MoEBlock(E=4, k=2, D=16, F=8, weight_dtype="float32",
+                                    layout=WeightLayout(interleaved=True),
+                                    activation=Activation("clamped_swiglu", alpha=1.702, limit=7.0)),
+    "weight_on_input": MoEBlock(E=4, k=2, D=16, F=8, weight_dtype="float32", weight_application="input"),
+    "fp8_block": MoEBlock(E=4, k=2, D=256, F=128).with_weight_format(
+        WeightFormat.fp8_block((128, 128), "float32", "bfloat16")),
+}
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+def test_the_jax_reference_is_the_torch_reference(name):
+    block = BLOCKS[name]
+    w = expert_tensors(block, seed=3)
+    g = torch.Generator().manual_seed(1)
+    T = 7
+    x = torch.randn(T, block.D, generator=g)
+    if block.weight_format.quantized:
+        x = x.to(torch.bfloat16)
+    ids = torch.randint(0, block.E, (T, block.k), generator=g)
+    ids[0, 0] = -1  # a sentinel: contributes nothing
+    ids[1, 1] = block.E
+    wts = torch.softmax(torch.randn(T, block.k, generator=g), 1)
+    want = experts_reference(block, x, ids, wts, w)
+    got = jax_reference(block, to_jax(x), to_jax(ids.to(torch.int32)), to_jax(wts), jax_experts(w))
+    torch.testing.assert_close(torch.from_dlpack(got), want, rtol=1e-5, atol=1e-5)
