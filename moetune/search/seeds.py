@@ -33,8 +33,26 @@ def default_schedules(block: MoEBlock, backend: Backend, space: SearchSpace, tok
         if ks.row_thresholds and s.row_threshold is not None and s.row_threshold not in ks.row_thresholds:
             R = hybrid_threshold(rows_per_active(block, tokens), ks.row_thresholds)
             s = dataclasses.replace(s, row_threshold=R)
-        if space.contains(s) and s not in out:
-            out.append(s)
+        for v in [s, *quantized_variants(s, ks)]:
+            if space.contains(v) and v not in out:
+                out.append(v)
+    return out
+
+
+def quantized_variants(s: Schedule, ks) -> list[Schedule]:
+    """`s` with each other activation quantisation its kind's space offers (a default is weight-only; its w8a8
+    twin is where a study of FP8 weights starts on that side)."""
+    if s.params is None or not hasattr(s.params, "act_quant"):
+        return []
+    offered = dict(ks.params.choices).get("act_quant", ())
+    out = []
+    for q in offered:
+        if q == s.params.act_quant:
+            continue
+        try:
+            out.append(dataclasses.replace(s, params=ks.params.admit(dataclasses.replace(s.params, act_quant=q))))
+        except UnsupportedSchedule:
+            continue
     return out
 
 

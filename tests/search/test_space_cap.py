@@ -3,6 +3,8 @@ for TPE and for the exhaustive grid that checks it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import toy_backend as tb
 
@@ -84,3 +86,22 @@ def test_tpe_and_the_grid_search_the_same_sub_grid():
     best = min(accepted, key=tb.cost)
     assert key(grid.winner) == key(best)  # the sub-grid's best, not the full space's (64, 1) points
     assert tb.cost(best) > tb.cost(min((p for p in full.grid() if isinstance(p, Schedule)), key=tb.cost))
+
+
+def test_an_fp8_study_starts_from_each_default_and_its_w8a8_twin():
+    """The defaults are weight-only; the study of an FP8 block also starts from each default with quantised
+    activations where the kind's space offers them, so the w8a8 side is timed in every bucket."""
+    be = get("triton")
+    block = preset("qwen3.5-397b-a17b-fp8")
+    seen = 0
+    for bucket in schedule_block(block, "h200", tokens=(1, 1024)).buckets:
+        full = build_space(block, be, bucket)
+        starts = default_schedules(block, be, full, representative_tokens(bucket.lo, bucket.hi))
+        gemm = [s for s in starts if s.kind == "grouped_gemm"]
+        if not any(ks.kind == "grouped_gemm" for ks in full.kinds):
+            continue
+        seen += 1
+        assert [s.params.act_quant for s in gemm] == ["none", "fp8_1x128"], bucket
+        assert gemm[1].params == dataclasses.replace(gemm[0].params, act_quant="fp8_1x128")
+        assert all(full.contains(s) for s in starts)
+    assert seen >= 4
