@@ -89,17 +89,19 @@ def to_fp8(model: torch.nn.Module, block: tuple[int, int] = (128, 128), scale_dt
 
 
 def write_checkpoint(folder: str | Path, family: str = "qwen3_moe", *, seed: int = 0,
-                     quantize_linears: bool = True) -> Path:
+                     quantize_linears: bool = True, model: torch.nn.Module | None = None) -> Path:
     """A tiny pre-quantised FP8 checkpoint of `family` (FP8_SIZES) in `folder`: config.json with the
     published quantization_config and model.safetensors in the published per-expert layout.
 
     `quantize_linears=False` keeps the attention and dense layers in bf16 and lists them in
     `modules_to_not_convert` (as published configs list what they leave unquantised), so that only the
-    experts are FP8. Returns the folder."""
+    experts are FP8. `model`: a bf16 model of one of the families to write instead of the tiny one (a
+    preset's real shapes with few layers). Returns the folder."""
     from safetensors.torch import load_file, save_file
 
     folder = Path(folder)
-    model = build(family, dtype=torch.bfloat16, seed=seed, **FP8_SIZES[family])
+    if model is None:
+        model = build(family, dtype=torch.bfloat16, seed=seed, **FP8_SIZES[family])
     model.save_pretrained(folder)
     files = sorted(folder.glob("*.safetensors"))
     block = tuple(QUANTIZATION["weight_block_size"])

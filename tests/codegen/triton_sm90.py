@@ -206,10 +206,29 @@ def table_digests(path: str) -> dict[str, str]:
                 continue
             s = e.schedule(block)
             for T in sorted({e.bucket_lo, e.bucket_hi}):
-                for proj, kern, cx, opts in schedule_kernels(block, T, s):
-                    k = compile_sm90(kern, cx, fp32_out=cx.get("PROJ") == 1, **opts)
+                for proj, k in compiled_schedule(block, T, s):
                     out[f"{block.name or e.signature} [{e.bucket_lo},{e.bucket_hi}] T={T} {proj}"] = ptx_digest(k)
     return out
+
+
+def compiled_schedule(block, tokens: int, schedule) -> list[tuple[str, object]]:
+    """(projection, sm_90 kernel) of every kernel a Triton schedule launches on `block` at `tokens`: the 16-bit
+    kernels here, the FP8 block-quantised ones by fp8_sm90.py (grouped GEMM) and fp8_gemv_sm90.py (GEMV)."""
+    if not block.weight_format.quantized:
+        return [(proj, compile_sm90(kern, cx, fp32_out=cx.get("PROJ") == 1, **opts))
+                for proj, kern, cx, opts in schedule_kernels(block, tokens, schedule)]
+    here = os.path.dirname(os.path.abspath(__file__))  # the FP8 compile helpers import this file by name
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import fp8_gemv_sm90
+    import fp8_sm90
+
+    if schedule.kind == "stream_gemv":
+        ue8m0 = block.weight_format.scale_dtype == "ue8m0"
+        return [(proj, fp8_gemv_sm90.compile_fp8_sm90(cx, ue8m0=ue8m0, fp32_out=cx["PROJ"] == 1, **opts))
+                for proj, cx, opts in fp8_gemv_sm90.configs(block, tokens, schedule.params)]
+    return [(proj, fp8_sm90.compile_fp8(kern, cx, types, **opts))
+            for proj, kern, cx, types, opts in fp8_sm90.schedule_kernels(block, schedule.params)]
 
 
 def main() -> None:
