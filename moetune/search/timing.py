@@ -157,7 +157,10 @@ class CudaGraphTimer:
             for c in cases:
                 g = torch.cuda.CUDAGraph()
                 try:
-                    with torch.cuda.graph(g, pool=pool, stream=stream):
+                    # thread_local: the search's build pool may compile and first-launch the next candidates
+                    # in other threads meanwhile; in the default (global) mode their allocations and module
+                    # loads fail, and may invalidate this capture
+                    with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
                         fn(c.x, c.ids, c.weights, c.w)
                 except RuntimeError as e:
                     torch.cuda.synchronize(device)

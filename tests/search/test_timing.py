@@ -141,3 +141,34 @@ def test_cpu_timer_reports_the_spread_of_its_reps():
 
     t = CpuTimer(warmup=1, reps=8, max_time_s=5.0)(fn, cases(2))
     assert t.spread_s > 0.01  # the interquartile range of 1 ms and 20 ms reps
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph timing needs a CUDA device")
+def test_a_capture_lets_another_thread_allocate_and_launch():  # pragma: no cover - GPU only
+    """The search's build pool first-launches candidates in other threads while a graph is being captured:
+    their allocations and launches must neither fail nor spoil the capture."""
+    import threading
+
+    block = tb.BLOCK.replace(weight_dtype="bfloat16", routing_weight_dtype="bfloat16")
+    w = expert_tensors(block, "cuda")
+    cs = make_cases(block, w, 4, 8, torch.Generator().manual_seed(0))
+    from moetune.search.baseline import baseline_fn
+
+    fn, _ = baseline_fn(block, "batched_mm")
+    stop, errors = threading.Event(), []
+
+    def other():
+        try:
+            while not stop.is_set():
+                torch.empty(int(torch.randint(1, 1 << 20, ())), device="cuda").fill_(1.0)  # as a first launch does
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        timing = CudaGraphTimer(reps=20, warmup=2)(fn, cs)
+    finally:
+        stop.set()
+        t.join()
+    assert not errors and 0 < timing.median_s < 0.1
