@@ -40,8 +40,8 @@ def default_schedules(block: MoEBlock, backend: Backend, space: SearchSpace, tok
 
 
 def quantized_variants(s: Schedule, ks) -> list[Schedule]:
-    """`s` with each other activation quantisation its kind's space offers (a default is weight-only; its w8a8
-    twin is where a study of FP8 weights starts on that side)."""
+    """`s` with each other activation quantisation its kind's space offers (the w8a8 default's weight-only twin,
+    a weight-only default's w8a8 one): where a study of FP8 weights starts on that side."""
     if s.params is None or not hasattr(s.params, "act_quant"):
         return []
     offered = dict(ks.params.choices).get("act_quant", ())

@@ -250,19 +250,25 @@ def test_params_refused_where_they_do_not_fit_the_blocks():
         Fp8GemmParams(act_quant="int8")
 
 
-def test_default_is_weight_only_and_admitted_at_every_token_count():
-    """The default (bf16 activations) is inside the space of every FP8 preset shape at every token count, and
-    the backend picks this kernel file for fp8_block weights; w8a8 says it is checked to the a8 tolerance."""
-    for E, k, D, F in ((128, 8, 2048, 768), (512, 10, 4096, 1024), (256, 8, 7168, 2048), (8, 2, 4096, 14336)):
-        block = fp8_block(E, k, D, F, block=(128, 128))
+def test_default_is_w8a8_and_admitted_at_every_token_count():
+    """The default (activations quantised per 1 × the block's columns) is inside the space of every FP8 preset
+    shape and of a 64-column block at every token count, its tiles widen with the rows per expert, and the backend
+    picks this kernel file for fp8_block weights; w8a8 says it is checked to the a8 tolerance."""
+    shapes = ((128, 8, 2048, 768, 128), (512, 10, 4096, 1024, 128), (256, 8, 7168, 2048, 128),
+              (8, 2, 4096, 14336, 128), (16, 4, 512, 256, 64))
+    for E, k, D, F, c in shapes:
+        block = fp8_block(E, k, D, F, block=(c, c))
         space = BACKEND.space(block, "grouped_gemm")
         assert space.params_type is Fp8GemmParams
+        tiles = []
         for T in (1, 4, 16, 64, 128, 256, 512, 1024, 4096):
             p = BACKEND.default(block, "grouped_gemm", T).params
-            assert p.act_quant == "none"
+            assert p.act_quant == f"fp8_1x{c}" and p.block_k <= c
             space.admit(p)
             flops, nbytes = BACKEND.cost(block, Schedule("grouped_gemm", backend="triton", params=p), T)
             assert flops > 0 and nbytes > 0
+            tiles.append(p.block_m)
+        assert tiles == sorted(tiles) and tiles[0] == 16, tiles
     assert "w8a8" in accuracy(Fp8GemmParams(block_n=128, act_quant="fp8_1x128"))
 
 

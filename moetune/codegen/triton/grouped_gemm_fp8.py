@@ -227,21 +227,24 @@ def space(block: MoEBlock, target: Target) -> ParamSpace:
 
 
 def default_params(block: MoEBlock, T: int, target: Target) -> Fp8GemmParams:
-    """Weight-only (bf16 activations): tiles of rows per active expert, as grouped_gemm's default: 16-row
-    tiles while experts get a few rows, 64-row tiles beyond, then 128-row tiles; 128 weight columns per tile
-    (the one-byte weights: a K step moves the bytes of grouped_gemm's 64-column bf16 tile), K steps of one scale
-    block column where the registers allow it, 8 warps on the wide tiles (no register spills on sm_90)."""
+    """w8a8 (activations quantised per 1 × C group, C the weight block's columns): wherever the tuner timed
+    both on the H200 it beat the weight-only tiles (bench/README.md, "FP8 experts"), and transformers' own FP8
+    experts quantise activations the same way. Tiles of rows per active expert, each a tuned winner's: 16-row
+    tiles while experts get a few rows, then 32-row and 64-row tiles through TMA (8 warps on the 64-row ones);
+    128 weight columns per tile and K steps of one scale block column; none spills registers on sm_90.
+    Weight-only (act_quant "none") and 128-row tiles stay in the space for the tuner."""
     rows = rows_per_active(block, T)
     c = block.weight_format.block[1] if block.weight_format.block else 128
-    bk, bk_wide = min(128, c), min(64, c)
-    if rows < 12:
-        return Fp8GemmParams(block_m=16, block_n=128, block_k=bk, num_stages=4, down_block_n=128,
-                             down_block_k=bk, down_stages=4)
+    bk = min(128, c)
+    aq = f"fp8_1x{c}"
+    if rows < 20:
+        return Fp8GemmParams(block_m=16, block_n=128, block_k=bk, group_m=1, num_stages=4, down_block_n=128,
+                             down_block_k=bk, down_stages=4, y_half=True, act_quant=aq)
     if rows < 48:
-        return Fp8GemmParams(block_m=64, block_n=128, block_k=bk_wide, num_warps=8, num_stages=4,
-                             down_block_n=128, down_block_k=bk, down_warps=8, down_stages=4)
-    return Fp8GemmParams(block_m=128, block_n=128, block_k=bk_wide, num_warps=8, num_stages=4,
-                         down_block_n=128, down_block_k=bk_wide, down_warps=8, down_stages=4)
+        return Fp8GemmParams(block_m=32, block_n=128, block_k=bk, group_m=1, num_stages=4, down_block_n=128,
+                             down_block_k=bk, down_stages=4, y_half=True, act_quant=aq, tma=True)
+    return Fp8GemmParams(block_m=64, block_n=128, block_k=bk, group_m=1, num_warps=8, num_stages=4,
+                         down_block_n=128, down_block_k=bk, down_stages=3, y_half=True, act_quant=aq, tma=True)
 
 
 # --------------------------------------------------------------------------------------------- kernels
