@@ -170,9 +170,9 @@ def _probe(g: Graph, nodes: list[Node], inputs: tuple[int, ...], out: int):
     from .graph import run_node
 
     rng = np.random.default_rng(0)
-    env = {i: jnp.asarray(rng.standard_normal(g.shape(i), dtype=np.float32) * 3).astype(g.avals[i].dtype)
-           for i in inputs}
-    with jax.ensure_compile_time_eval():
+    with jax.ensure_compile_time_eval():  # concrete values, also while an outer jit traces
+        env = {i: jnp.asarray(rng.standard_normal(g.shape(i), dtype=np.float32) * 3).astype(g.avals[i].dtype)
+               for i in inputs}
         for n in nodes:
             env.update(zip(n.outs, run_node(n, [i.value if isinstance(i, Lit) else env[i] for i in n.ins]),
                            strict=True))

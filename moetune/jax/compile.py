@@ -21,7 +21,6 @@ from .capture import Finding, Match, find
 from .experts import experts
 from .graph import Graph, Replacement, evaluate, flatten
 
-
 NOTHING = ("no ragged_dot and no einsum of gathered expert weights: no expert FFN to replace (dense layers "
            "are left as they are)")
 
@@ -34,6 +33,12 @@ class Traced:
     findings: tuple[Finding, ...]
     out_tree: object
     replaced: dict[int, Replacement]
+
+    def __post_init__(self) -> None:
+        import jax
+
+        # one program per trace: called eagerly it compiles once; inside an outer jit it is inlined
+        object.__setattr__(self, "run", jax.jit(lambda *leaves: evaluate(self.graph, leaves, self.replaced)))
 
 
 def _call(match: Match, options: dict):
@@ -87,7 +92,7 @@ def compile(fn, *, table=None, backend: str | None = None, target: str | None = 
             if not t.replaced:
                 warnings.warn(f"moetune.jax.compile: no expert FFN found in {getattr(fn, '__name__', fn)}; it runs "
                               f"unchanged (moetune.jax.explain(fn, *args) gives the reasons)", stacklevel=2)
-        return jax.tree.unflatten(t.out_tree, evaluate(t.graph, leaves, t.replaced))
+        return jax.tree.unflatten(t.out_tree, t.run(*leaves))
 
     return compiled
 
