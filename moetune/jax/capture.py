@@ -29,6 +29,7 @@ from ..ir import DTYPES, MoEBlock, WeightLayout
 from .graph import Graph, Lit, Node
 
 PROBE_LIMIT = 1 << 24  # elements of the gate/up rows the activation check runs on
+COMBINE_WINDOW = 256  # equations after the down matmul searched for the FFN's output
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,7 @@ def _routing(g: Graph, core: tuple[Matmul, ...]) -> tuple[int, int, int, int] | 
     """(x, ids, T, k) of the FFN whose matmuls are `core` (gate/up first, down last): the ids are the nearest
     integer [T, k] value every matmul's grouping (and, for ragged_dot, the sorted rows) is computed from."""
     down, gate = core[-1], core[0]
-    common = set.intersection(*(g.ancestors(m.key) for m in core))
+    common = frozenset.intersection(*(g.ancestors(m.key) for m in core))
     if down.form == "ragged_dot":
         if any(m.key != down.key for m in core):
             return f"{gate.where} and it group their rows by different group sizes"
@@ -282,7 +283,7 @@ def _output(g: Graph, down: Matmul, core: tuple[Matmul, ...], x: int, ids: int, 
     inside = set().union(*(g.ancestors(m.lhs) | g.ancestors(m.key) for m in core))
     after = g.descendants(down.out)
     first_reason = None
-    for n in g.nodes[down.node.index + 1:]:
+    for n in g.nodes[down.node.index + 1:down.node.index + 1 + COMBINE_WINDOW]:
         for v in n.outs:
             if v not in after or g.shape(v) != (T, D) or g.dtype(v) != g.dtype(x):
                 continue
@@ -308,7 +309,8 @@ def _output(g: Graph, down: Matmul, core: tuple[Matmul, ...], x: int, ids: int, 
                                                f"{others[0].index}"
                 continue
             return v, wts, nodes
-    return first_reason or "no [T, D] value of the hidden states' dtype is computed from its result"
+    return first_reason or (f"no [T, D] value of the hidden states' dtype is computed from its result in the "
+                            f"{COMBINE_WINDOW} equations after it")
 
 
 # ------------------------------------------------------------------------------------------- match

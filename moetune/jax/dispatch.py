@@ -133,6 +133,8 @@ def routes(block: MoEBlock, *, table=None, backend: str | None = None, target: s
             built = (Route(1, block.T_max, None, REFERENCE, reference_fn(block)),)
         else:
             built = _kernel_routes(block, be, table, target or be.target.name)
+        if len(_ROUTES) >= 256:
+            _ROUTES.clear()
         hit = _ROUTES[key] = Routes(block, name, built)
     return hit
 

@@ -46,6 +46,8 @@ class Graph:
     avals: dict[int, object] = field(default_factory=dict)
     producer: dict[int, Node] = field(default_factory=dict)
     users: dict[int, list[Node]] = field(default_factory=dict)
+    _ancestors: dict[int, frozenset[int]] = field(default_factory=dict, repr=False)  # filled once flattened
+    _descendants: dict[int, frozenset[int]] = field(default_factory=dict, repr=False)
 
     def value(self, aval) -> int:
         i = len(self.avals)
@@ -58,8 +60,14 @@ class Graph:
     def dtype(self, v) -> str:
         return str(self.avals[v].dtype)
 
-    def ancestors(self, v: int) -> set[int]:
+    def ancestors(self, v: int) -> frozenset[int]:
         """Every value `v` is computed from, `v` included."""
+        hit = self._ancestors.get(v)
+        if hit is None:
+            hit = self._ancestors[v] = frozenset(self._walk_back(v))
+        return hit
+
+    def _walk_back(self, v: int) -> set[int]:
         seen, stack = set(), [v]
         while stack:
             u = stack.pop()
@@ -71,8 +79,14 @@ class Graph:
                 stack.extend(i for i in n.ins if isinstance(i, int))
         return seen
 
-    def descendants(self, v: int) -> set[int]:
+    def descendants(self, v: int) -> frozenset[int]:
         """Every value computed from `v`, `v` included."""
+        hit = self._descendants.get(v)
+        if hit is None:
+            hit = self._descendants[v] = frozenset(self._walk_forward(v))
+        return hit
+
+    def _walk_forward(self, v: int) -> set[int]:
         seen, stack = set(), [v]
         while stack:
             u = stack.pop()
