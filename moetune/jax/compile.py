@@ -37,8 +37,10 @@ class Traced:
     def __post_init__(self) -> None:
         import jax
 
-        # one program per trace: called eagerly it compiles once; inside an outer jit it is inlined
-        object.__setattr__(self, "run", jax.jit(lambda *leaves: evaluate(self.graph, leaves, self.replaced)))
+        # One program per trace: called eagerly it compiles once, inside an outer jit it is inlined. The
+        # trace's constants (weights a closure captured) are its arguments, not constants of the program.
+        run = jax.jit(lambda consts, leaves: evaluate(self.graph, leaves, self.replaced, consts))
+        object.__setattr__(self, "run", lambda leaves: run(list(self.graph.consts.values()), list(leaves)))
 
 
 def _call(match: Match, options: dict):
@@ -92,7 +94,7 @@ def compile(fn, *, table=None, backend: str | None = None, target: str | None = 
             if not t.replaced:
                 warnings.warn(f"moetune.jax.compile: no expert FFN found in {getattr(fn, '__name__', fn)}; it runs "
                               f"unchanged (moetune.jax.explain(fn, *args) gives the reasons)", stacklevel=2)
-        return jax.tree.unflatten(t.out_tree, t.run(*leaves))
+        return jax.tree.unflatten(t.out_tree, t.run(leaves))
 
     return compiled
 

@@ -126,6 +126,13 @@ def routes(block: MoEBlock, *, table=None, backend: str | None = None, target: s
     key = (block, name, id(be), tkey, target)
     hit = _ROUTES.get(key)
     if hit is None:
+        if be != REFERENCE and all(be.kinds(block).values()):
+            why = "; ".join(f"{k}: {v}" for k, v in be.kinds(block).items()) or "it has no kernels"
+            why = f"backend {be.name} runs none of its kernels on {_name(block)} ({why})"
+            if backend is not None:
+                raise UnsupportedSchedule(f"moetune.jax: {why}")
+            warnings.warn(f"{why}; it runs {REFERENCE}", DispatchWarning, stacklevel=3)
+            be, name = REFERENCE, REFERENCE
         if be == REFERENCE:
             if table is not None:
                 warnings.warn(f"{_name(block)}: backend {REFERENCE!r} runs no schedule; dispatch table "
@@ -193,7 +200,12 @@ def _kernel_routes(block: MoEBlock, be, table, target: str) -> tuple[Route, ...]
     end = max(block.T_max, entries[-1][1] if entries else 0)
     gaps = _gaps([(r.lo, r.hi) for r in built], end)
     wide = block if end == block.T_max else block.replace(T_max=end)
-    defaults = default_buckets(wide, be, target) if gaps else []
+    try:
+        defaults = default_buckets(wide, be, target) if gaps else []
+    except MoetuneError as e:  # the pass pipeline found no default for some bucket: the gaps run the reference
+        fallbacks.append(f"{', '.join(f'[{lo},{hi}]' for lo, hi in gaps)} ({e}; runs {REFERENCE})")
+        defaults = []
+        built += [Route(lo, hi, None, f"default, {REFERENCE} fallback", reference_fn(block)) for lo, hi in gaps]
     for lo, hi in gaps:
         for blo, bhi in defaults:
             a, b = max(lo, blo), min(hi, bhi)

@@ -190,10 +190,11 @@ def run_node(n: Node, vals: list):
     return list(out) if n.prim.multiple_results else [out]
 
 
-def evaluate(g: Graph, args, replaced: dict[int, Replacement] | None = None) -> list:
-    """The graph's outputs for the flat arguments `args` (module doc)."""
+def evaluate(g: Graph, args, replaced: dict[int, Replacement] | None = None, consts=None) -> list:
+    """The graph's outputs for the flat arguments `args` (module doc); `consts`: the values of the graph's
+    constants in `g.consts` order, where they are passed in (as a jitted caller's arguments)."""
     replaced = replaced or {}
-    env = dict(g.consts)
+    env = dict(g.consts) if consts is None else dict(zip(g.consts, consts, strict=True))
     env.update(zip(g.ins, args, strict=True))
     at: dict[int, list[int]] = {}  # node index → the replaced values it produced
     for v in replaced:

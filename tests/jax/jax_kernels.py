@@ -48,8 +48,12 @@ def _build_jax(block, schedule):
     return run
 
 
+def _refusal(block) -> str | None:
+    return None if block.D % 8 == 0 else f"D = {block.D} is not a multiple of the tile rows 8"
+
+
 def _kind(kind: str) -> KernelKind:
-    return KernelKind(kind, TileParams, space=lambda block, target: SPACE,
+    return KernelKind(kind, TileParams, space=lambda block, target: SPACE, refusal=_refusal,
                       default_params=lambda block, T, target: TileParams(),
                       build=lambda block, s: bridged(block, _build_jax(block, s)),
                       cost=lambda block, s, T: (2.0 * T * block.k * 3 * block.D * block.F,

@@ -58,6 +58,20 @@ def test_a_flax_moe_layer_is_replaced_and_gives_the_same_result(layers, style, f
     assert ("apart" in str(found)) == (not fused)
 
 
+def test_the_compiled_layer_runs_the_backend_it_is_given(layers):
+    """compile(fn, backend=…) hands the backend to moetune.jax.experts: the lowered program names its schedule."""
+    import jax_kernels as jk
+
+    jk.registered()
+    model = layers["ragged", True]
+    moe = mj.compile(_call, backend=jk.NAME)
+    x = _x(3)
+    np.testing.assert_allclose(moe(model, x), ORIGINAL(model, x), rtol=1e-5, atol=1e-5)
+    text = jax.jit(moe).lower(model, x).as_text(debug_info=True)
+    kind = mj.route(mj.explain(_call, model, x, print_=False)[0].match.block, 3, backend=jk.NAME).schedule.kind
+    assert f"{mj.SCOPE}/{jk.NAME}.{kind}/" in text
+
+
 def test_standard_layout_weights_in_plain_jax():
     """Weights [E, out, in] (transformers' layout) contracted by ragged_dot_general over their last axis."""
     rng = np.random.default_rng(1)

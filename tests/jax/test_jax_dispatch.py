@@ -19,7 +19,7 @@ import moetune.jax as mj  # noqa: E402
 from moetune.codegen.pallas._common import to_jax  # noqa: E402
 from moetune.codegen.torch import experts_reference  # noqa: E402
 from moetune.codegen.torch.tolerance import worst_error  # noqa: E402
-from moetune.ir import CacheError, MoEBlock, Schedule  # noqa: E402
+from moetune.ir import CacheError, MoEBlock, Schedule, UnsupportedSchedule  # noqa: E402
 from moetune.runtime.dispatch import DispatchWarning  # noqa: E402
 from moetune.runtime.table import DispatchEntry, DispatchTable  # noqa: E402
 from moetune.runtime.versions import Versions  # noqa: E402
@@ -133,3 +133,10 @@ def test_a_corrupt_table_is_reported_with_its_path(tmp_path):
     bad.write_bytes(b"not a database" * 100)
     with pytest.raises(CacheError, match="bad.sqlite"):
         mj.route(BLOCK, 2, table=str(bad), backend=jk.NAME)
+
+
+def test_a_block_the_backend_runs_no_kernel_of_is_refused_with_the_reason():
+    odd = BLOCK.replace(D=12, name="odd")
+    with pytest.raises(UnsupportedSchedule, match=r"jax_test runs none of its kernels on odd.*D = 12 is not a "
+                                                  r"multiple of the tile rows 8"):
+        mj.route(odd, 2, backend=jk.NAME)
