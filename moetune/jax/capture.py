@@ -17,7 +17,9 @@ standard layout). A match is checked in three steps, and each refusal says which
   3. the output is the first [T, D] value after the down matmul that is computed from x, the ids, the
      routing weights [T, k] and the expert weights alone (every equation between them is replaced).
 Routing weights applied before the experts, activations other than SwiGLU, and computations that read
-anything else between the inputs and the output are left as they are, with the reason.
+anything else between the inputs and the output are left as they are, with the reason. Steps 2 and 3 are
+structural: the sort, unsort and weighted sum are not run; what lies between those inputs and that output is
+taken to be the routed experts' sum, which is what the two forms above compute.
 """
 
 from __future__ import annotations
@@ -364,7 +366,7 @@ def _ffn(g: Graph, down: Matmul, found: list[Matmul], name: str) -> Match | str:
     if isinstance(out, str):
         return out
     v, wts, nodes = out
-    block = _block(g, down, gu, interleaved, x, k, wts, h, name)
+    block = _block(g, down, gu, interleaved, x, k, wts, h, f"{name}: {down.where}" if name else down.where)
     if isinstance(block, str):
         return block
     return Match(down.where, block, x, ids, wts, tuple(m.weight for m in gu), down.weight, v,

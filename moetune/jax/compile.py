@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .capture import Finding, Match, find
@@ -33,14 +34,7 @@ class Traced:
     findings: tuple[Finding, ...]
     out_tree: object
     replaced: dict[int, Replacement]
-
-    def __post_init__(self) -> None:
-        import jax
-
-        # One program per trace: called eagerly it compiles once, inside an outer jit it is inlined. The
-        # trace's constants (weights a closure captured) are its arguments, not constants of the program.
-        run = jax.jit(lambda consts, leaves: evaluate(self.graph, leaves, self.replaced, consts))
-        object.__setattr__(self, "run", lambda leaves: run(list(self.graph.consts.values()), list(leaves)))
+    run: Callable  # run(flat arguments) -> flat outputs
 
 
 def _call(match: Match, options: dict):
@@ -67,7 +61,11 @@ def trace(fn, args: tuple, kwargs: dict, options: dict | None = None) -> Traced:
     findings = tuple(find(g, name=getattr(fn, "__name__", "")))
     replaced = {f.match.out: Replacement(_call(f.match, options or {}), f.match.inputs)
                 for f in findings if f.match is not None}
-    return Traced(g, findings, jax.tree.structure(shape), replaced)
+    # One program per trace: called eagerly it compiles once, inside an outer jit it is inlined. The trace's
+    # constants (weights a closure captured) are its arguments, not constants of the program.
+    program = jax.jit(lambda consts, leaves: evaluate(g, leaves, replaced, consts))
+    consts = list(g.consts.values())
+    return Traced(g, findings, jax.tree.structure(shape), replaced, lambda leaves: program(consts, list(leaves)))
 
 
 def _key(leaves) -> tuple:

@@ -15,7 +15,9 @@ token ranges they leave uncovered, the default buckets with their default schedu
 the pass pipeline's). A table entry serves only the backend it names: entries of backends the JAX path does
 not run (torch, triton) are never read. One DispatchWarning names the buckets that run a default, and why;
 with no table every bucket runs its default and nothing is said. A default the backend cannot build runs the
-reference, said in that warning. T above the last bucket takes the last bucket's route.
+reference, said in that warning. A backend that runs none of its kernels on the block is refused when it
+was asked for by name; chosen by default, it gives way to the reference, said once. T above the last bucket
+takes the last bucket's route.
 """
 
 from __future__ import annotations
