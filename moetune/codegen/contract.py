@@ -150,6 +150,15 @@ class KernelBackend:
         k.space(block, self.target).admit(schedule.params)
         return k.build(block, schedule)
 
+    def build_jax(self, block: MoEBlock, schedule: Schedule):
+        """The JaxExpertsFn of `schedule` (its kind's `build_jax`), parameters resolved and admitted as in
+        `build`; UnsupportedSchedule when the kind has no JAX kernel."""
+        k, schedule = self._resolve(block, schedule, block.T_max)
+        if k.build_jax is None:
+            raise UnsupportedSchedule(f"{self.name} {schedule.kind}: no JAX kernel (KernelKind.build_jax)")
+        k.space(block, self.target).admit(schedule.params)
+        return k.build_jax(block, schedule)
+
     def cost(self, block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
         k, schedule = self._resolve(block, schedule, tokens)
         return k.cost(block, schedule, tokens)

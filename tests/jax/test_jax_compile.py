@@ -1,0 +1,191 @@
+"""moetune.jax.compile on MoE layers written the common ways (flax.nnx, ragged_dot and gathered-weight einsum,
+gate/up fused or apart, both weight layouts): the same outputs as the original, moetune's marker in the
+lowered program, the block read off the shapes; explain() says why what it does not recognise is left."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+nnx = pytest.importorskip("flax.nnx")
+
+import jax.numpy as jnp  # noqa: E402
+import jax_layers as jl  # noqa: E402
+
+import moetune.jax as mj  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+D, F, E, K = 16, 8, 6, 2
+
+
+def _call(m, x):
+    return m(x)
+
+
+ORIGINAL = jax.jit(_call)  # what the compiled layers are compared with (the router's rounding as under jit)
+
+
+@pytest.fixture(scope="module")
+def layers():
+    return {(style, fused): jl.MoE(D, F, E, K, style=style, fused=fused)
+            for style in ("ragged", "gathered") for fused in (True, False)}
+
+
+def _x(T: int, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(T).standard_normal((T, D), np.float32)).astype(dtype)
+
+
+def _marker(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).as_text(debug_info=True).count(f"{mj.SCOPE}/{mj.REFERENCE}")
+
+
+@pytest.mark.parametrize("style", ["ragged", "gathered"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_flax_moe_layer_is_replaced_and_gives_the_same_result(layers, style, fused):
+    model = layers[style, fused]
+    moe = jax.jit(mj.compile(_call))
+    for T in (1, 5):  # each T a new trace
+        x = _x(T)
+        np.testing.assert_allclose(moe(model, x), ORIGINAL(model, x), rtol=1e-5, atol=1e-5)
+    assert _marker(moe, model, _x(5)) > 0 and _marker(_call, model, _x(5)) == 0
+    (found,) = mj.explain(_call, model, _x(5), print_=False)
+    b = found.match.block
+    assert (b.E, b.k, b.D, b.F, b.layout.transposed, b.weight_dtype) == (E, K, D, F, True, "float32")
+    assert ("apart" in str(found)) == (not fused)
+
+
+def test_the_compiled_layer_runs_the_backend_it_is_given(layers):
+    """compile(fn, backend=…) hands the backend to moetune.jax.experts: the lowered program names its schedule."""
+    import jax_kernels as jk
+
+    jk.registered()
+    model = layers["ragged", True]
+    moe = mj.compile(_call, backend=jk.NAME)
+    x = _x(3)
+    np.testing.assert_allclose(moe(model, x), ORIGINAL(model, x), rtol=1e-5, atol=1e-5)
+    text = jax.jit(moe).lower(model, x).as_text(debug_info=True)
+    kind = mj.route(mj.explain(_call, model, x, print_=False)[0].match.block, 3, backend=jk.NAME).schedule.kind
+    assert f"{mj.SCOPE}/{jk.NAME}.{kind}/" in text
+
+
+def test_standard_layout_weights_in_plain_jax():
+    """Weights [E, out, in] (transformers' layout) contracted by ragged_dot_general over their last axis."""
+    rng = np.random.default_rng(1)
+    gate_up = jnp.asarray(rng.standard_normal((E, 2 * F, D), np.float32)) * D ** -0.5
+    down = jnp.asarray(rng.standard_normal((E, D, F), np.float32)) * F ** -0.5
+    router = jnp.asarray(rng.standard_normal((D, E), np.float32))
+
+    def layer(x, router, gate_up, down):
+        ids, wts = jl.route(x @ router, K, x.dtype)
+        return jl.ragged_experts(x, ids, wts, gate_up, down, standard=True)
+
+    x = _x(7)
+    moe = mj.compile(layer)
+    np.testing.assert_allclose(moe(x, router, gate_up, down), jax.jit(layer)(x, router, gate_up, down), rtol=1e-5,
+                               atol=1e-5)
+    (found,) = mj.explain(layer, x, router, gate_up, down, print_=False)
+    assert not found.match.block.layout.transposed
+
+
+def test_two_layers_and_a_shared_expert():
+    """Both MoE layers are replaced; the dense shared expert and the residuals run as they are."""
+    model = jl.Decoder(D, F, E, K, seed=2)
+    moe = mj.compile(_call)
+    x = _x(6)
+    np.testing.assert_allclose(moe(model, x), ORIGINAL(model, x), rtol=1e-5, atol=1e-5)
+    found = mj.explain(_call, model, x, print_=False)
+    assert [f.match is not None for f in found] == [True, True]
+    assert _marker(moe, model, x) > 0
+
+
+def test_bfloat16_layer():
+    model = jl.MoE(D, F, E, K, seed=3, dtype=jnp.bfloat16)
+    x = _x(9, jnp.bfloat16)
+    got = mj.compile(_call)(model, x)
+    assert got.dtype == jnp.bfloat16
+    want = np.asarray(ORIGINAL(model, x), np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2 * max(1, np.abs(want).max()))
+    (found,) = mj.explain(_call, model, x, print_=False)
+    assert found.match.block.weight_dtype == "bfloat16"
+
+
+def test_a_closure_over_the_weights_works_too(layers):
+    """Weights captured by a closure are constants of the trace: read as they are."""
+    model = layers["ragged", True]
+    moe = mj.compile(lambda x: model(x))
+    x = _x(4)
+    np.testing.assert_allclose(moe(x), ORIGINAL(model, x), rtol=1e-5, atol=1e-5)
+    assert _marker(moe, x) > 0
+
+
+# ------------------------------------------------------------------------------ left as they are
+
+
+def _weights(seed=5):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.standard_normal(shape, np.float32) * std)
+                 for shape, std in (((D, E), 1.0), ((E, D, 2 * F), D ** -0.5), ((E, F, D), F ** -0.5)))
+
+
+def _sorted(x, ids):
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat)
+    return order, x[order // K], jnp.bincount(flat, length=E).astype(jnp.int32)
+
+
+def _unsorted(y, order, wts):
+    return jnp.einsum("tkd,tk->td", jnp.zeros_like(y).at[order].set(y).reshape(*wts.shape, -1), wts)
+
+
+def no_activation(x, router, gate_up, down):
+    ids, wts = jl.route(x @ router, K, x.dtype)
+    order, rows, sizes = _sorted(x, ids)
+    h = jax.lax.ragged_dot(rows, gate_up[..., :F], sizes)
+    return _unsorted(jax.lax.ragged_dot(h, down, sizes), order, wts)
+
+
+def relu_activation(x, router, gate_up, down):
+    ids, wts = jl.route(x @ router, K, x.dtype)
+    order, rows, sizes = _sorted(x, ids)
+    gate, up = jnp.split(jax.lax.ragged_dot(rows, gate_up, sizes), 2, axis=-1)
+    return _unsorted(jax.lax.ragged_dot(jax.nn.relu(gate) * up, down, sizes), order, wts)
+
+
+def weights_on_the_input(x, router, gate_up, down):
+    ids, wts = jl.route(x @ router, K, x.dtype)
+    order, rows, sizes = _sorted(x, ids)
+    rows = rows * wts.reshape(-1)[order][:, None]
+    gate, up = jnp.split(jax.lax.ragged_dot(rows, gate_up, sizes), 2, axis=-1)
+    y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, sizes)
+    return jnp.zeros_like(y).at[order].set(y).reshape(x.shape[0], K, D).sum(1)
+
+
+def dense_mlp(x, router, gate_up, down):
+    gate, up = jnp.split(x @ gate_up[0], 2, axis=-1)
+    return (jax.nn.silu(gate) * up) @ down[0]
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (no_activation, r"ragged_dot at eqn \d+: left as is: its input is the output of ragged_dot at eqn \d+ "
+                    r"with no activation between"),
+    (relu_activation, r"not silu\(gate\)·up \(SwiGLU\)"),
+    (weights_on_the_input, r"not weighted by routing weights \[T, k\]"),
+    (dense_mlp, r"no ragged_dot and no einsum of gathered expert weights"),
+])
+def test_what_is_not_an_expert_ffn_is_left_as_it_is_and_explain_says_why(fn, reason, capsys):
+    args = (_x(5), *_weights())
+    found = mj.explain(fn, *args)
+    assert all(f.match is None for f in found)
+    assert any(re.search(reason, str(f)) for f in found), [str(f) for f in found]
+    assert "0 expert FFN(s) replaced" in capsys.readouterr().out
+    with pytest.warns(UserWarning, match="no expert FFN found"):
+        moe = mj.compile(fn)
+        got = moe(*args)
+    np.testing.assert_array_equal(got, jax.jit(fn)(*args))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert _marker(moe, *args) == 0
