@@ -30,7 +30,8 @@ CLAMPED = Activation("clamped_swiglu", alpha=1.702, limit=7.0)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TPUS = ("tpu-v5e", "tpu-v6e", "tpu-v7")
 PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "qwen3.5-397b-a17b", "mixtral-8x7b")
-SPLIT = sg.PallasGemvParams(block_f=128, split=2)  # two F-blocks per split at F = 256: every grid axis > 1
+SPLIT = sg.PallasGemvParams(block_f=128, split=2)  # F = 256 in two splits of one F-block
+DMA = sg.PallasGemvParams(block_f=128, stream="dma", buffers=3)  # two F-blocks, the loads three deep
 
 
 def _schedule(params) -> Schedule:
@@ -82,20 +83,33 @@ def test_every_variant_matches_the_reference_with_sentinels(name):
     _check(block, SPLIT, x, ids, wts)
 
 
-def test_routing_corner_cases():
+@pytest.mark.parametrize("name", ["standard_f32", "transposed_interleaved_bias_clamped_bf16",
+                                  "weight_on_input_bias_f32", "fp8_block"])
+def test_own_dma_streams_match_the_reference(name):
+    """stream="dma": the kernel's own copies, three loads deep, over two F-blocks (the loads wrap from the
+    last expert of one F-block to the first of the next)."""
+    block = VARIANTS[name]
+    x, ids, wts = _inputs(block, 5, seed=2)
+    ids[1, 0] = -1
+    _check(block, DMA, x, ids, wts)
+
+
+@pytest.mark.parametrize("params", [SPLIT, DMA], ids=["pipeline", "dma"])
+def test_routing_corner_cases(params):
     """One kernel, several routings: zero-row experts (two experts take every pair), one hot expert taking
-    a row of every token, one row per expert (T·k = E distinct), every id a sentinel, and one token."""
+    a row of every token, one row per expert (T·k = E distinct), every id a sentinel (one load: fewer than
+    the DMA buffers), and one token."""
     block = MoEBlock(E=8, k=2, D=256, F=256, weight_dtype="float32")
     w = expert_tensors(block, seed=5)
-    fn = get("pallas_tpu").build(block, _schedule(SPLIT))
+    fn = get("pallas_tpu").build(block, _schedule(params))
     x, _, wts = _inputs(block, 4, seed=2)
     two = torch.tensor([[3, 6], [6, 3], [3, 6], [6, 3]])
     hot = torch.tensor([[5, 0], [1, 5], [5, 7], [2, 5]])
     each = torch.randperm(8, generator=torch.Generator().manual_seed(0)).reshape(4, 2)
     none = torch.tensor([[-1, 8], [8, -1], [-1, -1], [9, 8]])
     for ids in (two, hot, each, none):
-        _check(block, SPLIT, x, ids, wts, w, fn)
-    _check(block, SPLIT, x[:1], each[:1], wts[:1], w, fn)
+        _check(block, params, x, ids, wts, w, fn)
+    _check(block, params, x[:1], each[:1], wts[:1], w, fn)
 
 
 def test_k1_and_more_tokens_than_block_t():
@@ -105,20 +119,21 @@ def test_k1_and_more_tokens_than_block_t():
     _check(block, sg.PallasGemvParams(block_f=256, block_t=8), x, ids, wts)
 
 
-def test_an_unmapped_out_of_range_id_is_caught_by_the_bounds_check():
+@pytest.mark.parametrize("p", [sg.PallasGemvParams(block_f=128), DMA], ids=["pipeline", "dma"])
+def test_an_unmapped_out_of_range_id_is_caught_by_the_bounds_check(p):
     """Interpret mode's bounds check is live: the pallas_call given an expert id of E as a DMA index
-    raises; the same ids through pair_scalars (sentinels mapped) run and add nothing for the sentinel."""
+    raises (a block index of the pipeline, a window of an own copy); the same ids through pair_scalars
+    (sentinels mapped) run and add nothing for the sentinel."""
     block = MoEBlock(E=8, k=2, D=256, F=256, weight_dtype="float32")
     tw = expert_tensors(block, seed=1)
     w = jax_experts(tw)
-    p = sg.PallasGemvParams(block_f=128)
     x, _, wts = _inputs(block, 2, seed=0)
     ids = torch.tensor([[0, 8], [1, 2]])
     eid, tok, s_in, s_out = sg.pair_scalars(block, jnp.asarray(ids.numpy(), jnp.int32), jnp.asarray(wts.numpy()))
     assert 8 not in eid.tolist() and float(s_out[-1]) == 0.0  # the sentinel sorts last, weighted 0
     xj = jnp.asarray(x.numpy())
     raw = jnp.asarray(ids.reshape(-1).numpy(), jnp.int32)  # [P] in pair order, id 8 unmapped
-    with pytest.raises(Exception, match="Out-of-bounds block index"):
+    with pytest.raises(Exception, match="Out-of-bounds (block index|read)"):
         jax.block_until_ready(sg.pallas_gemv(block, p, raw, jnp.array([0, 0, 1, 1], jnp.int32), s_in, s_out, xj, w))
     out = sg.pallas_gemv(block, p, eid, tok, s_in, s_out, xj, w).sum(axis=0)
     err = worst_error(torch.from_dlpack(out), experts_reference(block, x, ids, wts, tw))
@@ -163,7 +178,8 @@ def test_every_default_lowers_for_tpu_at_the_presets_shapes(name, target):
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3-fp8"])
 def test_space_points_lower_for_tpu(name):
-    """The space's first point, its largest admitted footprint and its widest token block, lowered (tpu-v7)."""
+    """The space's first point, its largest admitted footprint, its widest token block and its deepest own-DMA
+    point, lowered (tpu-v7)."""
     block, tgt = preset(name), get_target("tpu-v7")
     space = sg.space(block, tgt)
     admitted = []
@@ -173,7 +189,8 @@ def test_space_points_lower_for_tpu(name):
         except UnsupportedSchedule:
             pass
     picks = {admitted[0], max(admitted, key=lambda p: sg.footprint(block, p)),
-             max(admitted, key=lambda p: (p.block_t, -p.block_f))}
+             max(admitted, key=lambda p: (p.block_t, -p.block_f)),
+             max((p for p in admitted if p.stream == "dma"), key=lambda p: (p.buffers, p.split, p.block_f))}
     for p in picks:
         assert "tpu_custom_call" in _lower(block, p, 8)
 
@@ -222,6 +239,10 @@ def test_bad_params_and_blocks_are_refused_with_the_reason():
         sg.PallasGemvParams(block_f=100)
     with pytest.raises(UnsupportedSchedule, match="split = 3"):
         sg.PallasGemvParams(split=3)
+    with pytest.raises(UnsupportedSchedule, match="buffers = 3"):
+        sg.PallasGemvParams(buffers=3)  # the BlockSpec pipeline is double-buffered
+    with pytest.raises(UnsupportedSchedule, match="stream = 'async'"):
+        sg.PallasGemvParams(stream="async")
     block = MoEBlock(E=8, k=2, D=256, F=384)
     with pytest.raises(UnsupportedSchedule, match="multiple of block_f"):
         sg.space(block, get_target("tpu-v7")).make(block_f=256, split=1, block_t=8)

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 from ...ir import DTYPE_BYTES, MoEBlock, Schedule, UnsupportedSchedule
 from ...passes.stats import uniform_distinct
@@ -91,12 +92,19 @@ MiB = 2**20
 @dataclass(frozen=True)
 class PallasGemvParams:
     block_f: int = 256  # F columns (of gate, up and down) per grid step; a multiple of 128
+    stream: Literal["pipeline", "dma"] = "pipeline"  # weight tiles by BlockSpec pipeline, or by own DMAs
+    buffers: int = 2  # weight tiles in flight per operand; above 2 with stream="dma" only
     split: int = 1  # F split over this many TensorCores (a "parallel" grid axis), partial outputs summed
     block_t: int = 8  # most tokens per call (the resident f32 output block); more tokens: more calls
 
     def __post_init__(self) -> None:
         if self.block_f < LANE or self.block_f % LANE:
             raise UnsupportedSchedule(f"PallasGemvParams.block_f = {self.block_f}: a positive multiple of {LANE}")
+        if self.stream not in ("pipeline", "dma"):
+            raise UnsupportedSchedule(f"PallasGemvParams.stream = {self.stream!r}: 'pipeline' or 'dma'")
+        if self.buffers not in (2, 3, 4) or (self.buffers > 2 and self.stream != "dma"):
+            raise UnsupportedSchedule(f"PallasGemvParams.buffers = {self.buffers}: 2, 3 or 4, and above 2 only "
+                                      "with stream='dma' (Mosaic's BlockSpec pipeline double-buffers)")
         if self.split not in (1, 2):
             raise UnsupportedSchedule(f"PallasGemvParams.split = {self.split}: 1 or 2")
         if self.block_t < 1:
@@ -155,7 +163,7 @@ def footprint(block: MoEBlock, p: PallasGemvParams, x_bytes: int | None = None) 
     temps = 0
     if fp8:  # widened tiles and the group products of the largest matrix
         temps = 3 * _tile_bytes(BF, D, xb) + 2 * _tile_bytes(D // LANE, max(D, BF), 4)
-    return 2 * tiles + fixed + out + temps  # the pipeline double-buffers every block
+    return p.buffers * tiles + fixed + out + temps
 
 
 def vmem_limit(block: MoEBlock, p: PallasGemvParams) -> int:
@@ -181,6 +189,8 @@ def check(p: PallasGemvParams, block: MoEBlock, target: Target) -> None:
 
 CHOICES = (
     ("block_f", (128, 256, 384, 512, 768, 1024, 1536, 2048)),
+    ("stream", ("pipeline", "dma")),
+    ("buffers", (2, 3, 4)),
     ("split", (1, 2)),
     ("block_t", (8, 16, 32)),
 )
@@ -300,92 +310,145 @@ def _activate(block: MoEBlock, gate, up):
     return (up + 1) * gate * jax.nn.sigmoid(gate * act.alpha)
 
 
-def _kernel(block: MoEBlock, nF_split: int, fp8: bool, eid, tok, s_in, s_out, *refs):
-    """One grid step (c, j, p) (module doc). refs: x, the gate/up tile(s), down, [scales], [biases], out."""
+EID, TOK, S_IN, S_OUT, RUN, RUN_E, RUNS = range(7)  # the scalar-prefetch operands (RUN..: stream="dma")
+
+
+def _streams(block: MoEBlock, p: PallasGemvParams, w: JaxExperts):
+    """The weight streams, in the kernel's order: (array, block shape, (e, j) → block index) of the gate/up
+    tile(s), the down tile and, for FP8, their scales (arranged per tile, _scale_tiles); j the global F-block."""
+    D, F, BF = block.D, block.F, p.block_f
+    nF = F // BF
+    lay = block.layout
+    rows_offs = [(2 * BF, 0)] if lay.interleaved else [(BF, 0), (BF, nF)]  # stored gate_up rows per tile, offset
+    out = []
+    for rows, off in rows_offs:
+        if lay.transposed:
+            out.append((w.gate_up, (1, D, rows), lambda e, j, off=off: (e, 0, off + j)))
+        else:
+            out.append((w.gate_up, (1, rows, D), lambda e, j, off=off: (e, off + j, 0)))
+    if lay.transposed:
+        out.append((w.down, (1, BF, D), lambda e, j: (e, j, 0)))
+    else:
+        out.append((w.down, (1, D, BF), lambda e, j: (e, 0, j)))
+    if block.weight_format.quantized:
+        gs, ds = _scale_tiles(block, p, w)
+        for (rows, off), a in zip(rows_offs, gs, strict=True):
+            out.append((a, (1, 1, rows // LANE, D // LANE), lambda e, j, off=off: (e, off + j, 0, 0)))
+        out.append((ds, (1, 1, D // LANE, BF // LANE), lambda e, j: (e, j, 0, 0)))
+    return out
+
+
+def _biases(block: MoEBlock, p: PallasGemvParams, w: JaxExperts):
+    """(array, block shape, (e, j) → block index) of the gate/up bias tile(s) and the down bias row."""
+    E, D, F, BF = block.E, block.D, block.F, p.block_f
+    gb = w.gate_up_bias.reshape(E, 1, 2 * F)
+    if block.layout.interleaved:
+        out = [(gb, (1, 1, 2 * BF), lambda e, j: (e, 0, j))]
+    else:
+        out = [(gb, (1, 1, BF), lambda e, j: (e, 0, j)), (gb, (1, 1, BF), lambda e, j, nF=F // BF: (e, 0, nF + j))]
+    return out + [(w.down_bias.reshape(E, 1, D), (1, 1, D), lambda e, j: (e, 0, 0))]
+
+
+def _window(shape, index):
+    """The slices of a block of `shape` at block `index` (a DMA's source)."""
+    from jax.experimental import pallas as pl
+
+    return tuple(pl.ds(i * b, b) for i, b in zip(index, shape, strict=True))
+
+
+def _dma_tiles(p: PallasGemvParams, nFs: int, scal, hbm, bufs, sem):
+    """stream="dma": the VMEM views of this step's weight tiles, copied `buffers` − 1 loads ahead.
+
+    A load is one (run of one expert's pairs, F-block): load l = jj · runs + run[p] of this core reads expert
+    run_e[l mod runs]'s F-block c·nFs + l div runs into slot l mod buffers. The core's first step starts
+    loads 0 .. buffers − 2; the first step of load l waits for it and starts load l + buffers − 1 into the
+    slot load l − 1 has left."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    c, jj, q = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    run, run_e, runs = scal[RUN], scal[RUN_E], scal[RUNS][0]
+    total = nFs * runs
+    nb = p.buffers
+
+    def copies(l):  # lax.div / rem: l ≥ 0, no floor-division correction (which Mosaic lowers per chip)
+        slot, e, j = jax.lax.rem(l, nb), run_e[jax.lax.rem(l, runs)], c * nFs + jax.lax.div(l, runs)
+        return [pltpu.make_async_copy(src.at[_window(shape, index(e, j))], buf.at[pl.ds(slot, 1)], sem.at[i, slot])
+                for i, ((src, shape, index), buf) in enumerate(zip(hbm, bufs, strict=True))]
+
+    def start(l):
+        @pl.when(l < total)
+        def _():
+            for cp in copies(l):
+                cp.start()
+
+    @pl.when((jj == 0) & (q == 0))
+    def _():
+        for i in range(nb - 1):
+            start(i)
+
+    load = jj * runs + run[q]
+
+    @pl.when((q == 0) | (run[q] != run[jnp.maximum(q - 1, 0)]))
+    def _():
+        for cp in copies(load):
+            cp.wait()
+        start(load + nb - 1)
+
+    return [buf.at[pl.ds(jax.lax.rem(load, nb), 1)] for buf in bufs]
+
+
+def _kernel(block: MoEBlock, p: PallasGemvParams, nFs: int, streams, *refs):
+    # streams: (block shape, (e, j) → block index) of each weight stream
+    """One grid step (c, j, p) (module doc). refs: the scalars, x, the weight streams (blocks, or HBM for
+    stream="dma"), [biases], out, [the DMA buffers and semaphores]."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
-    lay = block.layout
-    n_gu = 1 if lay.interleaved else 2
+    lay, fp8, dma = block.layout, block.weight_format.quantized, p.stream == "dma"
     refs = list(refs)
+    scal = [refs.pop(0) for _ in range(RUNS + 1 if dma else S_OUT + 1)]
     x_ref = refs.pop(0)
-    gu_refs = [refs.pop(0) for _ in range(n_gu)]
-    dn_ref = refs.pop(0)
-    gu_s = [refs.pop(0) for _ in range(n_gu)] if fp8 else [None] * n_gu
-    dn_s = refs.pop(0) if fp8 else None
-    gu_b = [refs.pop(0) for _ in range(n_gu)] if lay.has_bias else None
-    dn_b = refs.pop(0) if lay.has_bias else None
-    (out_ref,) = refs
+    tiles = [refs.pop(0) for _ in streams]
+    biases = [refs.pop(0) for _ in range(2 if lay.interleaved else 3)] if lay.has_bias else None
+    out_ref = refs.pop(0)
+    if dma:
+        hbm = [(ref, shape, index) for ref, (shape, index) in zip(tiles, streams, strict=True)]
+        tiles = _dma_tiles(p, nFs, scal, hbm, refs[:-1], refs[-1])
+    n_gu = 1 if lay.interleaved else 2
+    gu_refs, dn_ref = tiles[:n_gu], tiles[n_gu]
+    gu_s, dn_s = (tiles[n_gu + 1:2 * n_gu + 1], tiles[2 * n_gu + 1]) if fp8 else ([None] * n_gu, None)
 
-    jj, p = pl.program_id(1), pl.program_id(2)
-    j = pl.program_id(0) * nF_split + jj
+    jj, q = pl.program_id(1), pl.program_id(2)
+    j = pl.program_id(0) * nFs + jj
+    s_out = scal[S_OUT][q]
 
-    @pl.when((jj == 0) & (p == 0))
+    @pl.when((jj == 0) & (q == 0))
     def _():
         out_ref[...] = jnp.zeros_like(out_ref)
 
     cdt = x_ref.dtype
     x = x_ref[0]  # [1, D]
     if block.weight_application == "input":
-        x = (x.astype(jnp.float32) * s_in[p]).astype(cdt)
+        x = (x.astype(jnp.float32) * scal[S_IN][q]).astype(cdt)
     gu_contract = 0 if lay.transposed else 1
     parts = [_project(x, r, s, gu_contract, cdt) for r, s in zip(gu_refs, gu_s, strict=True)]
     if lay.has_bias:
-        parts = [g + b[0].astype(jnp.float32) for g, b in zip(parts, gu_b, strict=True)]
+        parts = [g + b[0].astype(jnp.float32) for g, b in zip(parts, biases[:-1], strict=True)]
     if lay.interleaved:  # [1, 2BF] interleaved → gate, up [1, BF]
         bf = parts[0].shape[1] // 2
         parts = [_dot(parts[0], _select(bf, o), 0) for o in (0, 1)]
     h = _activate(block, *parts).astype(cdt)  # [1, BF]
-    y = _project(h, dn_ref, dn_s, 1 if not lay.transposed else 0, cdt) * s_out[p]  # [1, D]
-    t = tok[p]
+    y = _project(h, dn_ref, dn_s, 0 if lay.transposed else 1, cdt) * s_out  # [1, D]
+    t = scal[TOK][q]
     out_ref[0, pl.ds(t, 1), :] += y
 
     if lay.has_bias:
         @pl.when(j == 0)
         def _():
-            out_ref[0, pl.ds(t, 1), :] += dn_b[0].astype(jnp.float32) * s_out[p]
-
-
-def _specs(block: MoEBlock, p: PallasGemvParams, fp8: bool):
-    """The BlockSpecs of x, the weight tiles, [their scales], [the biases] (the inputs' order in _kernel)."""
-    from jax.experimental import pallas as pl
-
-    D, F, BF = block.D, block.F, p.block_f
-    nF, nFs = F // BF, F // (BF * p.split)
-    lay = block.layout
-    wspec = pl.BlockSpec
-
-    def jg(c, jj):
-        return c * nFs + jj
-
-    x = pl.BlockSpec((1, 1, D), lambda c, jj, q, eid, tok, si, so: (tok[q], 0, 0))
-    if lay.interleaved:
-        gu_tiles = [(2 * BF, 0)]  # (rows of stored gate_up per tile, tile offset in tiles)
-    else:
-        gu_tiles = [(BF, 0), (BF, nF)]
-    gu = []
-    for rows, off in gu_tiles:
-        if lay.transposed:
-            gu.append(wspec((1, D, rows), lambda c, jj, q, eid, tok, si, so, off=off: (eid[q], 0, off + jg(c, jj))))
-        else:
-            gu.append(wspec((1, rows, D), lambda c, jj, q, eid, tok, si, so, off=off: (eid[q], off + jg(c, jj), 0)))
-    if lay.transposed:
-        dn = wspec((1, BF, D), lambda c, jj, q, eid, tok, si, so: (eid[q], jg(c, jj), 0))
-    else:
-        dn = wspec((1, D, BF), lambda c, jj, q, eid, tok, si, so: (eid[q], 0, jg(c, jj)))
-    specs = [x, *gu, dn]
-    if fp8:  # scales arranged per tile: [E, tiles, G, C/128] (_scale_tiles)
-        for rows, off in gu_tiles:
-            specs.append(wspec((1, 1, rows // LANE, D // LANE),
-                               lambda c, jj, q, eid, tok, si, so, off=off: (eid[q], off + jg(c, jj), 0, 0)))
-        specs.append(wspec((1, 1, D // LANE, BF // LANE),
-                           lambda c, jj, q, eid, tok, si, so: (eid[q], jg(c, jj), 0, 0)))
-    if lay.has_bias:
-        for rows, off in gu_tiles:
-            specs.append(pl.BlockSpec((1, 1, rows),
-                                      lambda c, jj, q, eid, tok, si, so, off=off: (eid[q], 0, off + jg(c, jj))))
-        specs.append(pl.BlockSpec((1, 1, D), lambda c, jj, q, eid, tok, si, so: (eid[q], 0, 0)))
-    return specs
+            out_ref[0, pl.ds(t, 1), :] += biases[-1][0].astype(jnp.float32) * s_out
 
 
 def _scale_tiles(block: MoEBlock, p: PallasGemvParams, w: JaxExperts):
@@ -420,6 +483,17 @@ def pair_scalars(block: MoEBlock, ids, weights):
     return eid, (order // k).astype(jnp.int32), s_in, s_out
 
 
+def runs_of(eid):
+    """(run [P], run_e [P], runs [1]) int32 of sorted expert ids: each pair's run of one expert, each run's
+    expert (the first `runs` entries) and their count (stream="dma"'s loads)."""
+    import jax.numpy as jnp
+
+    first = jnp.concatenate([jnp.ones((1,), bool), eid[1:] != eid[:-1]])
+    run = (jnp.cumsum(first) - 1).astype(jnp.int32)
+    run_e = jnp.zeros_like(eid).at[run].set(eid)
+    return run, run_e, (run[-1:] + 1).astype(jnp.int32)
+
+
 def pallas_gemv(block: MoEBlock, p: PallasGemvParams, eid, tok, s_in, s_out, x, w: JaxExperts, *,
                 interpret_mode=None):
     """The pallas_call: f32 [split, T, D] partial outputs of T ≤ block_t tokens x [T, D] from the pairs'
@@ -429,34 +503,41 @@ def pallas_gemv(block: MoEBlock, p: PallasGemvParams, eid, tok, s_in, s_out, x, 
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
-    fp8 = block.weight_format.quantized
     T, D = x.shape
     P = eid.shape[0]
     nFs = block.F // (p.block_f * p.split)
-    ins = [x.reshape(T, 1, D)]
-    gu_n = 1 if block.layout.interleaved else 2
-    ins += [w.gate_up] * gu_n + [w.down]
-    if fp8:
-        gs, ds = _scale_tiles(block, p, w)
-        ins += gs + [ds]
-    if block.layout.has_bias:
-        gb = w.gate_up_bias.reshape(block.E, 1, 2 * block.F)
-        ins += [gb] * gu_n + [w.down_bias.reshape(block.E, 1, D)]
+    dma = p.stream == "dma"
+    streams = _streams(block, p, w)
+    biases = _biases(block, p, w) if block.layout.has_bias else []
+
+    def at(index):  # a BlockSpec index map of (e, j) → block, e the pair's expert
+        return lambda c, jj, q, *s: index(s[EID][q], c * nFs + jj)
+
+    x_spec = pl.BlockSpec((1, 1, D), lambda c, jj, q, *s: (s[TOK][q], 0, 0))
+    if dma:
+        w_specs = [pl.BlockSpec(memory_space=pl.ANY) for _ in streams]
+        scratch = [pltpu.VMEM((p.buffers, *shape[1:]), a.dtype) for a, shape, _ in streams]  # [buffers, tile]
+        scratch.append(pltpu.SemaphoreType.DMA((len(streams), p.buffers)))
+    else:
+        w_specs = [pl.BlockSpec(shape, at(index)) for _, shape, index in streams]
+        scratch = []
+    scalars = [eid, tok, s_in, s_out, *(runs_of(eid) if dma else ())]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
+        num_scalar_prefetch=len(scalars),
         grid=(p.split, nFs, P),
-        in_specs=_specs(block, p, fp8),
-        out_specs=pl.BlockSpec((1, T, D), lambda c, jj, q, eid, tok, si, so: (c, 0, 0)),
+        in_specs=[x_spec, *w_specs, *(pl.BlockSpec(shape, at(index)) for _, shape, index in biases)],
+        out_specs=pl.BlockSpec((1, T, D), lambda c, jj, q, *s: (c, 0, 0)),
+        scratch_shapes=scratch,
     )
     call = pl.pallas_call(
-        partial(_kernel, block, nFs, fp8),
+        partial(_kernel, block, p, nFs, [(shape, index) for _, shape, index in streams]),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((p.split, T, D), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=vmem_limit(block, p)),
         interpret=interpret() if interpret_mode is None else interpret_mode,
     )
-    return call(eid, tok, s_in, s_out, *ins)
+    return call(*scalars, x.reshape(T, 1, D), *(a for a, _, _ in streams), *(a for a, _, _ in biases))
 
 
 def build_jax(block: MoEBlock, schedule: Schedule, *, interpret_mode=None):
