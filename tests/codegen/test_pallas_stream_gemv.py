@@ -112,11 +112,14 @@ def test_routing_corner_cases(params):
     _check(block, params, x[:1], each[:1], wts[:1], w, fn)
 
 
-def test_k1_and_more_tokens_than_block_t():
-    """k = 1, and T = 11 > block_t = 8: two calls, the second of 3 tokens."""
+def test_k1_more_tokens_than_block_t_and_none():
+    """k = 1; T = 19 > block_t = 8: two calls of 8 tokens (one kernel scanned) and one of 3; T = 0."""
     block = MoEBlock(E=8, k=1, D=256, F=256)
-    x, ids, wts = _inputs(block, 11, seed=4)
-    _check(block, sg.PallasGemvParams(block_f=256, block_t=8), x, ids, wts)
+    w = expert_tensors(block, seed=3)
+    fn = get("pallas_tpu").build(block, _schedule(sg.PallasGemvParams(block_f=256, block_t=8)))
+    x, ids, wts = _inputs(block, 19, seed=4)
+    _check(block, None, x, ids, wts, w, fn)
+    _check(block, None, x[:0], ids[:0], wts[:0], w, fn)
 
 
 @pytest.mark.parametrize("p", [sg.PallasGemvParams(block_f=128), DMA], ids=["pipeline", "dma"])

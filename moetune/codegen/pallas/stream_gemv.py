@@ -19,7 +19,10 @@ Grid (c, j, p): c the TensorCore split of F (`split`, a "parallel" axis), j the 
 (block_f) within the split, p the sorted pair (innermost). The weight BlockSpecs index expert eid[p]'s
 F-block j: consecutive pairs of one expert keep the block index, which the TPU pipeline does not copy
 again, so every selected expert's weights cross HBM once per call; the next tiles are copied while the
-current pair computes (the pipeline's double buffers; Mosaic's BlockSpec pipeline offers no deeper ones).
+current pair computes (stream="pipeline": the BlockSpec pipeline's double buffers, its only depth in
+Mosaic). stream="dma" copies them itself (weights left in HBM, memory_space=pl.ANY): a load is one run
+of one expert's pairs at one F-block, and `buffers` (2–4) VMEM slots hold the current load and the
+next ones, started `buffers` − 1 loads ahead however long the runs (`_dma_tiles`).
 
 One step, for pair p of token t (f32 accumulation, weights in their dtype on the MXU):
 
@@ -35,10 +38,12 @@ One step, for pair p of token t (f32 accumulation, weights in their dtype on the
 The k-sum: out [split, T, D] f32 is one output block per split, resident in VMEM for the whole grid
 (its index map is constant over j and p; zeroed at the split's first step), and every pair adds its
 row into its token's row; the wrapper sums the splits and casts to x's dtype. Tokens beyond `block_t`
-go in further calls of at most `block_t` tokens (each re-reads its experts' weights: this kernel is the
-decode one).
+go in further calls of `block_t` tokens (one kernel scanned over them, lax.map) and one of the rest;
+each call re-reads its experts' weights: this kernel is the decode one.
 
-FP8 (stream_gemv_fp8.py, scheme fp8_block, float32 scales per 128×128 block): a tile of e4m3 values q
+FP8 (stream_gemv_fp8.py, scheme fp8_block, float32 scales per 128×128 block; such weights are stored
+standard, in halves, without biases: the IR's rule; targets without FP8 units, tpu-v5e, are refused by
+the space's check, since their FP8 blocks are better served dequantised once): a tile of e4m3 values q
 [out, in] and its scales S [out/128, in/128] (rearranged outside the kernel so each tile's scales are a
 block of their own) are applied without widening the tile by its scales: with G the 128-groups of the
 tile's outputs and C those of its inputs,
@@ -53,9 +58,9 @@ kernel stays bandwidth-bound.
 TPU tiling: BF is a multiple of 128 dividing F / split; D is a multiple of 128 and every block holds the
 whole of D (a full dimension); x and bias blocks end in [1, D] / [1, BF] (full / 128-multiple dims).
 
-VMEM (`footprint`): 2 × (the three weight tiles + their scales) + 2 × (x row, bias rows) + 2 × the
+VMEM (`footprint`): buffers × (the three weight tiles + their scales) + 2 × (x row, bias rows) + 2 × the
 f32 output block [block_t, D] + FP8's widened tiles and group products; a space point must fit 3/4 of
-the target's VMEM per core and the kernel asks Mosaic for its footprint plus 4 MiB.
+the target's VMEM per core and the kernel asks Mosaic for its footprint plus 4 MiB (16 MiB at least).
 
 Default (`default_params`), per core with bandwidth B = target.bandwidth / cores and o = 0.35 µs of
 overhead per grid step: a call at P pairs and n distinct experts takes about
@@ -63,8 +68,10 @@ overhead per grid step: a call at P pairs and n distinct experts takes about
     t(BF) = (F / (BF·split)) · P · o  +  n · 3·F·D·b / (split·B)  +  3·BF·D·b / B
             (steps' overhead)           (weight stream)               (the first tile's unhidden copy)
 
-so the default BF minimises t over the BF whose footprint fits; split = cores where
-F/BF divides; block_t = 8 (the decode buckets' tokens; the output block stays small).
+with b the weight bytes per element and T the tokens of one call (≤ block_t), so the default BF
+minimises t over the BF whose footprint fits, with the widest split (≤ cores) that F/BF allows;
+stream="pipeline" with its 2 buffers; block_t = 8 (the decode buckets' tokens; the output block stays
+small). The own-DMA stream and deeper buffering are the search's to try.
 """
 
 from __future__ import annotations
@@ -167,20 +174,21 @@ def footprint(block: MoEBlock, p: PallasGemvParams, x_bytes: int | None = None) 
 
 
 def vmem_limit(block: MoEBlock, p: PallasGemvParams) -> int:
-    return -(-(footprint(block, p) + VMEM_SLACK) // MiB) * MiB
+    return max(16 * MiB, -(-(footprint(block, p) + VMEM_SLACK) // MiB) * MiB)
 
 
 def check(p: PallasGemvParams, block: MoEBlock, target: Target) -> None:
-    """What `target` cannot run: an F split it has no cores for, a footprint over 3/4 of its VMEM."""
+    """What `target` cannot run: FP8 without FP8 units, an F-block or split that does not divide F, a split
+    over more cores than it has, a footprint over 3/4 of its VMEM."""
+    if block.weight_format.quantized and target.fp8_flops is None:
+        raise UnsupportedSchedule(f"pallas_tpu stream_gemv (fp8): {target.name} has no FP8 units; its FP8 "
+                                  "blocks run through the unquantised kernels on dequantised weights")
     if block.F % (p.block_f * p.split):
         raise UnsupportedSchedule(f"PallasGemvParams block_f={p.block_f} split={p.split}: F = {block.F} is not "
                                   "a multiple of block_f · split")
     if p.split > target.cores:
         raise UnsupportedSchedule(f"PallasGemvParams split={p.split}: {target.name} has {target.cores} "
                                   "TensorCore(s) per chip")
-    if block.weight_format.quantized and target.fp8_flops is None:
-        raise UnsupportedSchedule(f"pallas_tpu stream_gemv (fp8): {target.name} has no FP8 units; its FP8 "
-                                  "blocks run through the unquantised kernels on dequantised weights")
     need, limit = footprint(block, p), int(VMEM_FRACTION * target.vmem_bytes)
     if need > limit:
         raise UnsupportedSchedule(f"PallasGemvParams {p}: {need / MiB:.1f} MiB of VMEM, over {limit / MiB:.0f} MiB "
@@ -246,7 +254,7 @@ def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float
     for t in chunks:
         by += uniform_distinct(block.E, block.k, t) * block.weight_bytes_per_expert
         by += steps * t * block.k * block.D * xb + p.split * t * block.D * 4 + t * block.D * xb
-    return flops, by + T * block.k * 16
+    return flops, by + T * block.k * 16  # the pairs' four 4-byte scalars
 
 
 # ---------------------------------------------------------------------------------------------- the kernel
@@ -550,18 +558,27 @@ def build_jax(block: MoEBlock, schedule: Schedule, *, interpret_mode=None):
         raise UnsupportedSchedule(f"pallas_tpu stream_gemv: F = {block.F} is not a multiple of block_f · split "
                                   f"= {p.block_f * p.split}")
 
+    def call(x, ids, weights, w):  # ≤ block_t tokens → [T, D] float32
+        return pallas_gemv(block, p, *pair_scalars(block, ids, weights), x, w,
+                           interpret_mode=interpret_mode).sum(axis=0)
+
     def fn(x, ids, weights, w: JaxExperts):
+        import jax
         import jax.numpy as jnp
 
-        T = x.shape[0]
+        T, D = x.shape
+        n, rest = divmod(T, p.block_t)
         outs = []
-        for t0 in range(0, T, p.block_t):
-            t1 = min(T, t0 + p.block_t)
-            sc = pair_scalars(block, ids[t0:t1], weights[t0:t1])
-            part = pallas_gemv(block, p, *sc, x[t0:t1], w, interpret_mode=interpret_mode)
-            outs.append(part.sum(axis=0))
-        out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
-        return out.astype(x.dtype)
+        if n:  # whole calls of block_t tokens, one traced kernel scanned over them
+            m = n * p.block_t
+            chunks = (x[:m].reshape(n, p.block_t, D), ids[:m].reshape(n, p.block_t, -1),
+                      weights[:m].reshape(n, p.block_t, -1))
+            outs.append(jax.lax.map(lambda c: call(*c, w), chunks).reshape(m, D))
+        if rest:
+            outs.append(call(x[T - rest:], ids[T - rest:], weights[T - rest:], w))
+        if not outs:
+            return jnp.zeros_like(x)
+        return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)).astype(x.dtype)
 
     return fn
 
