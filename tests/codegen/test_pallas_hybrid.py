@@ -10,7 +10,16 @@ import torch
 
 jax = pytest.importorskip("jax")
 
-from pallas_cases import BACKEND, CASES, LOWERED_PRESETS, TARGETS, case_block, check, lower_for_tpu  # noqa: E402
+from pallas_cases import (  # noqa: E402
+    BACKEND,
+    CASES,
+    FP8_PRESETS,
+    LOWERED_PRESETS,
+    TARGETS,
+    case_block,
+    check,
+    lower_for_tpu,
+)
 
 from moetune.codegen.pallas import grouped_gemm as gg  # noqa: E402
 from moetune.codegen.pallas import hybrid as hy  # noqa: E402
@@ -61,6 +70,12 @@ def test_light_tile_of_32_rows_and_sentinels():
     check(block, schedule(4, hy.HybridParams(16, 128, 128, 128, 128, 32)), 13, "", ids=ids)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_both_sides_match_reference(dtype):
+    block = case_block(dict(dtype=dtype, fp8=((128, 128), "float32")))
+    check(block, schedule(2, hy.HybridParams(16, 128, 256, 256, 128, 16)), 13, "", ids=mixed_ids(13, block.E))
+
+
 def test_default_threshold_is_the_policys():
     block = preset("qwen3-30b-a3b")
     for T in (1, 16, 64, 1024):
@@ -73,7 +88,7 @@ def test_params_checked(bad, why):
         hy.HybridParams(**bad)
 
 
-@pytest.mark.parametrize("name", LOWERED_PRESETS)
+@pytest.mark.parametrize("name", LOWERED_PRESETS + FP8_PRESETS)
 def test_defaults_lower_for_tpu_within_vmem(name, monkeypatch):
     monkeypatch.delenv("MOETUNE_PALLAS_INTERPRET")
     block = preset(name)

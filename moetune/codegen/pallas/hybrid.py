@@ -14,8 +14,8 @@ which is the GEMV's work; what it saves over one grouped GEMM is the padded rows
 
 Rows a pass does not own are never written by it (masked stores), and a matmul row depends only on its
 own lhs row, so each side reads the other side's rows of a shared tile as garbage that lands nowhere.
-R is the Schedule's row_threshold (≥ 2, checked by the IR; by default the policy's,
-moetune.passes.policy.hybrid_threshold).
+Weight formats: grouped_gemm's (block-quantised FP8 as w8a16). R is the Schedule's row_threshold (≥ 2,
+checked by the IR; by default the policy's, moetune.passes.policy.hybrid_threshold).
 """
 
 from __future__ import annotations
@@ -144,4 +144,4 @@ def build(block: MoEBlock, schedule: Schedule):
 
 
 KIND = KernelKind("hybrid", HybridParams, space, default_params, build, cost, sources(__file__, SOURCES),
-                  refusal=gg.refusal, build_jax=build_jax)
+                  refusal=gg.refusal, formats=gg.FORMATS, build_jax=build_jax)
