@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 from ...ir import DTYPE_BYTES, MoEBlock, Schedule, UnsupportedSchedule
 from ...passes.policy import rows_per_active
+from ...passes.stats import uniform_distinct
 from ...passes.targets import Target
 from ..common import ParamSpace
 from ..contract import KernelKind, sources
@@ -303,8 +304,6 @@ def default_params(block: MoEBlock, T: int, target: Target) -> GemmParams:
 
 def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
     """(flops, bytes) of one call: the two GEMMs' (padded rows, weights once per tile visit) and the glue."""
-    from ...passes.stats import uniform_distinct
-
     p = schedule.params
     P = tokens * block.k
     flops, by, _ = pass_cost(block, gate_up_tiles(p), down_tiles(p), P, uniform_distinct(block.E, block.k, tokens))
@@ -431,6 +430,8 @@ def _store_rows(out_ref, val, group, m, starts, ends, tm: int) -> None:
 
 
 def _vmem_limit(footprint: int) -> int:
+    """vmem_limit_bytes of a pass: its footprint and a quarter more for Mosaic's own scratch, at least the
+    smallest default scoped limit (16 MiB); within a core's VMEM for any point of a space (≤ 3/4 of it)."""
     return max(footprint + footprint // 4, 16 * 2**20)
 
 
