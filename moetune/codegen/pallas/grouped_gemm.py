@@ -9,9 +9,9 @@ Inside the jitted function, with P = T·k (token, expert) pairs:
                  pad rows zero)
     metadata     tile i of the grid → (expert group[i], row tile m[i]): every row tile a non-empty group
                  overlaps, groups in expert order (so the output tiles are revisited consecutively);
-                 zero-row experts get no tile. The count is bounded by Pp/tile_m + min(E, P) − 1 (a static
-                 grid); tiles past the real ones repeat the last real tile's block indices (no DMA) and
-                 skip their body.
+                 zero-row experts get no tile. The metadata arrays are sized by the bound
+                 Pp/tile_m + min(E, P) − 1; the grid's tile axis is the traced count of real tiles (a
+                 dynamic grid), so no step is spent on tiles that do not exist.
     gate/up      grid (F/tile_n, tiles, D/tile_k): acc_g, acc_u [tile_m, tile_n] f32 += xs tile · gate /
                  up tiles of expert group[i] (read in place in the model's layout; interleaved layouts:
                  one [2·tile_n] tile, its even / odd columns taken apart in the epilogue by exact 0/1
@@ -344,8 +344,8 @@ def sorted_rows(x, weights, order, k: int, rows: int):
 
 def tile_metadata(r: Routed, active, tm: int, rows: int):
     """(group [NT], m [NT], total [1]) int32: the expert and row tile of each grid tile, and how many are
-    real. Tiles of each active non-empty expert, experts in order; the padding tiles repeat the last real
-    one. NT = rows/tm + min(E, P) − 1 bounds the real tiles."""
+    real (the grid's extent). Tiles of each active non-empty expert, experts in order; NT = rows/tm +
+    min(E, P) − 1 bounds them (entries past `total` are never read)."""
     import jax.numpy as jnp
 
     E = r.counts.shape[0]
@@ -356,11 +356,7 @@ def tile_metadata(r: Routed, active, tm: int, rows: int):
     total = nt.sum().astype(jnp.int32)
     group = jnp.repeat(jnp.arange(E, dtype=jnp.int32), nt, total_repeat_length=NT)
     t = jnp.arange(NT, dtype=jnp.int32)
-    m = first_m[group] + t - (jnp.cumsum(nt) - nt)[group]
-    last = jnp.maximum(total - 1, 0)
-    real = t < total
-    group = jnp.where(real, group, group[last])
-    m = jnp.clip(jnp.where(real, m, m[last]), 0, n_m - 1).astype(jnp.int32)
+    m = (first_m[group] + t - (jnp.cumsum(nt) - nt)[group]).astype(jnp.int32)
     return group, m, total[None]
 
 
@@ -496,7 +492,7 @@ def gate_up_pass(block: MoEBlock, t: Tiles, xs, ws, w: JaxExperts, r: Routed, me
     scratch = [pltpu.VMEM((t.m, width), jnp.float32) for width, _ in halves]
     nw = len(halves)
 
-    def kernel(g_ref, m_ref, st_ref, en_ref, tot_ref, *refs):
+    def kernel(g_ref, m_ref, st_ref, en_ref, _total, *refs):
         x_ref, rest = refs[0], list(refs[1:])
         ws_ref = rest.pop(0) if w_in else None
         w_refs, rest = rest[:nw], rest[nw:]
@@ -505,30 +501,28 @@ def gate_up_pass(block: MoEBlock, t: Tiles, xs, ws, w: JaxExperts, r: Routed, me
         out_ref, accs = rest[0], rest[1:]
         n, i, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
-        @pl.when(i < tot_ref[0])
-        def _tile():
-            @pl.when(kk == 0)
-            def _zero():
-                for acc in accs:
-                    acc[...] = jnp.zeros_like(acc)
+        @pl.when(kk == 0)
+        def _zero():
+            for acc in accs:
+                acc[...] = jnp.zeros_like(acc)
 
-            for (width, off), w_ref, acc in zip(halves, w_refs, accs, strict=True):
-                row0 = (off + n) * (width // quant[0]) if quant else 0
-                _accumulate(acc, x_ref, w_ref, s_ref, not lay.transposed, quant, row0,
-                            kk * (t.k // quant[1]) if quant else 0)
+        for (width, off), w_ref, acc in zip(halves, w_refs, accs, strict=True):
+            row0 = (off + n) * (width // quant[0]) if quant else 0
+            _accumulate(acc, x_ref, w_ref, s_ref, not lay.transposed, quant, row0,
+                        kk * (t.k // quant[1]) if quant else 0)
 
-            @pl.when(kk == nk - 1)
-            def _epilogue():
-                vals = [acc[...] for acc in accs]
-                if w_in:
-                    vals = [v * ws_ref[...] for v in vals]
-                if lay.has_bias:
-                    vals = [v + b[...].astype(jnp.float32) for v, b in zip(vals, b_refs, strict=True)]
-                gate, up = (_columns(vals[0], 0), _columns(vals[0], 1)) if lay.interleaved else vals
-                _store_rows(out_ref, gated(block, gate, up), g_ref[i], m_ref[i], st_ref, en_ref, t.m)
+        @pl.when(kk == nk - 1)
+        def _epilogue():
+            vals = [acc[...] for acc in accs]
+            if w_in:
+                vals = [v * ws_ref[...] for v in vals]
+            if lay.has_bias:
+                vals = [v + b[...].astype(jnp.float32) for v, b in zip(vals, b_refs, strict=True)]
+            gate, up = (_columns(vals[0], 0), _columns(vals[0], 1)) if lay.interleaved else vals
+            _store_rows(out_ref, gated(block, gate, up), g_ref[i], m_ref[i], st_ref, en_ref, t.m)
 
     xb, wb = xs.dtype.itemsize, jnp.dtype(w.gate_up.dtype).itemsize
-    call = _call(kernel, (nf, group.shape[0], nk), specs, out_spec, jax.ShapeDtypeStruct((rows, F), xs.dtype),
+    call = _call(kernel, (nf, total[0], nk), specs, out_spec, jax.ShapeDtypeStruct((rows, F), xs.dtype),
                  scratch, gate_up_vmem(block, t, xb, wb), interp)
     return call(group, m, r.starts, r.ends, total, *args)
 
@@ -566,7 +560,7 @@ def down_pass(block: MoEBlock, t: Tiles, h, ws, w: JaxExperts, r: Routed, meta, 
         args.append(flat)
     out_spec = pl.BlockSpec((t.m, t.n), lambda n, i, kk, g, mt, *_: (mt[i], n))
 
-    def kernel(g_ref, m_ref, st_ref, en_ref, tot_ref, *refs):
+    def kernel(g_ref, m_ref, st_ref, en_ref, _total, *refs):
         h_ref, rest = refs[0], list(refs[1:])
         ws_ref = rest.pop(0) if w_out else None
         w_ref = rest.pop(0)
@@ -575,26 +569,24 @@ def down_pass(block: MoEBlock, t: Tiles, h, ws, w: JaxExperts, r: Routed, meta, 
         out_ref, acc = rest
         n, i, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
-        @pl.when(i < tot_ref[0])
-        def _tile():
-            @pl.when(kk == 0)
-            def _zero():
-                acc[...] = jnp.zeros_like(acc)
+        @pl.when(kk == 0)
+        def _zero():
+            acc[...] = jnp.zeros_like(acc)
 
-            _accumulate(acc, h_ref, w_ref, s_ref, not lay.transposed, quant,
-                        n * (t.n // quant[0]) if quant else 0, kk * (t.k // quant[1]) if quant else 0)
+        _accumulate(acc, h_ref, w_ref, s_ref, not lay.transposed, quant,
+                    n * (t.n // quant[0]) if quant else 0, kk * (t.k // quant[1]) if quant else 0)
 
-            @pl.when(kk == nk - 1)
-            def _epilogue():
-                v = acc[...]
-                if lay.has_bias:
-                    v = v + b_ref[...].astype(jnp.float32)
-                if w_out:
-                    v = v * ws_ref[...]
-                _store_rows(out_ref, v, g_ref[i], m_ref[i], st_ref, en_ref, t.m)
+        @pl.when(kk == nk - 1)
+        def _epilogue():
+            v = acc[...]
+            if lay.has_bias:
+                v = v + b_ref[...].astype(jnp.float32)
+            if w_out:
+                v = v * ws_ref[...]
+            _store_rows(out_ref, v, g_ref[i], m_ref[i], st_ref, en_ref, t.m)
 
     xb, wb = h.dtype.itemsize, jnp.dtype(w.down.dtype).itemsize
-    call = _call(kernel, (nd, group.shape[0], nk), specs, out_spec, jax.ShapeDtypeStruct((rows, D), jnp.float32),
+    call = _call(kernel, (nd, total[0], nk), specs, out_spec, jax.ShapeDtypeStruct((rows, D), jnp.float32),
                  [pltpu.VMEM((t.m, t.n), jnp.float32)], down_vmem(block, t, xb, wb), interp)
     return call(group, m, r.starts, r.ends, total, *args)
 
