@@ -186,7 +186,14 @@ def check_divides(block: MoEBlock, gu: Tiles, dn: Tiles) -> None:
                                           f"{fmt.block}, over {FP8_BLOCKS_PER_TILE} (one unrolled matmul each)")
 
 
+def check_block(block: MoEBlock) -> None:
+    why = refusal(block)
+    if why:
+        raise UnsupportedSchedule(why)
+
+
 def check(p: GemmParams, block: MoEBlock, target: Target) -> None:
+    check_block(block)
     check_divides(block, gate_up_tiles(p), down_tiles(p))
     check_vmem(block, target, {"GemmParams": (gate_up_tiles(p), down_tiles(p))})
 
@@ -617,9 +624,7 @@ def experts_fn(block: MoEBlock, p: GemmParams, interp):
     """The JaxExpertsFn of GemmParams `p`, its pallas_calls given `interp` as interpret=."""
     import jax.numpy as jnp
 
-    why = refusal(block)
-    if why:
-        raise UnsupportedSchedule(why)
+    check_block(block)
     gu_t, dn_t = gate_up_tiles(p), down_tiles(p)
     check_divides(block, gu_t, dn_t)
 

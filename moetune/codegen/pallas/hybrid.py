@@ -65,6 +65,7 @@ def light_tiles(p: HybridParams) -> tuple[gg.Tiles, gg.Tiles]:
 
 
 def check(p: HybridParams, block: MoEBlock, target: Target) -> None:
+    gg.check_block(block)
     gg.check_divides(block, gg.gate_up_tiles(p), gg.down_tiles(p))
     gg.check_vmem(block, target, {"HybridParams heavy": (gg.gate_up_tiles(p), gg.down_tiles(p)),
                                   "HybridParams light": light_tiles(p)})
@@ -109,9 +110,7 @@ def experts_fn(block: MoEBlock, p: HybridParams, R: int, interp):
     """The JaxExpertsFn of HybridParams `p` and threshold R, its pallas_calls given `interp` as interpret=."""
     import jax.numpy as jnp
 
-    why = gg.refusal(block)
-    if why:
-        raise UnsupportedSchedule(why)
+    gg.check_block(block)
     heavy_t = (gg.gate_up_tiles(p), gg.down_tiles(p))
     light_t = light_tiles(p)
     gg.check_divides(block, *heavy_t)
