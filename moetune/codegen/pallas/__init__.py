@@ -3,6 +3,12 @@
 Kernel files, one per schedule kind, each with its kernel, parameters, space, default, cost and a
 `build_jax` (the per-kind contract, moetune.codegen.contract); `build` is the torch-facing wrapper of
 `build_jax` (`_common.bridged`), so the search checks and times the function moetune.jax runs.
+    stream_gemv.py      weight-streaming GEMV: scalar-prefetched expert ids drive the weight tiles into VMEM,
+                        each selected expert read once, gate/up/activation/down and the k-sum fused (stream_gemv)
+    stream_gemv_fp8.py  the same kernel on fp8_block weights (stream_gemv, weight format fp8_block)
+    grouped_gemm.py     grouped GEMM over expert-sorted rows, megablox-style tile metadata (grouped_gemm; bf16,
+                        f32 and fp8_block)
+    hybrid.py           heavy experts in wide row tiles, light ones in narrow tiles, one grouped GEMM (hybrid)
 What they share:
     _common.py     JaxExperts, the torch bridge, the interpret switch
     reference.py   the float32 reference in JAX
@@ -16,14 +22,14 @@ from __future__ import annotations
 
 from ..backend import register
 from ..contract import KernelBackend
-from . import stream_gemv, stream_gemv_fp8
+from . import grouped_gemm, hybrid, stream_gemv, stream_gemv_fp8
 from ._common import INTERPRET_ENV, interpret_requested, on_tpu
 
 
 class PallasTpuBackend(KernelBackend):
     name = "pallas_tpu"
     library = "jax"
-    KINDS = (stream_gemv.KIND, stream_gemv_fp8.KIND)
+    KINDS = (grouped_gemm.KIND, hybrid.KIND, stream_gemv.KIND, stream_gemv_fp8.KIND)
     TARGET = "tpu-v7"
 
     def available(self) -> str | None:
