@@ -150,6 +150,15 @@ class KernelBackend:
         k.space(block, self.target).admit(schedule.params)
         return k.build(block, schedule)
 
+    def build_jax(self, block: MoEBlock, schedule: Schedule) -> Callable:
+        """The kind's JAX function of `schedule` (what `build` wraps for torch where the kind has one), its
+        parameters admitted by this backend's target; UnsupportedSchedule where the kind has no JAX build."""
+        k, schedule = self._resolve(block, schedule, block.T_max)
+        if k.build_jax is None:
+            raise UnsupportedSchedule(f"{self.name} {k.kind}: no JAX build (KernelKind.build_jax)")
+        k.space(block, self.target).admit(schedule.params)
+        return k.build_jax(block, schedule)
+
     def cost(self, block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
         k, schedule = self._resolve(block, schedule, tokens)
         return k.cost(block, schedule, tokens)
