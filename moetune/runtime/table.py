@@ -84,7 +84,8 @@ COLUMNS: dict[str, type] = {
     "spread_us": float,
     "estimated": int,
 }
-ADDED = ("spread_us", "estimated")  # nullable columns added to TABLE after its first files: NULL where a file lacks them
+# nullable columns added to TABLE after its first files: NULL where a file lacks them
+ADDED = ("spread_us", "estimated")
 V1_COLUMNS = {**{c: t for c, t in COLUMNS.items() if c not in ADDED}, "fusion": str}
 NOT_NULL = set(PK) | {"signature_text", "kind", "time_us", "kernel_hash", "backend_version",
                       "device", "capability", "tuned_at"}

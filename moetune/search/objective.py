@@ -140,7 +140,9 @@ class Outcome:
     """The score of one candidate: `time_s` is inf unless `status` is "ok"."""
 
     schedule: Schedule
-    status: str  # ok | verified (checked, not timed) | wrong | nonfinite | refused | resource | build_failed | launch_failed
+    # ok | verified (checked, not timed: Objective.verify) | wrong | nonfinite | refused | resource | build_failed |
+    # launch_failed
+    status: str
     time_s: float = math.inf
     reason: str = ""
     rel_err: float | None = None  # the check's worst error in units of the dtype's tolerance (≤ 1 passes)
