@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from ..backend import register
 from ..contract import KernelBackend
+from . import grouped_gemm, hybrid
 from ._common import INTERPRET_ENV, interpret_requested, on_tpu
 
 
 class PallasTpuBackend(KernelBackend):
     name = "pallas_tpu"
     library = "jax"
-    KINDS = ()
+    KINDS = (grouped_gemm.KIND, hybrid.KIND)
     TARGET = "tpu-v7"
 
     def available(self) -> str | None:

@@ -27,13 +27,18 @@ def dequantize(q, scale, block: tuple[int, int]):
 
 def activate(block: MoEBlock, gu):
     """h [..., F] = act(gate, up) of gu [..., 2F] per the layout and activation, in gu's dtype."""
-    import jax
-    import jax.numpy as jnp
-
     if block.layout.interleaved:
         gate, up = gu[..., 0::2], gu[..., 1::2]
     else:
         gate, up = gu[..., : block.F], gu[..., block.F :]
+    return gated(block, gate, up)
+
+
+def gated(block: MoEBlock, gate, up):
+    """act(gate, up) elementwise, per the block's activation (the kernels' epilogues call it too)."""
+    import jax
+    import jax.numpy as jnp
+
     act = block.activation
     if act.kind == "swiglu":
         return jax.nn.silu(gate) * up

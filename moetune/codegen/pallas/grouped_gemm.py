@@ -1,0 +1,571 @@
+"""grouped_gemm: expert-sorted rows through a grouped matmul on the MXU (Pallas TPU, megablox-style grid).
+
+Inside the jitted function, with P = T·k (token, expert) pairs:
+
+    route        key = id where 0 ≤ id < E else E (a trailing dummy group, never visited);
+                 order = argsort(key, stable) [P]; counts = bincount(key, length=E + 1)[:E] [E];
+                 group g = expert g holds sorted rows [starts[g], ends[g])
+    rows         xs = x[order // k] [Pp, D], ws = weights[order] [Pp, 1] f32 (Pp = P rounded up to tile_m;
+                 pad rows zero)
+    metadata     tile i of the grid → (expert group[i], row tile m[i]): every row tile a non-empty group
+                 overlaps, groups in expert order (so the output tiles are revisited consecutively);
+                 zero-row experts get no tile. The count is bounded by Pp/tile_m + min(E, P) − 1 (a static
+                 grid); tiles past the real ones repeat the last real tile's block indices (no DMA) and
+                 skip their body.
+    gate/up      grid (F/tile_n, tiles, D/tile_k): acc_g, acc_u [tile_m, tile_n] f32 += xs tile · gate /
+                 up tiles of expert group[i] (read in place in the model's layout; interleaved layouts:
+                 one [2·tile_n] tile, its even / odd columns taken apart in the epilogue by exact 0/1
+                 matmuls); epilogue: routing weight (weight on the input: gate(w·x) = w·gate(x)), bias,
+                 activation; rows of the tile outside [starts[g], ends[g]) keep what another group's
+                 tile wrote there (masked store). h [Pp, F] in x's dtype.
+    down         grid (D/down_tile_n, tiles, F/down_tile_k): y [Pp, D] f32 = h tile · down tile (+ bias,
+                 × routing weight when it applies on the output), the same masked store.
+    combine      unsort + sum in f32: y[rank] [T, k, D] summed over k where the id is valid (rows never
+                 written — pad rows, sentinels — are masked by `where`, never multiplied), cast to x's
+                 dtype. No scatter: one gather and a reduction, deterministic.
+
+TPU tiling: tile_m a multiple of 16 (bf16 rows pack two per sublane; f32 takes the same tiles), every
+other tile a multiple of 128 dividing its dimension, so a block needs D and F multiples of 128.
+FP8 (fp8_block) weights are not read here: the backend refuses them by format (formats = ("none",)).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
+
+from ...ir import DTYPE_BYTES, MoEBlock, Schedule, UnsupportedSchedule
+from ...passes.policy import rows_per_active
+from ...passes.targets import Target
+from ..common import ParamSpace
+from ..contract import KernelKind, sources
+from ._common import JaxExperts, bridged, interpret
+from .reference import gated
+
+SOURCES = ("grouped_gemm.py", "_common.py", "reference.py")
+
+LANE = 128  # TPU vector lanes: the last dimension of every block
+ROW_TILE = 16  # rows per sublane tile of a 16-bit operand (f32: 8), the step of tile_m
+MXU = {"tpu-v5e": 128, "tpu-v6e": 256, "tpu-v7": 256}  # systolic array side per target (others: 128)
+STEP_SECONDS = 0.35e-6  # the fixed cost of one grid step of a Pallas TPU pipeline (Pallas TPU docs)
+VMEM_SHARE = 0.75  # a space's double-buffered tiles fill at most this share of a core's VMEM
+M_CHOICES = (16, 32, 64, 128, 256, 512)
+N_CHOICES = (128, 256, 512, 1024)
+K_CHOICES = (128, 256, 512, 1024, 2048)
+
+
+@dataclass(frozen=True)
+class GemmParams:
+    """Tiles of the two grouped GEMMs (module doc).
+
+    tile_m       rows of a tile (both GEMMs; a multiple of 16)
+    tile_n       gate/up: F columns per tile (a gate and an up tile each)
+    tile_k       gate/up: D per K step
+    down_tile_n  down: D columns per tile
+    down_tile_k  down: F per K step
+    """
+
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 512
+    down_tile_n: int = 256
+    down_tile_k: int = 512
+
+    def __post_init__(self) -> None:
+        check_tiles("GemmParams", self.tile_m, self.tile_n, self.tile_k, self.down_tile_n, self.down_tile_k)
+
+
+def check_tiles(name: str, tile_m: int, *lane_tiles: int) -> None:
+    if not isinstance(tile_m, int) or tile_m < ROW_TILE or tile_m % ROW_TILE:
+        raise UnsupportedSchedule(f"{name}.tile_m = {tile_m!r}: a positive multiple of {ROW_TILE}")
+    bad = [t for t in lane_tiles if not isinstance(t, int) or t < LANE or t % LANE]
+    if bad:
+        raise UnsupportedSchedule(f"{name}: tiles {bad} are not positive multiples of {LANE} (TPU lanes)")
+
+
+class Tiles(NamedTuple):
+    """One GEMM pass's tiles: rows, output columns, reduction step."""
+
+    m: int
+    n: int
+    k: int
+
+
+def gate_up_tiles(p) -> Tiles:
+    return Tiles(p.tile_m, p.tile_n, p.tile_k)
+
+
+def down_tiles(p) -> Tiles:
+    return Tiles(p.tile_m, p.down_tile_n, p.down_tile_k)
+
+
+def refusal(block: MoEBlock) -> str | None:
+    if block.D % LANE or block.F % LANE:
+        return (f"pallas_tpu grouped GEMM tiles D and F in multiples of {LANE} (TPU lanes); "
+                f"D = {block.D}, F = {block.F}")
+    return None
+
+
+# ---- VMEM footprints, the space ------------------------------------------------------------------------
+
+def gate_up_vmem(block: MoEBlock, t: Tiles, xb: int, wb: int) -> int:
+    """Bytes of VMEM the gate/up pass holds: double-buffered x, weight, bias, routing-weight and h tiles,
+    the f32 accumulators and the epilogue's f32 values (interleaved: the two 0/1 selection matrices)."""
+    by = 2 * t.m * t.k * xb + 2 * 2 * t.n * t.k * wb + 2 * t.m * t.n * xb  # x, gate + up, h
+    by += 2 * t.m * t.n * 4 + 3 * t.m * t.n * 4  # accumulators; gate, up, h values
+    if block.weight_application == "input":
+        by += 2 * t.m * LANE * 4  # [tile_m, 1] f32, lane-padded
+    if block.layout.has_bias:
+        by += 2 * 2 * 8 * t.n * wb  # [1, tile_n] rows, sublane-padded
+    if block.layout.interleaved:
+        by += 2 * 2 * t.n * t.n * 4
+    return by
+
+
+def down_vmem(block: MoEBlock, t: Tiles, xb: int, wb: int) -> int:
+    """Bytes of VMEM the down pass holds: double-buffered h, weight, bias, routing-weight and y tiles, the
+    f32 accumulator and the epilogue's value."""
+    by = 2 * t.m * t.k * xb + 2 * t.n * t.k * wb + 2 * t.m * t.n * 4 + 2 * t.m * t.n * 4
+    if block.weight_application == "output":
+        by += 2 * t.m * LANE * 4
+    if block.layout.has_bias:
+        by += 2 * 8 * t.n * wb
+    return by
+
+
+def dtype_bytes(block: MoEBlock) -> tuple[int, int]:
+    """(activation bytes, weight bytes) per element."""
+    return DTYPE_BYTES[block.weight_format.compute_dtype], DTYPE_BYTES[block.weight_dtype]
+
+
+def check_vmem(block: MoEBlock, target: Target, passes: dict[str, tuple[Tiles, Tiles]]) -> None:
+    """UnsupportedSchedule when a pass's tiles fill more than VMEM_SHARE of the target's VMEM per core.
+    `passes`: name → (gate/up tiles, down tiles)."""
+    xb, wb = dtype_bytes(block)
+    limit = VMEM_SHARE * target.vmem_bytes
+    for name, (gu, dn) in passes.items():
+        for what, by in (("gate/up", gate_up_vmem(block, gu, xb, wb)), ("down", down_vmem(block, dn, xb, wb))):
+            if by > limit:
+                raise UnsupportedSchedule(
+                    f"{name} {what} tiles {tuple(gu if what == 'gate/up' else dn)} hold {by / 2**20:.1f} MiB of "
+                    f"VMEM, over {VMEM_SHARE:.0%} of {target.name}'s {target.vmem_bytes / 2**20:.0f} MiB per core")
+
+
+def check_divides(block: MoEBlock, gu: Tiles, dn: Tiles) -> None:
+    for name, tile, dim in (("tile_n", gu.n, block.F), ("tile_k", gu.k, block.D),
+                            ("down_tile_n", dn.n, block.D), ("down_tile_k", dn.k, block.F)):
+        if dim % tile:
+            raise UnsupportedSchedule(f"{name} = {tile} does not divide its dimension {dim}")
+
+
+def check(p: GemmParams, block: MoEBlock, target: Target) -> None:
+    check_divides(block, gate_up_tiles(p), down_tiles(p))
+    check_vmem(block, target, {"GemmParams": (gate_up_tiles(p), down_tiles(p))})
+
+
+def divisors(dim: int, choices: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(c for c in choices if dim % c == 0) or (LANE,)
+
+
+def tile_choices(block: MoEBlock) -> tuple[tuple[str, tuple], ...]:
+    return (
+        ("tile_m", M_CHOICES),
+        ("tile_n", divisors(block.F, N_CHOICES)),
+        ("tile_k", divisors(block.D, K_CHOICES)),
+        ("down_tile_n", divisors(block.D, N_CHOICES)),
+        ("down_tile_k", divisors(block.F, K_CHOICES)),
+    )
+
+
+def space(block: MoEBlock, target: Target) -> ParamSpace:
+    return ParamSpace(GemmParams, tile_choices(block), check=partial(check, block=block, target=target))
+
+
+# ---- the cost model -------------------------------------------------------------------------------------
+
+def tile_visits(P: float, distinct: float, tm: int) -> float:
+    """Expected grid tiles of P sorted rows over `distinct` active experts: the full tiles plus one tile
+    per expert boundary inside a tile."""
+    return P / tm + distinct if P else 0.0
+
+
+def pass_cost(block: MoEBlock, gu: Tiles, dn: Tiles, P: float, distinct: float) -> tuple[float, float, float]:
+    """(flops, bytes, grid steps) of the two GEMMs over P rows of `distinct` experts. Each tile visit
+    streams its expert's weight tiles (the K axis is innermost), each tile's rows are read once per output
+    column tile; flops count the tiles' padded rows."""
+    xb, wb = dtype_bytes(block)
+    D, F = block.D, block.F
+    tiles = tile_visits(P, distinct, gu.m)
+    flops = 2.0 * 3 * tiles * gu.m * D * F
+    by = tiles * block.weight_bytes_per_expert
+    by += tiles * gu.m * (D * xb * (F // gu.n) + F * xb)  # gate/up: x rows per column tile, h out
+    by += tiles * dn.m * (F * xb * (D // dn.n) + D * 4)  # down: h rows per column tile, y out (f32)
+    steps = math.ceil(tiles) * ((F // gu.n) * (D // gu.k) + (D // dn.n) * (F // dn.k))
+    return flops, by, steps
+
+
+def glue_bytes(block: MoEBlock, T: int) -> float:
+    """Routing, the sorted copy of x, the combine: what every schedule of the file moves besides the GEMMs."""
+    xb, _ = dtype_bytes(block)
+    P = T * block.k
+    return P * 4 * 4 + T * block.D * xb + 2 * P * block.D * xb + P * block.D * 4 + T * block.D * xb
+
+
+def seconds(block: MoEBlock, target: Target, gu: Tiles, dn: Tiles, P: float, distinct: float) -> float:
+    """Modelled time of one pass on `target`: max(MXU time, HBM time) + grid steps × STEP_SECONDS, the MXU
+    time counting tile columns and reduction steps padded to the systolic array's side."""
+    flops, by, steps = pass_cost(block, gu, dn, P, distinct)
+    mxu = MXU.get(target.name, LANE)
+
+    def waste(t: int) -> float:
+        return math.ceil(t / mxu) * mxu / t
+
+    mxu_flops = flops * (2 * waste(gu.n) * waste(gu.k) + waste(dn.n) * waste(dn.k)) / 3
+    return max(mxu_flops / target.peak_flops, by / target.bandwidth) + steps * STEP_SECONDS
+
+
+def candidates(block: MoEBlock, target: Target) -> list[tuple[Tiles, Tiles]]:
+    """The points a default is picked from: every tile_m, and for each other tile the two largest choices
+    that are multiples of the target's MXU side (all choices where none is)."""
+    mxu = MXU.get(target.name, LANE)
+    ch = dict(tile_choices(block))
+
+    def best(name: str) -> tuple[int, ...]:
+        fit = [v for v in ch[name] if v % mxu == 0] or list(ch[name])
+        return tuple(fit[-2:])
+
+    return [(Tiles(m, n, k), Tiles(m, dn_n, dn_k)) for m in ch["tile_m"] for n in best("tile_n")
+            for k in best("tile_k") for dn_n in best("down_tile_n") for dn_k in best("down_tile_k")]
+
+
+def fastest(block: MoEBlock, target: Target, P: float, distinct: float) -> tuple[Tiles, Tiles]:
+    """The candidate of least modelled time whose tiles fit VMEM_SHARE of the target's VMEM."""
+    xb, wb = dtype_bytes(block)
+    limit = VMEM_SHARE * target.vmem_bytes
+    fits = [(gu, dn) for gu, dn in candidates(block, target)
+            if gate_up_vmem(block, gu, xb, wb) <= limit and down_vmem(block, dn, xb, wb) <= limit]
+    if not fits:
+        raise UnsupportedSchedule(f"no grouped GEMM tiles of {block.D}×{block.F} fit {target.name}'s VMEM")
+    return min(fits, key=lambda c: seconds(block, target, *c, P, distinct))
+
+
+@functools.lru_cache(maxsize=1024)
+def default_params(block: MoEBlock, T: int, target: Target) -> GemmParams:
+    """The tiles of least modelled time (`seconds`) at T tokens. The model: P = T·k rows over
+    T·k / rows_per_active(block, T) active experts fill P/tile_m + experts tiles; each tile streams its
+    expert's weights and re-reads its rows once per output column tile; the MXU time pads tile columns and
+    reduction steps to the systolic array (128 on v5e, 256 on v6e and v7); each grid step costs
+    STEP_SECONDS. Few rows per expert pick small row tiles (the weights dominate, padded rows waste MXU
+    time); many rows pick large ones (fewer weight re-reads)."""
+    P = T * block.k
+    gu, dn = fastest(block, target, P, P / rows_per_active(block, T))
+    return GemmParams(gu.m, gu.n, gu.k, dn.n, dn.k)
+
+
+def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
+    """(flops, bytes) of one call: the two GEMMs' (padded rows, weights once per tile visit) and the glue."""
+    from ...passes.stats import uniform_distinct
+
+    p = schedule.params
+    P = tokens * block.k
+    flops, by, _ = pass_cost(block, gate_up_tiles(p), down_tiles(p), P, uniform_distinct(block.E, block.k, tokens))
+    return flops, by + glue_bytes(block, tokens)
+
+
+# ---- routing and tile metadata (traced) ----------------------------------------------------------------
+
+class Routed(NamedTuple):
+    order: object  # [P] int32: pair indices sorted by expert, sentinels last
+    key: object  # [P] int32: each pair's expert, E for a sentinel
+    counts: object  # [E] int32: rows per expert
+    starts: object  # [E] int32: first sorted row of each expert
+    ends: object  # [E] int32: one past its last
+
+
+def route(block: MoEBlock, ids) -> Routed:
+    import jax.numpy as jnp
+
+    flat = ids.reshape(-1).astype(jnp.int32)  # [P]
+    key = jnp.where((flat >= 0) & (flat < block.E), flat, block.E)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    counts = jnp.bincount(key, length=block.E + 1)[: block.E].astype(jnp.int32)
+    ends = jnp.cumsum(counts).astype(jnp.int32)
+    return Routed(order, key, counts, ends - counts, ends)
+
+
+def sorted_rows(x, weights, order, k: int, rows: int):
+    """(xs [rows, D] in x's dtype, ws [rows, 1] f32): the token rows and routing weights in sorted order,
+    zero past the P pairs."""
+    import jax.numpy as jnp
+
+    pad = rows - order.shape[0]
+    xs = jnp.pad(x[order // k], ((0, pad), (0, 0)))
+    ws = jnp.pad(weights.reshape(-1)[order].astype(jnp.float32)[:, None], ((0, pad), (0, 0)))
+    return xs, ws
+
+
+def tile_metadata(r: Routed, active, tm: int, rows: int):
+    """(group [NT], m [NT], total [1]) int32: the expert and row tile of each grid tile, and how many are
+    real. Tiles of each active non-empty expert, experts in order; the padding tiles repeat the last real
+    one. NT = rows/tm + min(E, P) − 1 bounds the real tiles."""
+    import jax.numpy as jnp
+
+    E = r.counts.shape[0]
+    n_m = rows // tm
+    NT = n_m + min(E, r.order.shape[0]) - 1
+    first_m = r.starts // tm
+    nt = jnp.where(active & (r.counts > 0), (r.ends + tm - 1) // tm - first_m, 0)  # [E] tiles per expert
+    total = nt.sum().astype(jnp.int32)
+    group = jnp.repeat(jnp.arange(E, dtype=jnp.int32), nt, total_repeat_length=NT)
+    t = jnp.arange(NT, dtype=jnp.int32)
+    m = first_m[group] + t - (jnp.cumsum(nt) - nt)[group]
+    last = jnp.maximum(total - 1, 0)
+    real = t < total
+    group = jnp.where(real, group, group[last])
+    m = jnp.clip(jnp.where(real, m, m[last]), 0, n_m - 1).astype(jnp.int32)
+    return group, m, total[None]
+
+
+# ---- the kernels ---------------------------------------------------------------------------------------
+
+def _dot(a, b, b_transposed: bool):
+    """a [m, k] · b, b [n, k] (`b_transposed`) or [k, n], in f32 (f32 operands at full precision)."""
+    import jax
+    import jax.numpy as jnp
+
+    ct = jnp.promote_types(a.dtype, b.dtype)
+    dims = (((1,), (1,)), ((), ())) if b_transposed else (((1,), (0,)), ((), ()))
+    prec = jax.lax.Precision.HIGHEST if ct == jnp.float32 else None
+    return jax.lax.dot_general(a.astype(ct), b.astype(ct), dims, precision=prec,
+                               preferred_element_type=jnp.float32)
+
+
+def _columns(v, parity: int):
+    """The even (parity 0) or odd columns of v [m, 2n] f32, by an exact 0/1 matmul."""
+    import jax
+    import jax.numpy as jnp
+
+    two_n = v.shape[1]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (two_n, two_n // 2), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (two_n, two_n // 2), 1)
+    return _dot(v, (rows == 2 * cols + parity).astype(jnp.float32), False)
+
+
+def _store_rows(out_ref, val, group, m, starts, ends, tm: int) -> None:
+    """Write val [tm, tn] f32 into the rows of out_ref's tile that belong to expert `group`."""
+    import jax
+    import jax.numpy as jnp
+
+    row = jax.lax.broadcasted_iota(jnp.int32, val.shape, 0) + m * tm
+    mine = (row >= starts[group]) & (row < ends[group])
+    out_ref[...] = jnp.where(mine, val, out_ref[...].astype(jnp.float32)).astype(out_ref.dtype)
+
+
+def _vmem_limit(footprint: int) -> int:
+    return max(footprint + footprint // 4, 16 * 2**20)
+
+
+def _call(kernel, grid, in_specs, out_spec, out_shape, scratch, footprint: int, interp):
+    import jax.experimental.pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5, grid=grid, in_specs=in_specs, out_specs=out_spec, scratch_shapes=scratch),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+                                             vmem_limit_bytes=_vmem_limit(footprint)),
+        interpret=interp,
+    )
+
+
+def gate_up_pass(block: MoEBlock, t: Tiles, xs, ws, w: JaxExperts, r: Routed, meta, interp):
+    """h [rows, F] in xs's dtype: act(gate, up) of the sorted rows, for the tiles of `meta` (module doc)."""
+    import jax
+    import jax.experimental.pallas as pl
+    import jax.numpy as jnp
+    from jax.experimental.pallas import tpu as pltpu
+
+    lay, E, F = block.layout, block.E, block.F
+    rows, D = xs.shape
+    nf, nk = F // t.n, D // t.k
+    w_in = block.weight_application == "input"
+    group, m, total = meta
+
+    specs = [pl.BlockSpec((t.m, t.k), lambda n, i, kk, g, mt, *_: (mt[i], kk))]
+    args = [xs]
+    if w_in:
+        specs.append(pl.BlockSpec((t.m, 1), lambda n, i, kk, g, mt, *_: (mt[i], 0)))
+        args.append(ws)
+    # gate/up column blocks: interleaved → one [2·tile_n] block n; else gate block n and up block nf + n
+    halves = ((2 * t.n, 0),) if lay.interleaved else ((t.n, 0), (t.n, nf))
+    for width, off in halves:
+        if lay.transposed:  # [E, D, 2F]
+            specs.append(pl.BlockSpec((None, t.k, width), lambda n, i, kk, g, mt, *_, o=off: (g[i], kk, o + n)))
+        else:  # [E, 2F, D]
+            specs.append(pl.BlockSpec((None, width, t.k), lambda n, i, kk, g, mt, *_, o=off: (g[i], o + n, kk)))
+        args.append(w.gate_up)
+    if lay.has_bias:
+        bias = w.gate_up_bias.reshape(E, 1, 2 * F)
+        for width, off in halves:
+            specs.append(pl.BlockSpec((None, 1, width), lambda n, i, kk, g, mt, *_, o=off: (g[i], 0, o + n)))
+            args.append(bias)
+    out_spec = pl.BlockSpec((t.m, t.n), lambda n, i, kk, g, mt, *_: (mt[i], n))
+    scratch = [pltpu.VMEM((t.m, width), jnp.float32) for width, _ in halves]
+    nw = len(halves)
+
+    def kernel(g_ref, m_ref, st_ref, en_ref, tot_ref, *refs):
+        x_ref, rest = refs[0], list(refs[1:])
+        ws_ref = rest.pop(0) if w_in else None
+        w_refs, rest = rest[:nw], rest[nw:]
+        b_refs, rest = (rest[:nw], rest[nw:]) if lay.has_bias else ((), rest)
+        out_ref, accs = rest[0], rest[1:]
+        i, kk = pl.program_id(1), pl.program_id(2)
+
+        @pl.when(i < tot_ref[0])
+        def _tile():
+            @pl.when(kk == 0)
+            def _zero():
+                for acc in accs:
+                    acc[...] = jnp.zeros_like(acc)
+
+            a = x_ref[...]
+            for w_ref, acc in zip(w_refs, accs, strict=True):
+                acc[...] += _dot(a, w_ref[...], not lay.transposed)
+
+            @pl.when(kk == nk - 1)
+            def _epilogue():
+                vals = [acc[...] for acc in accs]
+                if w_in:
+                    vals = [v * ws_ref[...] for v in vals]
+                if lay.has_bias:
+                    vals = [v + b[...].astype(jnp.float32) for v, b in zip(vals, b_refs, strict=True)]
+                gate, up = (_columns(vals[0], 0), _columns(vals[0], 1)) if lay.interleaved else vals
+                _store_rows(out_ref, gated(block, gate, up), g_ref[i], m_ref[i], st_ref, en_ref, t.m)
+
+    xb, wb = xs.dtype.itemsize, jnp.dtype(w.gate_up.dtype).itemsize
+    call = _call(kernel, (nf, group.shape[0], nk), specs, out_spec, jax.ShapeDtypeStruct((rows, F), xs.dtype),
+                 scratch, gate_up_vmem(block, t, xb, wb), interp)
+    return call(group, m, r.starts, r.ends, total, *args)
+
+
+def down_pass(block: MoEBlock, t: Tiles, h, ws, w: JaxExperts, r: Routed, meta, interp):
+    """y [rows, D] f32: h rows · the down matrix of their expert (+ bias, × the routing weight on the output)."""
+    import jax
+    import jax.experimental.pallas as pl
+    import jax.numpy as jnp
+    from jax.experimental.pallas import tpu as pltpu
+
+    lay, E, D = block.layout, block.E, block.D
+    rows, F = h.shape
+    nd, nk = D // t.n, F // t.k
+    w_out = block.weight_application == "output"
+    group, m, total = meta
+
+    specs = [pl.BlockSpec((t.m, t.k), lambda n, i, kk, g, mt, *_: (mt[i], kk))]
+    args = [h]
+    if w_out:
+        specs.append(pl.BlockSpec((t.m, 1), lambda n, i, kk, g, mt, *_: (mt[i], 0)))
+        args.append(ws)
+    if lay.transposed:  # [E, F, D]
+        specs.append(pl.BlockSpec((None, t.k, t.n), lambda n, i, kk, g, mt, *_: (g[i], kk, n)))
+    else:  # [E, D, F]
+        specs.append(pl.BlockSpec((None, t.n, t.k), lambda n, i, kk, g, mt, *_: (g[i], n, kk)))
+    args.append(w.down)
+    if lay.has_bias:
+        specs.append(pl.BlockSpec((None, 1, t.n), lambda n, i, kk, g, mt, *_: (g[i], 0, n)))
+        args.append(w.down_bias.reshape(E, 1, D))
+    out_spec = pl.BlockSpec((t.m, t.n), lambda n, i, kk, g, mt, *_: (mt[i], n))
+
+    def kernel(g_ref, m_ref, st_ref, en_ref, tot_ref, *refs):
+        h_ref, rest = refs[0], list(refs[1:])
+        ws_ref = rest.pop(0) if w_out else None
+        w_ref = rest.pop(0)
+        b_ref = rest.pop(0) if lay.has_bias else None
+        out_ref, acc = rest
+        i, kk = pl.program_id(1), pl.program_id(2)
+
+        @pl.when(i < tot_ref[0])
+        def _tile():
+            @pl.when(kk == 0)
+            def _zero():
+                acc[...] = jnp.zeros_like(acc)
+
+            acc[...] += _dot(h_ref[...], w_ref[...], not lay.transposed)
+
+            @pl.when(kk == nk - 1)
+            def _epilogue():
+                v = acc[...]
+                if lay.has_bias:
+                    v = v + b_ref[...].astype(jnp.float32)
+                if w_out:
+                    v = v * ws_ref[...]
+                _store_rows(out_ref, v, g_ref[i], m_ref[i], st_ref, en_ref, t.m)
+
+    xb, wb = h.dtype.itemsize, jnp.dtype(w.down.dtype).itemsize
+    call = _call(kernel, (nd, group.shape[0], nk), specs, out_spec, jax.ShapeDtypeStruct((rows, D), jnp.float32),
+                 [pltpu.VMEM((t.m, t.n), jnp.float32)], down_vmem(block, t, xb, wb), interp)
+    return call(group, m, r.starts, r.ends, total, *args)
+
+
+def unsorted(y, order):
+    """y [rows, D] in sorted order → [P, D] in pair order."""
+    import jax.numpy as jnp
+
+    P = order.shape[0]
+    rank = jnp.zeros(P, jnp.int32).at[order].set(jnp.arange(P, dtype=jnp.int32))  # sorted row of each pair
+    return y[rank]
+
+
+def combine(y_pairs, ids, block: MoEBlock, dtype):
+    """[T, D] in `dtype`: the f32 sum over k of each token's valid pair rows y_pairs [P, D]."""
+    import jax.numpy as jnp
+
+    T, k = ids.shape
+    valid = (ids >= 0) & (ids < block.E)  # [T, k]
+    return jnp.where(valid[..., None], y_pairs.reshape(T, k, -1), 0.0).sum(axis=1).astype(dtype)
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def experts_fn(block: MoEBlock, p: GemmParams, interp):
+    """The JaxExpertsFn of GemmParams `p`, its pallas_calls given `interp` as interpret=."""
+    import jax.numpy as jnp
+
+    why = refusal(block)
+    if why:
+        raise UnsupportedSchedule(why)
+    gu_t, dn_t = gate_up_tiles(p), down_tiles(p)
+    check_divides(block, gu_t, dn_t)
+
+    def fn(x, ids, weights, w: JaxExperts):
+        T, k = ids.shape
+        if T == 0:
+            return jnp.zeros_like(x)
+        r = route(block, ids)
+        rows = round_up(T * k, p.tile_m)
+        xs, ws = sorted_rows(x, weights, r.order, k, rows)
+        meta = tile_metadata(r, jnp.ones(block.E, bool), p.tile_m, rows)
+        h = gate_up_pass(block, gu_t, xs, ws, w, r, meta, interp)
+        y = down_pass(block, dn_t, h, ws, w, r, meta, interp)
+        return combine(unsorted(y, r.order), ids, block, x.dtype)
+
+    return fn
+
+
+def build_jax(block: MoEBlock, schedule: Schedule):
+    return experts_fn(block, schedule.params, interpret())
+
+
+def build(block: MoEBlock, schedule: Schedule):
+    return bridged(block, build_jax(block, schedule))
+
+
+KIND = KernelKind("grouped_gemm", GemmParams, space, default_params, build, cost, sources(__file__, SOURCES),
+                  refusal=refusal, build_jax=build_jax)

@@ -1,0 +1,171 @@
+"""Pallas grouped_gemm: in TPU interpret mode (DMA races detected) against the float32 reference on every
+routing edge, layout, activation and dtype; every default and some space points lowered for TPU at the
+presets' real shapes; the space within each target's VMEM and the defaults inside it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+jax = pytest.importorskip("jax")
+
+from pallas_cases import (  # noqa: E402
+    BACKEND,
+    CASES,
+    LOWERED_PRESETS,
+    TARGETS,
+    case_block,
+    check,
+    lower_for_tpu,
+)
+
+from moetune.codegen.pallas import grouped_gemm as gg  # noqa: E402
+from moetune.ir import MoEBlock, Schedule, UnsupportedSchedule, WeightFormat  # noqa: E402
+from moetune.ir.presets import preset  # noqa: E402
+from moetune.passes.targets import get_target  # noqa: E402
+
+FULL = gg.GemmParams(16, 256, 256, 256, 256)  # one column tile, one K step at D = F = 256
+SPLIT = gg.GemmParams(16, 128, 128, 128, 128)  # two column tiles, two K steps: the accumulators and index maps
+
+
+@pytest.fixture(autouse=True)
+def races(monkeypatch):
+    monkeypatch.setenv("MOETUNE_PALLAS_INTERPRET", "races")
+
+
+def schedule(p: gg.GemmParams) -> Schedule:
+    return Schedule("grouped_gemm", backend="pallas_tpu", params=p)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_matches_reference(case):
+    _, kw, T, route = case
+    check(case_block(kw), schedule(FULL), T, route)
+
+
+@pytest.mark.parametrize("p", [SPLIT, gg.GemmParams(32, 128, 256, 256, 128)], ids=["split", "tile_m=32"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_split_tiles_match_reference(p, dtype):
+    """Several column tiles and K steps, tiles crossing expert boundaries (T·k = 26 rows over 8 experts)."""
+    check(case_block(dict(dtype=dtype)), schedule(p), 13, "uniform", seed=3)
+
+
+def test_only_sentinels_give_zeros():
+    block = case_block({})
+    ids = torch.full((5, 2), block.E, dtype=torch.long)
+    ids[::2, 1] = -1
+    out = check(block, schedule(FULL), 5, "uniform", ids=ids)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_tile_metadata_skips_zero_row_experts():
+    """Tiles only for non-empty experts, in order, rows of each expert covered; padding repeats the last."""
+    import jax.numpy as jnp
+
+    block = case_block({})
+    ids = jnp.array([[5, 0], [5, 5], [0, 9], [5, -1]], jnp.int32)  # experts 0: 2 rows, 5: 4 rows
+    r = gg.route(block, ids)
+    assert r.counts.tolist() == [2, 0, 0, 0, 0, 4, 0, 0]
+    group, m, total = gg.tile_metadata(r, jnp.ones(block.E, bool), 4, 8)
+    assert int(total[0]) == 3 and group.shape == (2 + 8 - 1,)
+    assert group.tolist()[:3] == [0, 5, 5] and m.tolist()[:3] == [0, 0, 1]
+    assert set(group.tolist()[3:]) == {5} and set(m.tolist()[3:]) == {1}
+
+
+@pytest.mark.parametrize("name", LOWERED_PRESETS)
+def test_defaults_and_space_points_lower_for_tpu(name, monkeypatch):
+    monkeypatch.delenv("MOETUNE_PALLAS_INTERPRET")
+    block = preset(name)
+    points = set()
+    for target in TARGETS:
+        t = get_target(target)
+        points |= {gg.default_params(block, T, t) for T in (64, 1024)}
+        sp = gg.space(block, t)
+        first = {n: vals[0] for n, vals in sp.choices}
+        last = {n: vals[-1] for n, vals in sp.choices}
+        points.add(sp.make(**first))
+        try:
+            points.add(sp.make(**last))
+        except UnsupportedSchedule:
+            pass
+    for p in points:
+        for T in (64, 1024):  # deliberately both: T changes the grid and the padded rows
+            assert "tpu_custom_call" in lower_for_tpu(gg.experts_fn(block, p, False), block, T), p
+
+
+@pytest.mark.parametrize("case", CASES[6:], ids=[c[0] for c in CASES[6:]])
+def test_every_layout_lowers_for_tpu(case, monkeypatch):
+    monkeypatch.delenv("MOETUNE_PALLAS_INTERPRET")
+    for dtype in ("float32", "bfloat16"):
+        block = case_block(dict(case[1], dtype=dtype))
+        for p in (FULL, SPLIT):
+            assert "tpu_custom_call" in lower_for_tpu(gg.experts_fn(block, p, False), block, 13)
+
+
+@pytest.mark.parametrize("name", LOWERED_PRESETS)
+@pytest.mark.parametrize("target", TARGETS)
+def test_defaults_are_points_of_a_space_within_vmem(name, target):
+    block, t = preset(name), get_target(target)
+    sp = BACKEND.kind("grouped_gemm", block).space(block, t)
+    xb, wb = gg.dtype_bytes(block)
+    for T in (1, 8, 64, 1024, 4096):
+        p = gg.default_params(block, T, t)
+        assert all(getattr(p, n) in vals for n, vals in sp.choices), (T, p)
+        sp.admit(p)
+    admitted = 0
+    for values in sp.grid():
+        try:
+            p = sp.make(**values)
+        except UnsupportedSchedule:
+            continue
+        admitted += 1
+        assert gg.gate_up_vmem(block, gg.gate_up_tiles(p), xb, wb) <= 0.75 * t.vmem_bytes
+        assert gg.down_vmem(block, gg.down_tiles(p), xb, wb) <= 0.75 * t.vmem_bytes
+    assert admitted
+
+
+def test_vmem_refuses_what_a_small_core_cannot_hold():
+    block = preset("mixtral-8x7b")
+    small = dataclasses.replace(get_target("tpu-v7"), vmem_bytes=8 * 2**20)
+    sp = gg.space(block, small)
+    with pytest.raises(UnsupportedSchedule, match="VMEM"):
+        sp.make(tile_m=512, tile_n=1024, tile_k=2048, down_tile_n=1024, down_tile_k=2048)
+    sp.make(tile_m=16, tile_n=128, tile_k=128, down_tile_n=128, down_tile_k=128)
+    p = gg.default_params(block, 1024, small)
+    sp.admit(p)
+
+
+def test_larger_tiles_at_more_rows_per_expert():
+    block, t = preset("qwen3-30b-a3b"), get_target("tpu-v6e")
+    ms = [gg.default_params(block, T, t).tile_m for T in (1, 64, 1024, 8192)]
+    assert ms == sorted(ms) and ms[-1] > ms[0]
+
+
+@pytest.mark.parametrize("bad, why", [(dict(tile_m=8), "multiple of 16"), (dict(tile_n=100), "multiples of 128"),
+                                      (dict(down_tile_k=0), "multiples of 128")])
+def test_params_checked(bad, why):
+    with pytest.raises(UnsupportedSchedule, match=why):
+        gg.GemmParams(**bad)
+
+
+def test_tiles_that_do_not_divide_are_refused():
+    block = case_block({})
+    with pytest.raises(UnsupportedSchedule, match="does not divide"):
+        BACKEND.build(block, schedule(gg.GemmParams(16, 512, 256, 256, 256)))
+
+
+def test_refusals_name_the_reason():
+    odd = MoEBlock(E=8, k=2, D=2880, F=2880)
+    assert "multiples of 128" in BACKEND.kinds(odd)["grouped_gemm"]
+    fp8 = MoEBlock(E=8, k=2, D=256, F=256).with_weight_format(WeightFormat.fp8_block())
+    assert "fp8_block" in BACKEND.kinds(fp8)["grouped_gemm"]
+
+
+def test_cost_counts_padded_rows_and_weights():
+    block = case_block(dict(dtype="bfloat16"))
+    small, big = (BACKEND.cost(block, schedule(gg.GemmParams(m, 256, 256, 256, 256)), 4096)
+                  for m in (16, 512))
+    assert big[0] > small[0]  # more padded rows
+    assert small[1] > big[1]  # more weight re-reads
