@@ -76,7 +76,7 @@ def kernel_source_hash(backend: str) -> str:
     schemes = getattr(be, "schemes", lambda kind: ("none",))
     parts = []
     for kind in sorted(SCHEDULE_KINDS):
-        for scheme in schemes(kind) or ("none",):
+        for scheme in schemes(kind):  # none for a kind the backend has no kernel of: no part for it
             files = sources(kind) if scheme == "none" else sources(kind, scheme)
             parts.append(f"{hash_key(kind, scheme)}={files_hash(files)}")
     return ";".join(sorted(parts))

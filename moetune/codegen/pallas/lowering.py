@@ -4,6 +4,8 @@
                                           jax.ShapeDtypeStruct at the block's real shape: nothing allocated
     lower(backend, block, schedule, T)    the kind's JAX function built and traced inside `for_tpu()` (Mosaic
                                           TPU kernels, interpret off) → Lowered; the grid of every pallas_call
+    lower_fn(fn, args, what)              the same for any JAX function on ShapeDtypeStruct arguments
+    grid_calls(traced)                    the pallas_calls of a traced program, each with its grid
     reset_interpret()                     what TPU interpret mode needs after a kernel raised inside it
 
 `lower` runs in two stages, kept apart because they fail for different reasons: tracing (`jit(f).trace`) runs
@@ -57,7 +59,6 @@ class TraceFailed(Exception):
 
 @dataclass(frozen=True)
 class Lowered:
-    tokens: int
     calls: tuple[GridCall, ...]
     text_bytes: int  # size of the lowered module's text: that it exists is the point
 
@@ -93,27 +94,36 @@ def lower(backend, block: MoEBlock, schedule: Schedule, tokens: int) -> Lowered:
     """Build `schedule`'s JAX function with `backend` (its target's limits), trace it at T = `tokens` on the
     block's real shape and lower it for TPU, interpret off. UnsupportedSchedule where the backend refuses it,
     TraceFailed where the kernel's Python raises, LoweringRefused where Mosaic refuses it."""
-    import jax
-
     with for_tpu():
         fn = backend.build_jax(block, schedule)  # UnsupportedSchedule passes through
-        try:
-            traced = jax.jit(fn).trace(*abstract_args(block, tokens))
-        except UnsupportedSchedule:
-            raise
-        except Exception as e:  # noqa: BLE001 - the kernel's bug: the caller decides (strict, keep_going)
-            raise TraceFailed(e) from e
-        calls = tuple(_grid_calls(traced.jaxpr.jaxpr, 1))
-        try:
-            text = traced.lower(lowering_platforms=("tpu",)).as_text()
-        except Exception as e:  # noqa: BLE001 - every Mosaic refusal is this candidate's, whatever its type
-            first = " ".join(str(e).split())[:300]
-            raise LoweringRefused(f"{schedule.describe()} at T={tokens}: TPU lowering refused it "
-                                  f"({type(e).__name__}: {first})") from e
+        return lower_fn(fn, abstract_args(block, tokens), f"{schedule.describe()} at T={tokens}")
+
+
+def lower_fn(fn, args: tuple, what: str) -> Lowered:
+    """Trace the JAX function `fn` on `args` (ShapeDtypeStructs) and lower it for TPU (`lower`; `what` names it
+    in errors)."""
+    import jax
+
+    try:
+        traced = jax.jit(fn).trace(*args)
+    except UnsupportedSchedule:
+        raise
+    except Exception as e:  # noqa: BLE001 - the kernel's bug: the caller decides (strict, keep_going)
+        raise TraceFailed(e) from e
+    calls = grid_calls(traced)
+    try:
+        text = traced.lower(lowering_platforms=("tpu",)).as_text()
+    except Exception as e:  # noqa: BLE001 - every Mosaic refusal is this candidate's, whatever its type
+        first = " ".join(str(e).split())[:300]
+        raise LoweringRefused(f"{what}: TPU lowering refused it ({type(e).__name__}: {first})") from e
     if not calls:
-        raise UnsupportedSchedule(f"{schedule.describe()}: its program has no pallas_call (nothing to lower "
-                                  "for TPU)")
-    return Lowered(tokens, calls, len(text))
+        raise UnsupportedSchedule(f"{what}: the program has no pallas_call (nothing to lower for TPU)")
+    return Lowered(calls, len(text))
+
+
+def grid_calls(traced) -> tuple[GridCall, ...]:
+    """Every pallas_call of a traced program (`jax.jit(f).trace(...)`) with its static grid."""
+    return tuple(_grid_calls(traced.jaxpr.jaxpr, 1))
 
 
 def _sub_jaxprs(value):
