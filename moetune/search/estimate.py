@@ -200,7 +200,9 @@ def estimate_block(block: MoEBlock, target: str, tokens: tuple[int, int] = (1, 1
             buckets = [b for b in buckets if any(b.lo <= x <= b.hi for x in at_tokens)]
         vblock, _ = verify_block(block)
         w = expert_tensors(vblock, seed=options.seed)
-        versions = Versions.current(BACKEND, "cpu") if table is not None else None
+        from ..codegen.pallas._common import on_tpu
+
+        versions = Versions.current(BACKEND, "tpu" if on_tpu() else "cpu") if table is not None else None
         results = []
         for i, b in enumerate(buckets):
             r = estimate_bucket(block, be, t.name, b, vblock, w, options)
