@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from ..backend import register
 from ..contract import KernelBackend
-from . import grouped_gemm, hybrid
+from . import grouped_gemm, hybrid, stream_gemv, stream_gemv_fp8
 from ._common import INTERPRET_ENV, interpret_requested, on_tpu
 
 
 class PallasTpuBackend(KernelBackend):
     name = "pallas_tpu"
     library = "jax"
-    KINDS = (grouped_gemm.KIND, hybrid.KIND)
+    KINDS = (grouped_gemm.KIND, hybrid.KIND, stream_gemv.KIND, stream_gemv_fp8.KIND)
     TARGET = "tpu-v7"
 
     def available(self) -> str | None:
