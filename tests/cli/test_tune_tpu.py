@@ -80,12 +80,12 @@ def test_verify_only_flags_that_do_not_fit_are_refused(extra, says, config, tmp_
 
 @pytest.fixture(scope="module")
 def estimated(config, tmp_path_factory):
-    """Two runs into one table: every bucket of T ∈ [3, 16] over a 1-point sub-grid, then the bucket of
+    """Two runs into one table: every bucket of T ∈ [1, 7] over a 1-point sub-grid, then the bucket of
     T = 5 again over a 2-point one; the table's rows after each."""
     from moetune.runtime.table import DispatchTable
 
     path = tmp_path_factory.mktemp("tpu") / f"{TARGET}.sqlite"
-    base = ["tune", "--config", str(config), "--target", TARGET, "--verify-only", "--tokens", "3-16",
+    base = ["tune", "--config", str(config), "--target", TARGET, "--verify-only", "--tokens", "1-7",
             "--cache", str(path)]
     first = run([*base, "--space-cap", "1"])
     with DispatchTable(path, create=False) as t:
