@@ -151,11 +151,15 @@ def interpreting() -> Iterator[None]:
     if interpret_requested() is not None or on_tpu():
         yield
         return
+    before = os.environ.get(INTERPRET_ENV)
     os.environ[INTERPRET_ENV] = "1"
     try:
         yield
     finally:
-        os.environ.pop(INTERPRET_ENV, None)
+        if before is None:
+            os.environ.pop(INTERPRET_ENV, None)
+        else:
+            os.environ[INTERPRET_ENV] = before
 
 
 # ---------------------------------------------------------------------------------------- the buckets

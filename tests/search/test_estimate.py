@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -75,3 +76,17 @@ def test_the_verification_count_is_small_and_inside_small_buckets():
 
     for b in schedule_block(BF16, "tpu-v7", tokens=(1, 64)).buckets:
         assert 1 <= verify_tokens(b) <= 8 and (verify_tokens(b) >= b.lo or b.lo > 8)
+
+
+@pytest.mark.parametrize("before", [None, "0"])
+def test_interpret_mode_is_set_for_the_run_and_restored(before, monkeypatch):
+    from moetune.codegen.pallas._common import INTERPRET_ENV, interpret_requested
+    from moetune.search.estimate import interpreting
+
+    if before is None:
+        monkeypatch.delenv(INTERPRET_ENV, raising=False)
+    else:
+        monkeypatch.setenv(INTERPRET_ENV, before)
+    with interpreting():
+        assert interpret_requested() is not None
+    assert os.environ.get(INTERPRET_ENV) == before
