@@ -7,11 +7,13 @@ import torch
 from torch_cases import GPT_OSS_ACT, make_block, make_tensors, routing
 
 from moetune.codegen.backend import get
+from moetune.codegen.quant import gate_up_scale_shape, scale_shape
 from moetune.codegen.torch import experts_reference, worst_error
 from moetune.ir import MoEBlock, Schedule, WeightLayout
 
 BACKEND = get("pallas_tpu")
 LOWERED_PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "qwen3.5-397b-a17b", "mixtral-8x7b")
+FP8_PRESETS = tuple(f"{n}-fp8" for n in LOWERED_PRESETS)
 TARGETS = ("tpu-v5e", "tpu-v6e", "tpu-v7")
 
 # name, block kwargs (torch_cases.make_block; D = F = 256 unless given), T, routing pattern
@@ -62,14 +64,18 @@ def abstract_inputs(block: MoEBlock, T: int):
 
     from moetune.codegen.pallas._common import JaxExperts
 
-    lay, dt = block.layout, jnp.dtype(block.weight_dtype)
+    lay, fmt = block.layout, block.weight_format
+    dt, wt = jnp.dtype(fmt.compute_dtype), jnp.dtype(block.weight_dtype)
 
     def s(*shape, d=dt):
         return jax.ShapeDtypeStruct(shape, d)
 
-    w = JaxExperts(s(*lay.gate_up_shape(block.E, block.D, block.F)), s(*lay.down_shape(block.E, block.D, block.F)),
-                   s(block.E, 2 * block.F) if lay.has_bias else None, s(block.E, block.D) if lay.has_bias else None)
-    return s(T, block.D), s(T, block.k, d=jnp.int32), s(T, block.k), w
+    E, D, F = block.E, block.D, block.F
+    scales = ((s(E, *gate_up_scale_shape(F, D, fmt.block), d=jnp.float32),
+               s(E, *scale_shape(D, F, fmt.block), d=jnp.float32)) if fmt.quantized else (None, None))
+    w = JaxExperts(s(*lay.gate_up_shape(E, D, F), d=wt), s(*lay.down_shape(E, D, F), d=wt),
+                   s(E, 2 * F) if lay.has_bias else None, s(E, D) if lay.has_bias else None, *scales)
+    return s(T, D), s(T, block.k, d=jnp.int32), s(T, block.k), w
 
 
 def lower_for_tpu(fn, block: MoEBlock, T: int) -> str:

@@ -9,9 +9,9 @@ Inside the jitted function, with P = T·k (token, expert) pairs:
                  pad rows zero)
     metadata     tile i of the grid → (expert group[i], row tile m[i]): every row tile a non-empty group
                  overlaps, groups in expert order (so the output tiles are revisited consecutively);
-                 zero-row experts get no tile. The count is bounded by Pp/tile_m + min(E, P) − 1 (a static
-                 grid); tiles past the real ones repeat the last real tile's block indices (no DMA) and
-                 skip their body.
+                 zero-row experts get no tile. The metadata arrays are sized by the bound
+                 Pp/tile_m + min(E, P) − 1; the grid's tile axis is the traced count of real tiles (a
+                 dynamic grid), so no step is spent on tiles that do not exist.
     gate/up      grid (F/tile_n, tiles, D/tile_k): acc_g, acc_u [tile_m, tile_n] f32 += xs tile · gate /
                  up tiles of expert group[i] (read in place in the model's layout; interleaved layouts:
                  one [2·tile_n] tile, its even / odd columns taken apart in the epilogue by exact 0/1
@@ -26,7 +26,11 @@ Inside the jitted function, with P = T·k (token, expert) pairs:
 
 TPU tiling: tile_m a multiple of 16 (bf16 rows pack two per sublane; f32 takes the same tiles), every
 other tile a multiple of 128 dividing its dimension, so a block needs D and F multiples of 128.
-FP8 (fp8_block) weights are not read here: the backend refuses them by format (formats = ("none",)).
+Block-quantised weights (fp8_block, moetune.codegen.quant; standard layout, float32 scales, blocks in
+multiples of 128 dividing D and F): w8a16. The e4m3 tiles stream from HBM at one byte per weight, each
+expert's scales sit in SMEM, and each K step runs one matmul per (r, c) scale block of the tile on the
+e4m3 values cast to x's dtype (exact), scaled in f32 (x·(q·s)ᵀ = s·(x·qᵀ)); no dequantised copy is made.
+Those matmuls are unrolled, so a tile holds at most FP8_BLOCKS_PER_TILE scale blocks.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from typing import NamedTuple
 
 from ...ir import DTYPE_BYTES, MoEBlock, Schedule, UnsupportedSchedule
 from ...passes.policy import rows_per_active
+from ...passes.stats import uniform_distinct
 from ...passes.targets import Target
 from ..common import ParamSpace
 from ..contract import KernelKind, sources
@@ -46,11 +51,13 @@ from ._common import JaxExperts, bridged, interpret
 from .reference import gated
 
 SOURCES = ("grouped_gemm.py", "_common.py", "reference.py")
+FORMATS = ("none", "fp8_block")
 
 LANE = 128  # TPU vector lanes: the last dimension of every block
 ROW_TILE = 16  # rows per sublane tile of a 16-bit operand (f32: 8), the step of tile_m
 MXU = {"tpu-v5e": 128, "tpu-v6e": 256, "tpu-v7": 256}  # systolic array side per target (others: 128)
 STEP_SECONDS = 0.35e-6  # the fixed cost of one grid step of a Pallas TPU pipeline (Pallas TPU docs)
+FP8_BLOCKS_PER_TILE = 4  # scale blocks per block-quantised weight tile: each is one unrolled matmul of the body
 VMEM_SHARE = 0.75  # a space's double-buffered tiles fill at most this share of a core's VMEM
 M_CHOICES = (16, 32, 64, 128, 256, 512)
 N_CHOICES = (128, 256, 512, 1024)
@@ -106,6 +113,14 @@ def refusal(block: MoEBlock) -> str | None:
     if block.D % LANE or block.F % LANE:
         return (f"pallas_tpu grouped GEMM tiles D and F in multiples of {LANE} (TPU lanes); "
                 f"D = {block.D}, F = {block.F}")
+    fmt = block.weight_format
+    if fmt.quantized:
+        r, c = fmt.block
+        if fmt.scale_dtype != "float32":
+            return f"pallas_tpu FP8 GEMMs read float32 block scales, not {fmt.scale_dtype}"
+        if r % LANE or c % LANE or block.D % r or block.F % r or block.D % c or block.F % c:
+            return (f"pallas_tpu FP8 GEMMs need scale blocks {r}×{c} in multiples of {LANE} that divide "
+                    f"D = {block.D} and F = {block.F} (whole blocks per tile)")
     return None
 
 
@@ -155,13 +170,30 @@ def check_vmem(block: MoEBlock, target: Target, passes: dict[str, tuple[Tiles, T
 
 
 def check_divides(block: MoEBlock, gu: Tiles, dn: Tiles) -> None:
-    for name, tile, dim in (("tile_n", gu.n, block.F), ("tile_k", gu.k, block.D),
-                            ("down_tile_n", dn.n, block.D), ("down_tile_k", dn.k, block.F)):
+    """Each tile divides its dimension; with block-quantised weights each tile holds whole scale blocks."""
+    fmt = block.weight_format
+    r, c = fmt.block if fmt.quantized else (1, 1)
+    for name, tile, dim, blk in (("tile_n", gu.n, block.F, r), ("tile_k", gu.k, block.D, c),
+                                 ("down_tile_n", dn.n, block.D, r), ("down_tile_k", dn.k, block.F, c)):
         if dim % tile:
             raise UnsupportedSchedule(f"{name} = {tile} does not divide its dimension {dim}")
+        if tile % blk:
+            raise UnsupportedSchedule(f"{name} = {tile} does not hold whole {fmt.block} scale blocks")
+    if fmt.quantized:
+        for name, t in (("gate/up", gu), ("down", dn)):
+            if (t.n // r) * (t.k // c) > FP8_BLOCKS_PER_TILE:
+                raise UnsupportedSchedule(f"{name} tile {t.n}×{t.k} holds {(t.n // r) * (t.k // c)} scale blocks "
+                                          f"{fmt.block}, over {FP8_BLOCKS_PER_TILE} (one unrolled matmul each)")
+
+
+def check_block(block: MoEBlock) -> None:
+    why = refusal(block)
+    if why:
+        raise UnsupportedSchedule(why)
 
 
 def check(p: GemmParams, block: MoEBlock, target: Target) -> None:
+    check_block(block)
     check_divides(block, gate_up_tiles(p), down_tiles(p))
     check_vmem(block, target, {"GemmParams": (gate_up_tiles(p), down_tiles(p))})
 
@@ -229,11 +261,14 @@ def seconds(block: MoEBlock, target: Target, gu: Tiles, dn: Tiles, P: float, dis
 
 def candidates(block: MoEBlock, target: Target) -> list[tuple[Tiles, Tiles]]:
     """The points a default is picked from: every tile_m, and for each other tile the two largest choices
-    that are multiples of the target's MXU side (all choices where none is)."""
+    that are multiples of the target's MXU side (all choices where none is); every choice for
+    block-quantised weights (their tiles are bounded jointly by FP8_BLOCKS_PER_TILE)."""
     mxu = MXU.get(target.name, LANE)
     ch = dict(tile_choices(block))
 
     def best(name: str) -> tuple[int, ...]:
+        if block.weight_format.quantized:
+            return ch[name]
         fit = [v for v in ch[name] if v % mxu == 0] or list(ch[name])
         return tuple(fit[-2:])
 
@@ -246,10 +281,19 @@ def fastest(block: MoEBlock, target: Target, P: float, distinct: float) -> tuple
     xb, wb = dtype_bytes(block)
     limit = VMEM_SHARE * target.vmem_bytes
     fits = [(gu, dn) for gu, dn in candidates(block, target)
-            if gate_up_vmem(block, gu, xb, wb) <= limit and down_vmem(block, dn, xb, wb) <= limit]
+            if gate_up_vmem(block, gu, xb, wb) <= limit and down_vmem(block, dn, xb, wb) <= limit
+            and _whole_blocks(block, gu, dn)]
     if not fits:
         raise UnsupportedSchedule(f"no grouped GEMM tiles of {block.D}×{block.F} fit {target.name}'s VMEM")
     return min(fits, key=lambda c: seconds(block, target, *c, P, distinct))
+
+
+def _whole_blocks(block: MoEBlock, gu: Tiles, dn: Tiles) -> bool:
+    try:
+        check_divides(block, gu, dn)
+    except UnsupportedSchedule:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=1024)
@@ -267,8 +311,6 @@ def default_params(block: MoEBlock, T: int, target: Target) -> GemmParams:
 
 def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
     """(flops, bytes) of one call: the two GEMMs' (padded rows, weights once per tile visit) and the glue."""
-    from ...passes.stats import uniform_distinct
-
     p = schedule.params
     P = tokens * block.k
     flops, by, _ = pass_cost(block, gate_up_tiles(p), down_tiles(p), P, uniform_distinct(block.E, block.k, tokens))
@@ -309,8 +351,8 @@ def sorted_rows(x, weights, order, k: int, rows: int):
 
 def tile_metadata(r: Routed, active, tm: int, rows: int):
     """(group [NT], m [NT], total [1]) int32: the expert and row tile of each grid tile, and how many are
-    real. Tiles of each active non-empty expert, experts in order; the padding tiles repeat the last real
-    one. NT = rows/tm + min(E, P) − 1 bounds the real tiles."""
+    real (the grid's extent). Tiles of each active non-empty expert, experts in order; NT = rows/tm +
+    min(E, P) − 1 bounds them (entries past `total` are never read)."""
     import jax.numpy as jnp
 
     E = r.counts.shape[0]
@@ -321,11 +363,7 @@ def tile_metadata(r: Routed, active, tm: int, rows: int):
     total = nt.sum().astype(jnp.int32)
     group = jnp.repeat(jnp.arange(E, dtype=jnp.int32), nt, total_repeat_length=NT)
     t = jnp.arange(NT, dtype=jnp.int32)
-    m = first_m[group] + t - (jnp.cumsum(nt) - nt)[group]
-    last = jnp.maximum(total - 1, 0)
-    real = t < total
-    group = jnp.where(real, group, group[last])
-    m = jnp.clip(jnp.where(real, m, m[last]), 0, n_m - 1).astype(jnp.int32)
+    m = (first_m[group] + t - (jnp.cumsum(nt) - nt)[group]).astype(jnp.int32)
     return group, m, total[None]
 
 
@@ -354,6 +392,36 @@ def _columns(v, parity: int):
     return _dot(v, (rows == 2 * cols + parity).astype(jnp.float32), False)
 
 
+def _accumulate(acc, x_ref, w_ref, s_ref, w_transposed: bool, quant, row0, col0) -> None:
+    """acc += x tile · w tile. Unquantised: one matmul. Block-quantised (quant = (r, c, scale columns)):
+    per scale block, the e4m3 values cast to x's dtype (exact: e4m3 ⊂ bf16), one [tm, c]·[c, r] matmul in
+    f32, times that block's scale from SMEM (x·(q·s)ᵀ = s·(x·qᵀ): w8a16 without a dequantised copy).
+    row0 / col0: the tile's first scale row and column."""
+    if quant is None:
+        acc[...] += _dot(x_ref[...], w_ref[...], w_transposed)
+        return
+    r, c, n_cols = quant
+    width, depth = w_ref.shape  # standard layout only: [tile_n, tile_k]
+    for kb in range(depth // c):
+        xa = x_ref[:, kb * c:(kb + 1) * c]
+        for b in range(width // r):
+            q = w_ref[b * r:(b + 1) * r, kb * c:(kb + 1) * c].astype(xa.dtype)
+            s = s_ref[0, (row0 + b) * n_cols + col0 + kb]
+            acc[:, b * r:(b + 1) * r] += s * _dot(xa, q, True)
+
+
+def _scale_spec(scales, E: int):
+    """The scales of one expert [E, rows, cols] → a flat SMEM block per expert, and the array it reads."""
+    import jax.experimental.pallas as pl
+    import jax.numpy as jnp
+    from jax.experimental.pallas import tpu as pltpu
+
+    flat = scales.astype(jnp.float32).reshape(E, 1, -1)  # [E, 1, rows·cols]: full last two block dims
+    spec = pl.BlockSpec((None, 1, flat.shape[2]), lambda n, i, kk, g, mt, *_: (g[i], 0, 0),
+                        memory_space=pltpu.SMEM)
+    return spec, flat
+
+
 def _store_rows(out_ref, val, group, m, starts, ends, tm: int) -> None:
     """Write val [tm, tn] f32 into the rows of out_ref's tile that belong to expert `group`."""
     import jax
@@ -365,6 +433,8 @@ def _store_rows(out_ref, val, group, m, starts, ends, tm: int) -> None:
 
 
 def _vmem_limit(footprint: int) -> int:
+    """vmem_limit_bytes of a pass: its footprint and a quarter more for Mosaic's own scratch, at least the
+    smallest default scoped limit (16 MiB); within a core's VMEM for any point of a space (≤ 3/4 of it)."""
     return max(footprint + footprint // 4, 16 * 2**20)
 
 
@@ -381,6 +451,12 @@ def _call(kernel, grid, in_specs, out_spec, out_shape, scratch, footprint: int, 
                                              vmem_limit_bytes=_vmem_limit(footprint)),
         interpret=interp,
     )
+
+
+def _quant(block: MoEBlock, scales):
+    """(r, c, scale columns per expert) of block-quantised weights, None for unquantised ones."""
+    fmt = block.weight_format
+    return (*fmt.block, scales.shape[-1]) if fmt.quantized else None
 
 
 def gate_up_pass(block: MoEBlock, t: Tiles, xs, ws, w: JaxExperts, r: Routed, meta, interp):
@@ -414,41 +490,46 @@ def gate_up_pass(block: MoEBlock, t: Tiles, xs, ws, w: JaxExperts, r: Routed, me
         for width, off in halves:
             specs.append(pl.BlockSpec((None, 1, width), lambda n, i, kk, g, mt, *_, o=off: (g[i], 0, o + n)))
             args.append(bias)
+    quant = _quant(block, w.gate_up_scale)
+    if quant is not None:
+        spec, flat = _scale_spec(w.gate_up_scale, E)
+        specs.append(spec)
+        args.append(flat)
     out_spec = pl.BlockSpec((t.m, t.n), lambda n, i, kk, g, mt, *_: (mt[i], n))
     scratch = [pltpu.VMEM((t.m, width), jnp.float32) for width, _ in halves]
     nw = len(halves)
 
-    def kernel(g_ref, m_ref, st_ref, en_ref, tot_ref, *refs):
+    def kernel(g_ref, m_ref, st_ref, en_ref, _total, *refs):
         x_ref, rest = refs[0], list(refs[1:])
         ws_ref = rest.pop(0) if w_in else None
         w_refs, rest = rest[:nw], rest[nw:]
         b_refs, rest = (rest[:nw], rest[nw:]) if lay.has_bias else ((), rest)
+        s_ref = rest.pop(0) if quant is not None else None
         out_ref, accs = rest[0], rest[1:]
-        i, kk = pl.program_id(1), pl.program_id(2)
+        n, i, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
-        @pl.when(i < tot_ref[0])
-        def _tile():
-            @pl.when(kk == 0)
-            def _zero():
-                for acc in accs:
-                    acc[...] = jnp.zeros_like(acc)
+        @pl.when(kk == 0)
+        def _zero():
+            for acc in accs:
+                acc[...] = jnp.zeros_like(acc)
 
-            a = x_ref[...]
-            for w_ref, acc in zip(w_refs, accs, strict=True):
-                acc[...] += _dot(a, w_ref[...], not lay.transposed)
+        for (width, off), w_ref, acc in zip(halves, w_refs, accs, strict=True):
+            row0 = (off + n) * (width // quant[0]) if quant else 0
+            _accumulate(acc, x_ref, w_ref, s_ref, not lay.transposed, quant, row0,
+                        kk * (t.k // quant[1]) if quant else 0)
 
-            @pl.when(kk == nk - 1)
-            def _epilogue():
-                vals = [acc[...] for acc in accs]
-                if w_in:
-                    vals = [v * ws_ref[...] for v in vals]
-                if lay.has_bias:
-                    vals = [v + b[...].astype(jnp.float32) for v, b in zip(vals, b_refs, strict=True)]
-                gate, up = (_columns(vals[0], 0), _columns(vals[0], 1)) if lay.interleaved else vals
-                _store_rows(out_ref, gated(block, gate, up), g_ref[i], m_ref[i], st_ref, en_ref, t.m)
+        @pl.when(kk == nk - 1)
+        def _epilogue():
+            vals = [acc[...] for acc in accs]
+            if w_in:
+                vals = [v * ws_ref[...] for v in vals]
+            if lay.has_bias:
+                vals = [v + b[...].astype(jnp.float32) for v, b in zip(vals, b_refs, strict=True)]
+            gate, up = (_columns(vals[0], 0), _columns(vals[0], 1)) if lay.interleaved else vals
+            _store_rows(out_ref, gated(block, gate, up), g_ref[i], m_ref[i], st_ref, en_ref, t.m)
 
     xb, wb = xs.dtype.itemsize, jnp.dtype(w.gate_up.dtype).itemsize
-    call = _call(kernel, (nf, group.shape[0], nk), specs, out_spec, jax.ShapeDtypeStruct((rows, F), xs.dtype),
+    call = _call(kernel, (nf, total[0], nk), specs, out_spec, jax.ShapeDtypeStruct((rows, F), xs.dtype),
                  scratch, gate_up_vmem(block, t, xb, wb), interp)
     return call(group, m, r.starts, r.ends, total, *args)
 
@@ -479,35 +560,40 @@ def down_pass(block: MoEBlock, t: Tiles, h, ws, w: JaxExperts, r: Routed, meta, 
     if lay.has_bias:
         specs.append(pl.BlockSpec((None, 1, t.n), lambda n, i, kk, g, mt, *_: (g[i], 0, n)))
         args.append(w.down_bias.reshape(E, 1, D))
+    quant = _quant(block, w.down_scale)
+    if quant is not None:
+        spec, flat = _scale_spec(w.down_scale, E)
+        specs.append(spec)
+        args.append(flat)
     out_spec = pl.BlockSpec((t.m, t.n), lambda n, i, kk, g, mt, *_: (mt[i], n))
 
-    def kernel(g_ref, m_ref, st_ref, en_ref, tot_ref, *refs):
+    def kernel(g_ref, m_ref, st_ref, en_ref, _total, *refs):
         h_ref, rest = refs[0], list(refs[1:])
         ws_ref = rest.pop(0) if w_out else None
         w_ref = rest.pop(0)
         b_ref = rest.pop(0) if lay.has_bias else None
+        s_ref = rest.pop(0) if quant is not None else None
         out_ref, acc = rest
-        i, kk = pl.program_id(1), pl.program_id(2)
+        n, i, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
-        @pl.when(i < tot_ref[0])
-        def _tile():
-            @pl.when(kk == 0)
-            def _zero():
-                acc[...] = jnp.zeros_like(acc)
+        @pl.when(kk == 0)
+        def _zero():
+            acc[...] = jnp.zeros_like(acc)
 
-            acc[...] += _dot(h_ref[...], w_ref[...], not lay.transposed)
+        _accumulate(acc, h_ref, w_ref, s_ref, not lay.transposed, quant,
+                    n * (t.n // quant[0]) if quant else 0, kk * (t.k // quant[1]) if quant else 0)
 
-            @pl.when(kk == nk - 1)
-            def _epilogue():
-                v = acc[...]
-                if lay.has_bias:
-                    v = v + b_ref[...].astype(jnp.float32)
-                if w_out:
-                    v = v * ws_ref[...]
-                _store_rows(out_ref, v, g_ref[i], m_ref[i], st_ref, en_ref, t.m)
+        @pl.when(kk == nk - 1)
+        def _epilogue():
+            v = acc[...]
+            if lay.has_bias:
+                v = v + b_ref[...].astype(jnp.float32)
+            if w_out:
+                v = v * ws_ref[...]
+            _store_rows(out_ref, v, g_ref[i], m_ref[i], st_ref, en_ref, t.m)
 
     xb, wb = h.dtype.itemsize, jnp.dtype(w.down.dtype).itemsize
-    call = _call(kernel, (nd, group.shape[0], nk), specs, out_spec, jax.ShapeDtypeStruct((rows, D), jnp.float32),
+    call = _call(kernel, (nd, total[0], nk), specs, out_spec, jax.ShapeDtypeStruct((rows, D), jnp.float32),
                  [pltpu.VMEM((t.m, t.n), jnp.float32)], down_vmem(block, t, xb, wb), interp)
     return call(group, m, r.starts, r.ends, total, *args)
 
@@ -538,9 +624,7 @@ def experts_fn(block: MoEBlock, p: GemmParams, interp):
     """The JaxExpertsFn of GemmParams `p`, its pallas_calls given `interp` as interpret=."""
     import jax.numpy as jnp
 
-    why = refusal(block)
-    if why:
-        raise UnsupportedSchedule(why)
+    check_block(block)
     gu_t, dn_t = gate_up_tiles(p), down_tiles(p)
     check_divides(block, gu_t, dn_t)
 
@@ -568,4 +652,4 @@ def build(block: MoEBlock, schedule: Schedule):
 
 
 KIND = KernelKind("grouped_gemm", GemmParams, space, default_params, build, cost, sources(__file__, SOURCES),
-                  refusal=refusal, build_jax=build_jax)
+                  refusal=refusal, formats=FORMATS, build_jax=build_jax)

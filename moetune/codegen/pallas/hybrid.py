@@ -14,7 +14,8 @@ which is the GEMV's work; what it saves over one grouped GEMM is the padded rows
 
 Rows a pass does not own are never written by it (masked stores), and a matmul row depends only on its
 own lhs row, so each side reads the other side's rows of a shared tile as garbage that lands nowhere.
-R is the Schedule's row_threshold (the policy's, moetune.passes.policy.hybrid_threshold, by default).
+Weight formats: grouped_gemm's (block-quantised FP8 as w8a16). R is the Schedule's row_threshold (≥ 2,
+checked by the IR; by default the policy's, moetune.passes.policy.hybrid_threshold).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def light_tiles(p: HybridParams) -> tuple[gg.Tiles, gg.Tiles]:
 
 
 def check(p: HybridParams, block: MoEBlock, target: Target) -> None:
+    gg.check_block(block)
     gg.check_divides(block, gg.gate_up_tiles(p), gg.down_tiles(p))
     gg.check_vmem(block, target, {"HybridParams heavy": (gg.gate_up_tiles(p), gg.down_tiles(p)),
                                   "HybridParams light": light_tiles(p)})
@@ -96,7 +98,7 @@ def default_params(block: MoEBlock, T: int, target: Target) -> HybridParams:
 def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
     """(flops, bytes): the two sides' GEMMs (grouped_gemm.pass_cost) over their expected rows and experts,
     plus the glue."""
-    p, R = schedule.params, _threshold(schedule)
+    p, R = schedule.params, schedule.row_threshold
     (hr, he), (lr, le) = sides(block, tokens, R)
     lgu, ldn = light_tiles(p)
     f1, b1, _ = gg.pass_cost(block, gg.gate_up_tiles(p), gg.down_tiles(p), hr, he)
@@ -104,20 +106,11 @@ def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float
     return f1 + f2, b1 + b2 + gg.glue_bytes(block, tokens)
 
 
-def _threshold(schedule: Schedule) -> int:
-    R = schedule.row_threshold
-    if not isinstance(R, int) or R < 2:
-        raise UnsupportedSchedule(f"hybrid needs a row threshold R ≥ 2, got {R!r}")
-    return R
-
-
 def experts_fn(block: MoEBlock, p: HybridParams, R: int, interp):
     """The JaxExpertsFn of HybridParams `p` and threshold R, its pallas_calls given `interp` as interpret=."""
     import jax.numpy as jnp
 
-    why = gg.refusal(block)
-    if why:
-        raise UnsupportedSchedule(why)
+    gg.check_block(block)
     heavy_t = (gg.gate_up_tiles(p), gg.down_tiles(p))
     light_t = light_tiles(p)
     gg.check_divides(block, *heavy_t)
@@ -142,7 +135,7 @@ def experts_fn(block: MoEBlock, p: HybridParams, R: int, interp):
 
 
 def build_jax(block: MoEBlock, schedule: Schedule):
-    return experts_fn(block, schedule.params, _threshold(schedule), interpret())
+    return experts_fn(block, schedule.params, schedule.row_threshold, interpret())
 
 
 def build(block: MoEBlock, schedule: Schedule):
@@ -150,4 +143,4 @@ def build(block: MoEBlock, schedule: Schedule):
 
 
 KIND = KernelKind("hybrid", HybridParams, space, default_params, build, cost, sources(__file__, SOURCES),
-                  refusal=gg.refusal, build_jax=build_jax)
+                  refusal=gg.refusal, formats=gg.FORMATS, build_jax=build_jax)
