@@ -114,3 +114,26 @@ def test_the_backends_kernels_lower_for_every_tpu_target(target):
     for kind in kinds:
         low = lower(be, block, be.default(block, kind, 16), 16)
         assert low.calls and all(isinstance(c, GridCall) and c.grid for c in low.calls)
+
+
+def test_a_dynamic_grid_axis_is_counted_at_the_length_of_its_first_scalar_prefetch_array():
+    """A grid whose tile axis is a traced count (the real tiles of a routing) is counted at its bound: the
+    per-step metadata the kernel walks, its first scalar-prefetch operand."""
+
+    def kernel(tiles_ref, x_ref, o_ref):
+        o_ref[...] = x_ref[...] + tiles_ref[pl.program_id(0)].astype(x_ref.dtype)
+
+    def program(tiles, x):
+        n = jnp.sum(tiles >= 0).astype(jnp.int32)  # traced: a dynamic grid
+        spec = pl.BlockSpec((8, 128), lambda i, t: (t[i], 0))
+        return pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(n,), in_specs=[spec],
+                                                   out_specs=spec),
+            interpret=_common.interpret())(tiles, x)
+
+    with _common.for_tpu():
+        low = lower_fn(program, (jax.ShapeDtypeStruct((6,), jnp.int32), jax.ShapeDtypeStruct((48, 128), jnp.float32)),
+                       "dynamic grid")
+    (call,) = low.calls
+    assert call.grid == (6,) and call.steps_per_core(1) == 6

@@ -152,13 +152,21 @@ def _grid_calls(jaxpr, times: int):
 
 
 def _grid_call(eqn, times: int) -> GridCall:
+    """A pallas_call's grid. A dynamic axis (its size computed at run time from the routing) is counted at its
+    bound, the most steps it can take: the length of the call's first scalar-prefetch array, which by the
+    convention of this package's kernels is the per-step metadata the axis walks (grouped_gemm's tile →
+    expert map, sized by the bound on the real tiles)."""
     name = str(eqn.params.get("name") or "pallas_call")
-    grid = tuple(eqn.params["grid_mapping"].grid)
-    try:
-        grid = tuple(int(g) for g in grid)
-    except TypeError:
-        raise UnsupportedSchedule(f"pallas_call {name}: grid {grid} is not static; the cost model counts the "
-                                  "steps of a static grid") from None
+    gm = eqn.params["grid_mapping"]
+    grid = tuple(gm.grid)
+    if any(not isinstance(g, int) for g in grid):
+        ndyn = getattr(gm, "num_dynamic_grid_bounds", 0)
+        index = eqn.invars[ndyn:ndyn + gm.num_index_operands]
+        first = getattr(index[0].aval, "shape", ()) if index else ()
+        if len(first) != 1:
+            raise UnsupportedSchedule(f"pallas_call {name}: grid {grid} has a dynamic axis and no scalar-prefetch "
+                                      "array of its steps leads its operands; the cost model cannot count them")
+        grid = tuple(g if isinstance(g, int) else int(first[0]) for g in grid)
     cp = eqn.params.get("compiler_params")
     if isinstance(cp, dict):
         cp = next(iter(cp.values()), None)
