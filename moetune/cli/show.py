@@ -1,8 +1,10 @@
 """`moetune show TABLE`: a dispatch table's winners, grouped by (target, backend, block).
 
 Each entry is one line (bucket, kind, time, floor, % of floor, default, vs default, the spread it was
-judged against, baseline, vs baseline, when tuned) with the winner's parameters whole on the line below
-it. `--json`: one JSON array of the rows, each an object of every column, for scripts.
+judged against, baseline, vs baseline, when tuned, and what its time is: "measured", or "estimate" for a
+cost-model estimate of `moetune tune --verify-only`, never a timing) with the winner's parameters whole on
+the line below it; a group holding estimates says so under its header. `--json`: one JSON array of the
+rows, each an object of every column, for scripts.
 """
 
 from __future__ import annotations
@@ -58,7 +60,12 @@ def show(path: str | os.PathLike) -> str:
                       f"  {'bucket':>12}  {'winner':<16} {'time µs':>9} {'floor µs':>9} {'% floor':>8} "
                       f"{'default µs':>10} {'vs default':>10} {'spread µs':>9} {'baseline µs':>11} "
                       f"{'vs baseline':>11}"
-                      "  tuned at"]
+                      f"  {'tuned at':<25}  time is"]
+            est = [x for x in rows if (x.target, x.backend, x.signature) == g and x.estimated]
+            if est:
+                lines.insert(len(lines) - 1, f"  {len(est)} of these entries hold cost-model ESTIMATES (not "
+                                             "measured): every candidate verified and lowered for the target, "
+                                             "none timed; a compiled model prefers any measured entry to them")
         vs_d = None if not e.default_time_us else e.default_time_us / e.time_us
         vs_b = None if not e.baseline_time_us else e.baseline_time_us / e.time_us
         kind = e.kind + (f"(R={e.row_threshold})" if e.row_threshold is not None else "")
@@ -66,7 +73,7 @@ def show(path: str | os.PathLike) -> str:
             f"  {f'[{e.bucket_lo},{e.bucket_hi}]':>12}  {kind:<16} {_fmt(e.time_us):>9} "
             f"{_fmt(e.floor_us, '.2f'):>9} {_fmt(e.pct_of_floor):>7}% {_fmt(e.default_time_us):>10} "
             f"{_fmt(vs_d, '.2f'):>9}× {_fmt(e.spread_us, '.2f'):>9} {_fmt(e.baseline_time_us):>11} "
-            f"{_fmt(vs_b, '.2f'):>10}×  {e.tuned_at}"
+            f"{_fmt(vs_b, '.2f'):>10}×  {e.tuned_at:<25}  {'estimate' if e.estimated else 'measured'}"
         )
         if e.params:
             lines.append(" " * 16 + ", ".join(f"{k}={v}" for k, v in json.loads(e.params).items()))

@@ -5,6 +5,7 @@
                  [--backend torch|triton] [--target NAME] [--dtype D] [--strict] [--keep-going]
                  [--exhaustive] [--space-cap N] [--time-limit D] [--resume | --revalidate]
                  [--at-tokens N,N] [--no-edge-timing] [--no-split] [--no-local-search]
+    moetune tune ... --target tpu-v5e|tpu-v6e|tpu-v7 --verify-only [--tokens] [--cache] [--space-cap N] ...
 
 One line per bucket while it tunes, then a table: bucket, winner, time, floor, % of floor, vs the
 default heuristic, the spread of the final timings, vs transformers' baseline; the device is named.
@@ -15,6 +16,13 @@ entry covers such a bucket, the default is written as its entry.
 `--exhaustive` times every point of each bucket's space (to check the TPE winner against a grid).
 `--space-cap N` tunes each bucket over a deterministic sub-grid of at most N points around the default
 heuristic (search.space.cap_space), the same for TPE and `--exhaustive`, so that a grid stays in reach.
+
+A TPU target is timed on that TPU only: where none is visible, `moetune tune --target tpu-…` refuses (exit 2)
+and names `--verify-only`, which needs no TPU: each bucket's candidates (all of its space, or the `--space-cap`
+sub-grid) are verified against the float32 reference in TPU interpret mode, lowered for the TPU and given a
+cost-model estimate; each bucket's best estimate is written as an ESTIMATE row, which no measured entry gives
+way to and which the runtime uses only where no measured entry covers a bucket (moetune.search.estimate says
+how; its table says plainly that its times are estimates).
 
 Every flag, the backend's availability here and the table file are checked before tuning starts.
 """
@@ -46,15 +54,21 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_source(p, tiny=True)
     p.add_argument("--tokens", default="1-1024", help="token range LO-HI to tune")
     p.add_argument("--trace", help="a routing trace from `moetune record` (default: uniform routing)")
-    p.add_argument("--budget", default="10m",
+    p.add_argument("--budget", default=None,
                    help="search budget shared by the buckets, e.g. 90s, 10m; every bucket still times "
                         "its default and a first batch of candidates, so a budget below ~10 s per bucket "
-                        "is exceeded")
+                        "is exceeded (default 10m)")
     p.add_argument("--cache", default=None, help="dispatch table file (default: cache/<target>.sqlite)")
     p.add_argument("--storage", default=None, help="Optuna storage URL or journal file shared by workers")
     p.add_argument("--backend", default=None, help="torch | triton (default: the best available here)")
     p.add_argument("--dtype", default=None, choices=DTYPES, help="weight dtype (default: the preset's)")
-    p.add_argument("--target", default=None, help="target for the floors (default: cpu, or the GPU's)")
+    p.add_argument("--target", default=None, help="target for the floors (default: cpu, or the GPU's); a TPU "
+                                                  "target (tpu-v5e, tpu-v6e, tpu-v7) is timed on that TPU, or "
+                                                  "estimated with --verify-only")
+    p.add_argument("--verify-only", action="store_true",
+                   help="with a TPU --target and no TPU here: verify every candidate in TPU interpret mode, lower it "
+                        "for the TPU and pick each bucket's winner by a cost model; written as estimate rows, "
+                        "never as timings")
     p.add_argument("--strict", action="store_true", help="re-raise every candidate failure")
     p.add_argument("--keep-going", action="store_true",
                    help="score unknown candidate errors inf instead of raising")
@@ -229,9 +243,12 @@ def run(args: argparse.Namespace) -> int:
 
     lo, hi = parse_tokens(args.tokens)
     at_tokens = parse_counts(args.at_tokens, "--at-tokens", (lo, hi)) if args.at_tokens else None
-    budget = parse_duration(args.budget, "--budget")
-    time_limit = parse_duration(args.time_limit, "--time-limit") if args.time_limit else None
     whole(args.space_cap, "--space-cap", 1)
+    tpu = _tpu_target(args.target)
+    if tpu is not None or args.verify_only:
+        return _verify_only(args, tpu, (lo, hi), at_tokens)
+    budget = parse_duration(args.budget or "10m", "--budget")
+    time_limit = parse_duration(args.time_limit, "--time-limit") if args.time_limit else None
     if args.trace:
         existing_file(args.trace, "--trace", "a routing trace from `moetune record`")
     backend, device = usable_backend(args.backend)
@@ -285,3 +302,123 @@ def run(args: argparse.Namespace) -> int:
     if left:
         print(f"{len(left)} bucket(s) left untuned by the time limit: rerun with --resume to tune only those")
     return 0 if all(r.winner is not None for r in results) else 1
+
+
+# ----------------------------------------------------------------------------------------- TPU targets
+
+
+def _tpu_target(name: str | None):
+    """The target row of --target `name` when it is a TPU (aliases allowed), else None."""
+    if name is None:
+        return None
+    from ..passes.targets import TARGETS, get_target
+
+    try:
+        t = get_target(name)
+    except IRError:
+        raise ConfigError(f"--target {name!r}: unknown; expected one of {', '.join(TARGETS)}") from None
+    return t if t.kind == "tpu" else None
+
+
+def _tpu_here() -> bool:
+    try:
+        from ..codegen.pallas._common import on_tpu
+
+        return on_tpu()
+    except ImportError:
+        return False
+
+
+_TIMING_FLAGS = (("--budget", "budget"), ("--time-limit", "time_limit"), ("--storage", "storage"),
+                 ("--resume", "resume"), ("--revalidate", "revalidate"), ("--exhaustive", "exhaustive"),
+                 ("--trace", "trace"), ("--no-edge-timing", "no_edge_timing"), ("--no-split", "no_split"),
+                 ("--no-local-search", "no_local_search"))
+
+
+def _verify_only(args: argparse.Namespace, tpu, tokens: tuple[int, int], at_tokens: list[int] | None) -> int:
+    """`--verify-only` for a TPU target (module doc); a TPU target without it is refused."""
+    from ..runtime.table import DispatchTable
+
+    if tpu is None:
+        raise ConfigError(f"--verify-only: for a TPU target (--target tpu-v5e, tpu-v6e or tpu-v7), not "
+                          f"{args.target or 'this machine'}; other targets are tuned by timing on them")
+    if not args.verify_only:
+        if not _tpu_here():
+            raise TunerUnavailable(
+                f"--target {args.target}: tuning times every candidate on that TPU and none is visible here; "
+                "add --verify-only to verify each candidate in TPU interpret mode, lower it for the TPU and write "
+                "each bucket's best cost-model estimate (estimates, not timings)")
+        raise TunerUnavailable(f"--target {args.target}: moetune tune times candidates on a CPU or a CUDA GPU, not "
+                               "on a TPU; add --verify-only to verify each candidate on this TPU, lower it and "
+                               "write each bucket's best cost-model estimate (estimates, not timings)")
+    for flag, dest in _TIMING_FLAGS:
+        if getattr(args, dest):
+            raise ConfigError(f"{flag} does not apply to --verify-only: every candidate is verified, lowered and "
+                              "estimated, none is timed")
+    if args.backend not in (None, "pallas_tpu"):
+        raise ConfigError(f"--backend {args.backend!r}: --verify-only for {tpu.name} runs the Pallas TPU backend; "
+                          "expected --backend pallas_tpu or none")
+    cache = writable_file(args.cache or (f"cache/{tpu.name}-tiny.sqlite" if args.tiny else f"cache/{tpu.name}.sqlite"),
+                          "--cache")
+    from ..search.estimate import EstimateOptions, estimate_block, verify_block
+
+    block = source_block(args)
+    options = EstimateOptions(space_cap=args.space_cap or None, seed=args.seed or 0, strict=args.strict,
+                              keep_going=args.keep_going)
+    lo, hi = tokens
+    where = "on this TPU" if _tpu_here() else "in TPU interpret mode (no TPU here)"
+    print(f"moetune tune --verify-only: {block.name or block.signature_hash()} [{block.signature_hash()}] for "
+          f"{tpu.name}, backend pallas_tpu, T ∈ [{lo},{hi}]"
+          + (f", space capped at {options.space_cap} points per bucket" if options.space_cap else ""))
+    print(f"  {block.signature()}")
+    print(f"  candidates verified {where} against the float32 reference on {verify_block(block)[1]}, lowered for "
+          f"{tpu.name} at the block's real shape; times are COST-MODEL ESTIMATES, not measurements")
+    t0 = time.monotonic()
+
+    def on_bucket(i: int, n: int, r) -> None:
+        print(f"  [{i + 1}/{n}] bucket [{r.bucket[0]},{r.bucket[1]}] T={r.tokens}: {r.candidates} candidates: "
+              f"{r.verified} verified, {r.lowered} lowered, {r.refused} refused"
+              + (f" ({r.lowering_refused} by the TPU lowering)" if r.lowering_refused else "")
+              + "".join(f", {v} {k}" for k, v in sorted(r.failures.items()))
+              + f"; best estimate {_us(r.time_s)} µs" + (f" ({r.pct_of_floor:.1f}% of floor)" if r.pct_of_floor
+                                                          else "")
+              + (f"; {r.note}" if r.note else "") + f"  [{time.monotonic() - t0:.0f} s]", flush=True)
+        for why in r.reasons:
+            print(f"      {why}", flush=True)
+
+    with DispatchTable(cache) as table:
+        results = estimate_block(block, tpu.name, tokens, table=table, options=options, at_tokens=at_tokens,
+                                 on_bucket=on_bucket)
+    print()
+    print("\n".join(estimate_lines(results, tpu.name)))
+    written = sum(r.written for r in results)
+    print(f"\n{written} of {len(results)} bucket estimates written to {cache} as ESTIMATE rows (an estimate "
+          "replaces only a slower estimate; it never replaces a measured entry, which always replaces it; a "
+          "compiled model uses an estimate only where no measured entry covers its bucket, and says so); "
+          f"total {time.monotonic() - t0:.0f} s")
+    return 0 if all(r.winner is not None for r in results) else 1
+
+
+def estimate_lines(results: list, target: str) -> list[str]:
+    """The --verify-only table: one line per bucket, its winner's parameters whole on the line below it."""
+    from ..search.estimate import MODEL
+
+    hdr = (f"{'bucket':>12} {'T':>5}  {'winner':<16} {'estimate µs':>11} {'floor µs':>9} {'% floor':>8} "
+           f"{'vs default':>10} {'candidates':>10} {'verified':>8} {'lowered':>7} {'refused':>7} {'failed':>6}")
+    lines = [f"ESTIMATES for {target} (cost model, not measured; nothing was timed):", hdr, "-" * len(hdr)]
+    for r in results:
+        head, params = winner_text(r.winner)
+        pct = r.pct_of_floor
+        lines.append(
+            f"{f'[{r.bucket[0]},{r.bucket[1]}]':>12} {r.tokens:>5}  {head:<16} {_us(r.time_s):>11} "
+            f"{_us(r.floor.time_s if r.floor else None):>9} {('–' if pct is None else f'{pct:.1f}%'):>8} "
+            f"{_ratio(r.default_time_s, r.time_s):>10} {r.candidates:>10} {r.verified:>8} {r.lowered:>7} "
+            f"{r.refused:>7} {sum(r.failures.values()):>6}")
+        if params:
+            lines.append(" " * 20 + params)
+    lines.append(f"estimate: {MODEL}, at the bucket's T with {target}'s bandwidth, peak and grid step cost "
+                 "(moetune.search.estimate); floor at the target's roofs; vs default: the default's estimate / "
+                 "the winner's; verified: passed the check against the float32 reference; lowered: also lowered "
+                 "for the TPU at the bucket's first, representative and last T; refused: by the backend or the "
+                 "TPU lowering")
+    return lines

@@ -13,7 +13,8 @@
 The backends of this package implement it from their kernel files' per-kind contract
 (`moetune.codegen.contract.KernelBackend`). Backends register themselves with `register(backend)` when
 their package is imported; `get(name)` imports the package on first use, so importing moetune pulls in
-no Triton.
+no Triton. `for_target(name, target)` is the backend for another target description than its own (a TPU
+generation's VMEM bounding the Pallas spaces): the one way the search, the CLI and the table get one.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..ir import MoEBlock, Schedule, UnsupportedSchedule
 from .common import ExpertsFn, ParamSpace
 
 _REGISTRY: dict[str, Backend] = {}
+_FOR_TARGET: dict[tuple[str, str], Backend] = {}
 _MODULES = {"torch": "moetune.codegen.torch", "triton": "moetune.codegen.triton",
             "pallas_tpu": "moetune.codegen.pallas"}
 
@@ -55,3 +57,23 @@ def get(name: str) -> Backend:
     if name not in _REGISTRY:
         raise UnsupportedSchedule(f"backend {name!r} did not register itself on import")
     return _REGISTRY[name]
+
+
+def for_target(name: str, target: str) -> Backend:
+    """Backend `name` whose spaces and defaults read the limits of the target description `target`: the
+    registered backend when it already is that target's, or when `target` is not a described target of the
+    kind of the backend's own (a torch backend asked for a GPU's table); else one made for it, once (a
+    KernelBackend takes its target: `PallasTpuBackend("tpu-v5e")`)."""
+    from ..passes.targets import ALIASES, TARGETS, get_target
+
+    be = get(name)
+    own = getattr(be, "target", None)
+    if own is None or (target not in TARGETS and target not in ALIASES):
+        return be
+    t = get_target(target)
+    if t.name == own.name or t.kind != own.kind:
+        return be
+    made = _FOR_TARGET.get((name, t.name))
+    if made is None:
+        made = _FOR_TARGET[(name, t.name)] = type(be)(t.name)
+    return made

@@ -5,7 +5,8 @@ The kind is `policy.default_kind` at the bucket's representative T among the kin
 With a backend in the context, the kinds it refuses are left out, its cost model can veto a
 memory-bound kind, and the Schedule carries the backend's own parameters (`backend.default`); without
 one the Schedule is backend-neutral. A hybrid's row threshold is `policy.hybrid_threshold` over the
-thresholds the hybrid rule kept.
+thresholds the hybrid rule kept; a hybrid whose threshold no expert can reach in the bucket is not offered
+(it matters where the backend has no kernel of the kind the rules prefer there).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def bucket_default(block: MoEBlock, b: Bucket, ctx: PassContext) -> Schedule:
     offers, reasons = {}, []
     for kind in SCHEDULE_ORDER:
         why = refused.get(kind, f"kind {kind} not offered")
+        if why is None and kind == "hybrid" and R > b.hi:
+            why = f"its row threshold {R} is out of reach in {b.label}"
         if why is None:
             try:
                 s = be.default(block, kind, T)

@@ -29,6 +29,10 @@ from ..ir import DTYPE_BYTES, IRError, MoEBlock, Roofline, RoutingStats
 from .stats import uniform
 
 ROUTING_ID_BYTES = 8  # transformers hands the experts int64 top-k ids
+# The fixed cost of one step of a Pallas TPU grid (the pipeline's bookkeeping and DMA issue between two
+# kernel bodies), assumed for every TPU generation: the figure Pallas TPU kernel authors size their blocks
+# by; not measured here.
+GRID_STEP_S = 0.35e-6
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class Target:
     sm_count: int | None = None  # streaming multiprocessors (GPU); None where the kernels have no such limit
     vmem_bytes: int | None = None  # bytes of VMEM per TensorCore (TPU): what a Pallas kernel's tiles fit in
     cores: int = 1  # TensorCores per chip (TPU) a kernel's parallel grid axis is split over
+    grid_step_s: float | None = None  # fixed cost of one Pallas grid step (TPU): what a cost-model estimate adds
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -81,18 +86,18 @@ TARGETS: dict[str, Target] = {
                source="NVIDIA H200 SXM datasheet (bf16 and fp8 dense; fp32 as H100 SXM); measured: HBM read with "
                       "Triton over 4 GiB, bf16 matmul 8192^3 (the low ends of repeated runs)"),
         Target("tpu-v5e", "tpu", bandwidth=819e9, peak_flops=197e12, memory_bytes=16 * 2**30,
-               vmem_bytes=128 * 2**20, cores=1,
+               vmem_bytes=128 * 2**20, cores=1, grid_step_s=GRID_STEP_S,
                source="Google Cloud TPU v5e docs: 197 TFLOP/s bf16 (no FP8 matrix unit), 819 GB/s HBM, 16 GiB; "
-                      "VMEM from jax's pallas tpu_info; not measured"),
+                      "VMEM from jax's pallas tpu_info; grid step cost assumed (GRID_STEP_S); not measured"),
         Target("tpu-v6e", "tpu", bandwidth=1640e9, peak_flops=918e12, fp8_flops=918e12, memory_bytes=32 * 2**30,
-               vmem_bytes=128 * 2**20, cores=1,
+               vmem_bytes=128 * 2**20, cores=1, grid_step_s=GRID_STEP_S,
                source="Google Cloud TPU v6e (Trillium) docs: 918 TFLOP/s bf16, 1640 GB/s HBM, 32 GiB; "
-                      "VMEM from jax's pallas tpu_info; not measured"),
+                      "VMEM from jax's pallas tpu_info; grid step cost assumed (GRID_STEP_S); not measured"),
         Target("tpu-v7", "tpu", bandwidth=7.37e12, peak_flops=2307e12, fp8_flops=4614e12, memory_bytes=192 * 2**30,
-               vmem_bytes=64 * 2**20, cores=2,
+               vmem_bytes=64 * 2**20, cores=2, grid_step_s=GRID_STEP_S,
                source="Google Cloud TPU7x (Ironwood) docs: 2307 TFLOP/s bf16 (4614 fp8), 7.37 TB/s "
                       "HBM, 192 GiB, per chip of two TensorCores; VMEM per core from jax's pallas tpu_info; "
-                      "not measured"),
+                      "grid step cost assumed (GRID_STEP_S); not measured"),
         # No datasheet figures: the floor uses the measured ones (python -m moetune.passes.measure_cpu,
         # the best of three runs).
         Target("cpu", "cpu", bandwidth=9.28e9, peak_flops=244.5e9, measured_bandwidth=9.28e9,

@@ -328,9 +328,12 @@ def _compile(
                     from .table import load_entries
 
                     notes: list[str] = []  # folded into the dispatcher's one warning
-                    entries = load_entries(cache, c.block, tgt, be.name, device=str(device), notes=notes)
+                    estimated: list[tuple[int, int]] = []
+                    entries = load_entries(cache, c.block, tgt, be.name, device=str(device), notes=notes,
+                                           estimated=estimated)
                     dispatchers[key] = Dispatcher.from_entries(
-                        c.block, be, entries, target=tgt, where=f"dispatch table {cache}", table_notes=notes
+                        c.block, be, entries, target=tgt, where=f"dispatch table {cache}", table_notes=notes,
+                        estimated=estimated,
                     )
             plan = Plan(next(_ids), c.path, c.block, dispatchers[key])
             PLANS[plan.id] = plan

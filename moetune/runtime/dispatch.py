@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +41,7 @@ class Route:
     lo: int
     hi: int
     schedule: Schedule
-    source: str  # "table" | "default" | "default (table entry refused: …)"
+    source: str  # "table" | "table (estimate)" | "default" | "default (table entry refused: …)"
     fn: ExpertsFn
 
     @property
@@ -156,11 +156,13 @@ class Dispatcher:
         target: str = "cpu",
         where: str = "dispatch table",
         table_notes: Sequence[str] = (),
+        estimated: Collection[tuple[int, int]] = (),
     ) -> Dispatcher:
         """Routes from a table's (lo, hi, Schedule) entries; the token ranges they leave uncovered in
         [1, T_max] are split by the default buckets and run their defaults, with ONE DispatchWarning
         naming those buckets (and any entry the backend refused to build, with its reason), led by
-        `table_notes` (why the table's other entries were not usable).
+        `table_notes` (why the table's other entries were not usable). The entries whose (lo, hi) are in
+        `estimated` were chosen by a cost model, not timed (`load_entries`): their routes say so in their source.
         Overlapping entries raise IRError: a table never borrows a schedule across buckets."""
         factory = default_factory or _default_factory(block, backend, target)
         node = f"{where} for {block.name or block.signature_hash()}"
@@ -175,7 +177,8 @@ class Dispatcher:
             if not 1 <= lo <= hi:
                 raise IRError(node, "entry", (lo, hi), "need 1 ≤ lo ≤ hi")
             try:
-                routes.append(_build(block, backend, lo, hi, sch, "table"))
+                routes.append(_build(block, backend, lo, hi, sch,
+                                     "table (estimate)" if (lo, hi) in estimated else "table"))
             except MoetuneError as e:
                 why = f"entry {sch.describe()} refused: {e}"
                 routes.append(_build_default(block, backend, target, lo, hi, factory, f"default ({why})", notes))

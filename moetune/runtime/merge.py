@@ -25,7 +25,8 @@ class Merged(NamedTuple):
 
 
 def merge(inputs: Iterable[str | os.PathLike], output: str | os.PathLike) -> Merged:
-    """Merge tables into `output` (with the rows it already holds): the faster entry of each key, written
+    """Merge tables into `output` (with the rows it already holds): the faster entry of each key (a measured
+    one over a cost-model estimate, whatever their times: `DispatchTable.put_all`'s precedence), written
     oldest first, so that where entries of the same versions overlap the newer one splits the older
     (`DispatchTable.put_all`): every token count any of them covered stays covered, by the newest entry
     covering it. The result is written to a file beside `output` and renamed over it once complete: a
@@ -34,9 +35,9 @@ def merge(inputs: Iterable[str | os.PathLike], output: str | os.PathLike) -> Mer
     held = _rows_of(output) if output.exists() else []
     read = [e for src in inputs for e in _rows_of(src)]
     best: dict[tuple, DispatchEntry] = {}
-    for e in held + read:  # only the time decides between two entries of one key (a tie keeps the first)
+    for e in held + read:  # a measured entry over an estimate, then the time (a tie keeps the first)
         k = tuple(getattr(e, c) for c in PK)
-        if k not in best or e.time_us < best[k].time_us:
+        if k not in best or (e.estimated, e.time_us) < (best[k].estimated, best[k].time_us):
             best[k] = e
     part = output.with_name(f".{output.name}.merging-{os.getpid()}")
     try:

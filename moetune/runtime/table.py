@@ -8,6 +8,9 @@ One versioned table, `dispatch_v2`, with typed columns (sqlite-utils), in WAL mo
             spread_us (the spread of the winner's and the default's re-timings it was judged against)
     context signature_text, moetune, kernel_hash, backend_version, torch, device, capability, tuned_at
             (what the timing depends on: `versions.Versions`)
+    kind of time  estimated: 1 where time_us is a cost-model estimate, not a measurement (`moetune tune
+            --verify-only` for a target not here: every candidate verified and lowered, none timed; device
+            then says where it was verified); NULL or 0: measured
 
 A file of the previous version, `dispatch_v1` (the same columns and a `fusion` one, which no kernel
 reads), is read as it is, and moved to `dispatch_v2` in one transaction when it is opened for writing.
@@ -18,6 +21,10 @@ An entry is replaced only by a faster one (`put`), or by any new one when the st
 with another kernel source, backend version or device (it no longer says anything about this code), or
 when the tuner that writes it measured the stored winner itself, on the same cases, and chose against it
 (`put(..., replace=True)`: its choice also weighs the bucket's edges, so its time may be the higher).
+Estimates and measurements are never weighed against each other: a measured entry replaces an estimate of
+its key and splits the estimates it overlaps, whatever their times; an estimate never replaces or splits a
+measured entry (it replaces and splits only estimates, by the rules above). A lookup prefers measured
+entries: an estimate is used only where it overlaps no usable measured entry, and the lookup names it.
 An entry written over rows of other buckets splits them around itself (`DispatchTable._split_around`):
 a table never loses coverage, and rows of the same versions never overlap. Several tuners may write one
 file at once: each `put_all` is one transaction and waits for the lock.
@@ -75,8 +82,10 @@ COLUMNS: dict[str, type] = {
     "capability": str,
     "tuned_at": str,
     "spread_us": float,
+    "estimated": int,
 }
-ADDED = ("spread_us",)  # nullable columns added to TABLE after its first files: NULL where a file lacks them
+# nullable columns added to TABLE after its first files: NULL where a file lacks them
+ADDED = ("spread_us", "estimated")
 V1_COLUMNS = {**{c: t for c, t in COLUMNS.items() if c not in ADDED}, "fusion": str}
 NOT_NULL = set(PK) | {"signature_text", "kind", "time_us", "kernel_hash", "backend_version",
                       "device", "capability", "tuned_at"}
@@ -125,6 +134,10 @@ class DispatchEntry:
     versions: Versions
     tuned_at: str
     spread_us: float | None = None  # the spread of the re-timings the winner beat the default by more than
+    estimated: bool = False  # time_us (and default_time_us) are cost-model estimates, not measurements
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "estimated", bool(self.estimated))  # the column reads 1, 0 or NULL
 
     @classmethod
     def of(
@@ -132,6 +145,7 @@ class DispatchEntry:
         versions: Versions, floor_us: float | None = None, default_time_us: float | None = None,
         baseline_time_us: float | None = None, baseline: str | None = None, timer: str | None = None,
         trials: int | None = None, tuned_at: str | None = None, spread_us: float | None = None,
+        estimated: bool = False,
     ) -> DispatchEntry:
         if schedule.backend is None:
             raise CacheError(f"entry {target}/{bucket}: schedule {schedule.describe()} names no backend")
@@ -147,6 +161,7 @@ class DispatchEntry:
             default_time_us=default_time_us, baseline_time_us=baseline_time_us, baseline=baseline,
             timer=timer, trials=trials, versions=versions,
             tuned_at=tuned_at or _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), spread_us=spread_us,
+            estimated=estimated,
         )
 
     @property
@@ -191,7 +206,7 @@ class DispatchEntry:
         s = self.kind + (f"(R={self.row_threshold})" if self.row_threshold is not None else "")
         if self.params:
             s += " [" + ", ".join(f"{k}={v}" for k, v in json.loads(self.params).items()) + "]"
-        return s
+        return s + (" (estimate)" if self.estimated else "")
 
 
 @dataclass(frozen=True)
@@ -203,6 +218,13 @@ class Lookup:
     rejected: tuple[tuple[DispatchEntry, str], ...]
     path: str
     retime: tuple[tuple[DispatchEntry, str], ...] = ()
+    estimated: tuple[DispatchEntry, ...] = ()  # the usable entries whose times are cost-model estimates
+
+    @property
+    def measured(self) -> tuple[tuple[int, int, Schedule], ...]:
+        """The usable entries that were measured (the estimates left out)."""
+        est = {e.bucket for e in self.estimated}
+        return tuple(u for u in self.usable if (u[0], u[1]) not in est)
 
     def warning(self) -> str | None:
         said = []
@@ -211,7 +233,28 @@ class Lookup:
                 parts = [f"[{e.bucket_lo},{e.bucket_hi}] {why}" for e, why in entries]
                 noun = "entry" if len(parts) == 1 else "entries"
                 said.append(f"{len(parts)} {noun} {what}: " + "; ".join(parts))
+        if self.estimated:
+            spans = ", ".join(f"[{e.bucket_lo},{e.bucket_hi}]" for e in self.estimated)
+            noun = "entry" if len(self.estimated) == 1 else "entries"
+            said.append(f"{len(self.estimated)} {noun} used as cost-model estimates, not measured (no measured "
+                        f"entry covers them): {spans}")
         return f"dispatch table {self.path}: " + "; ".join(said) if said else None
+
+
+def _precedence(entry: DispatchEntry, cond: str) -> str:
+    """The upsert condition `cond` of `entry` over the stored row of its key, with what holds whatever the
+    times: an estimate never replaces a measured row, a measured entry always replaces an estimate."""
+    if entry.estimated:
+        return f"{TABLE}.estimated = 1 AND ({cond})"
+    return f"({cond}) OR {TABLE}.estimated = 1"
+
+
+def _gives_way(old: DispatchEntry, entry: DispatchEntry, supersede: bool) -> bool:
+    """Whether row `old` is split around the written `entry` (`DispatchTable._split_around`): a row of the same
+    versions, or any with `supersede`; an estimate splits only estimates, a measured entry splits every estimate."""
+    if entry.estimated and not old.estimated:
+        return False
+    return supersede or _same_versions(old, entry) or (old.estimated and not entry.estimated)
 
 
 def _same_versions(a: DispatchEntry, b: DispatchEntry) -> bool:
@@ -404,7 +447,8 @@ class DispatchTable:
             for e in sorted(self.entries(), key=_rank):  # oldest first: each row splits the older ones
                 if self.get(e.target, e.backend, e.signature, e.bucket_lo, e.bucket_hi) != e:
                     continue
-                n += self._split_around(e, lambda old, e=e: _same_versions(old, e) and _rank(old) < _rank(e))
+                n += self._split_around(e, lambda old, e=e: _same_versions(old, e) and _rank(old) < _rank(e)
+                                        and _gives_way(old, e, False))
         if n:
             self._checkpoint()
         return n
@@ -427,9 +471,9 @@ class DispatchTable:
         cond = "1" if replace else f"excluded.time_us < {TABLE}.time_us"
         if replace_stale and not replace:
             cond += "".join(f" OR excluded.{c} IS NOT {TABLE}.{c}" for c in _VERSION_COLUMNS)
-        if self._upsert(entry, cond) == 0:
+        if self._upsert(entry, _precedence(entry, cond)) == 0:
             return False
-        self._split_around(entry, lambda old: supersede or _same_versions(old, entry))
+        self._split_around(entry, lambda old: _gives_way(old, entry, supersede))
         return True
 
     def _upsert(self, entry: DispatchEntry, cond: str) -> int:
@@ -458,7 +502,7 @@ class DispatchTable:
             self._conn.execute(f"DELETE FROM {TABLE} WHERE {where}",
                                [old.target, old.backend, old.signature, old.bucket_lo, old.bucket_hi])
             for part in _outside(old, entry.bucket_lo, entry.bucket_hi):
-                self._upsert(part, f"excluded.tuned_at > {TABLE}.tuned_at")
+                self._upsert(part, _precedence(part, f"excluded.tuned_at > {TABLE}.tuned_at"))
             n += 1
         return n
 
@@ -502,23 +546,30 @@ class DispatchTable:
                device: str = "cpu") -> Lookup:
         """The entries of this block on (target, backend) that may be used here, and those that may
         not (foreign device, stale kernel sources, unbuildable schedule) with the reason; an entry timed with
-        another version of the backend's library on the same kernel sources is used, and said."""
+        another version of the backend's library on the same kernel sources is used, and said. An estimate is
+        used only where no usable measured entry overlaps it, and is listed in `estimated`."""
         current = versions or Versions.current(backend, device)
-        usable, rejected, retime = [], [], []
+        usable, rejected, retime, estimated, measured = [], [], [], [], set()
         # Tuning runs over different token ranges bucket differently: where entries overlap, the most
-        # recently tuned one is kept (a schedule is never borrowed across buckets).
+        # recently tuned one is kept (a schedule is never borrowed across buckets); measured entries first.
         newest_first = sorted(self.entries(target, backend, block.signature_hash()),
-                              key=lambda e: (e.tuned_at, e.bucket_lo), reverse=True)
+                              key=lambda e: (not e.estimated, e.tuned_at, e.bucket_lo), reverse=True)
         for e in newest_first:
             why = judge(e, current)
             clash = next(((lo, hi) for lo, hi, _ in usable if lo <= e.bucket_hi and e.bucket_lo <= hi), None)
             if serves(why) and clash is not None:
-                why = f"overlaps [{clash[0]},{clash[1]}], which was tuned later"
+                why = (f"an estimate overlapping the measured entry [{clash[0]},{clash[1]}], which is preferred"
+                       if e.estimated and clash in measured else f"overlaps [{clash[0]},{clash[1]}], which was "
+                       "tuned later")
             if serves(why):
                 try:
                     usable.append((e.bucket_lo, e.bucket_hi, e.schedule(block)))
                     if why is not None:
                         retime.append((e, why))
+                    if e.estimated:
+                        estimated.append(e)
+                    else:
+                        measured.add(e.bucket)
                     continue
                 except CacheError as err:
                     why = f"stale: {err}"
@@ -526,13 +577,16 @@ class DispatchTable:
         usable.sort(key=lambda u: u[0])
         rejected.sort(key=lambda r: r[0].bucket_lo)
         retime.sort(key=lambda r: r[0].bucket_lo)
-        return Lookup(tuple(usable), tuple(rejected), str(self.path), tuple(retime))
+        estimated.sort(key=lambda e: e.bucket_lo)
+        return Lookup(tuple(usable), tuple(rejected), str(self.path), tuple(retime), tuple(estimated))
 
 
 def load_entries(path: str | os.PathLike, block: MoEBlock, target: str, backend: str, *,
                  versions: Versions | None = None, device: str = "cpu",
-                 notes: list[str] | None = None) -> list[tuple[int, int, Schedule]]:
-    """The runtime's call: usable (lo, hi, Schedule) of `block` in the file at `path`.
+                 notes: list[str] | None = None,
+                 estimated: list[tuple[int, int]] | None = None) -> list[tuple[int, int, Schedule]]:
+    """The runtime's call: usable (lo, hi, Schedule) of `block` in the file at `path`; the (lo, hi) of those
+    that are cost-model estimates (used where no measured entry covers them) are appended to `estimated`.
 
     A missing file gives no entries; foreign or stale entries are left out, entries timed with another
     version of the backend's library are used; each is said in one CacheWarning, or appended to `notes`
@@ -557,4 +611,6 @@ def load_entries(path: str | os.PathLike, block: MoEBlock, target: str, backend:
     msg = found.warning()
     if msg:
         say(msg)
+    if estimated is not None:
+        estimated.extend(e.bucket for e in found.estimated)
     return list(found.usable)

@@ -76,7 +76,7 @@ def kernel_source_hash(backend: str) -> str:
     schemes = getattr(be, "schemes", lambda kind: ("none",))
     parts = []
     for kind in sorted(SCHEDULE_KINDS):
-        for scheme in schemes(kind) or ("none",):
+        for scheme in schemes(kind):  # none for a kind the backend has no kernel of: no part for it
             files = sources(kind) if scheme == "none" else sources(kind, scheme)
             parts.append(f"{hash_key(kind, scheme)}={files_hash(files)}")
     return ";".join(sorted(parts))
@@ -148,11 +148,12 @@ def target_of(device: str = "cpu") -> str:
 
 
 def judge(entry: DispatchEntry, current: Versions) -> str | None:
-    """None when `entry` is sound here; else why not: "foreign: …" (another device), "stale: …" (other
-    kernel sources), or "retime: …" (the same kernel sources timed with another version of the backend's
-    library or of torch: still used, see `serves`, though its timing may no longer be the fastest)."""
+    """None when `entry` is sound here; else why not: "foreign: …" (another device; never for a cost-model
+    estimate, which no device timed), "stale: …" (other kernel sources), or "retime: …" (the same kernel
+    sources timed with another version of the backend's library or of torch: still used, see `serves`, though
+    its timing may no longer be the fastest)."""
     v = entry.versions
-    if (v.device, v.capability) != (current.device, current.capability):
+    if not entry.estimated and (v.device, v.capability) != (current.device, current.capability):
         return (f"foreign: tuned on {v.device} ({v.capability}), "
                 f"this is {current.device} ({current.capability})")
     scheme = signature_scheme(entry.signature_text)

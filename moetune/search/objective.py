@@ -140,7 +140,9 @@ class Outcome:
     """The score of one candidate: `time_s` is inf unless `status` is "ok"."""
 
     schedule: Schedule
-    status: str  # ok | wrong | nonfinite | refused | resource | build_failed | launch_failed
+    # ok | verified (checked, not timed: Objective.verify) | wrong | nonfinite | refused | resource | build_failed |
+    # launch_failed
+    status: str
     time_s: float = math.inf
     reason: str = ""
     rel_err: float | None = None  # the check's worst error in units of the dtype's tolerance (≤ 1 passes)
@@ -204,9 +206,10 @@ def _threads(n: int | None):
 
 
 class Objective:
-    """Scores candidates of one bucket: build → check at `check_tokens` → time on `timing_cases`."""
+    """Scores candidates of one bucket: build → check at `check_tokens` → time on `timing_cases` (the timer
+    None: `verify` only; the timing cases then give the weights the checks run on)."""
 
-    def __init__(self, block: MoEBlock, backend: Backend, timer: Timer, timing_cases: Sequence[Case],
+    def __init__(self, block: MoEBlock, backend: Backend, timer: Timer | None, timing_cases: Sequence[Case],
                  check_tokens: Sequence[int], *, sampler: RoutingSampler | None = None, seed: int = 0,
                  strict: bool = False, keep_going: bool = False, warm_in_build: bool | None = None):
         self.block, self.backend, self.timer = block, backend, timer
@@ -273,18 +276,26 @@ class Objective:
     # stage 2 and 3: check, then time
     def evaluate(self, schedule: Schedule, built: Built | None = None) -> Outcome:
         built = built or self.build(schedule)
-        if built.error is not None:
-            return self._fail(schedule, built.stage, built.error, built.seconds)
-        with _threads(getattr(self.timer, "threads", None)):
-            failed, worst = self._check(schedule, built)
-        if failed is not None:
-            return failed
+        checked = self.verify(schedule, built)
+        if checked.status != "verified":
+            return checked
         try:
             timing = self.time_fn(built.fn, schedule)
         except Exception as e:  # noqa: BLE001
             return self._fail(schedule, "launch while timing", e, built.seconds)
         self._fns[schedule] = built.fn
-        return Outcome(schedule, "ok", timing.median_s, rel_err=worst, build_s=built.seconds, timing=timing)
+        return Outcome(schedule, "ok", timing.median_s, rel_err=checked.rel_err, build_s=built.seconds,
+                       timing=timing)
+
+    def verify(self, schedule: Schedule, built: Built | None = None) -> Outcome:
+        """Build and check the candidate without timing it: status "verified" (time inf, `rel_err` the worst
+        error of the check), or the outcome of its failure, scored as `evaluate` scores it."""
+        built = built or self.build(schedule)
+        if built.error is not None:
+            return self._fail(schedule, built.stage, built.error, built.seconds)
+        with _threads(getattr(self.timer, "threads", None)):
+            failed, worst = self._check(schedule, built)
+        return failed or Outcome(schedule, "verified", rel_err=worst, build_s=built.seconds)
 
     def _check(self, schedule: Schedule, built: Built) -> tuple[Outcome | None, float]:
         """(the failed check's outcome or None, the worst error in units of the tolerance)."""

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codegen.backend import Backend, get
+from ..codegen.backend import Backend, for_target
 from ..ir import Bucket, CacheError, ConfigError, IRError, MoEBlock, Schedule, TunerUnavailable, UnsupportedSchedule
 from ..passes.policy import representative_tokens
 from ..passes.targets import floor as target_floor
@@ -209,7 +209,7 @@ def _holes(table: DispatchTable, block: MoEBlock, target: str, backend: str, buc
     bucket tuned (a compiled model finds an entry, a resumed run does not tune it again) and a stale entry
     there is split away; the usable entries are left as they are."""
     try:
-        usable = table.lookup(block, target, backend, versions=versions, device=device).usable
+        usable = table.lookup(block, target, backend, versions=versions, device=device).measured
     except CacheError:
         usable = ()
     out, nxt = [], bucket.lo
@@ -315,7 +315,7 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
     if budget_s is not None and not budget_s > 0:
         raise ConfigError(f"tune_block budget_s = {budget_s!r}: need a positive budget (seconds)")
     require_optuna()
-    be = get(backend)
+    be = for_target(backend, target)
     why = be.available()
     if why:
         raise TunerUnavailable(f"backend {backend} is not usable here: {why}")
@@ -413,7 +413,8 @@ def _tune_one(block, be, target, b, inputs, timer, options, table, versions, sha
 
 
 def _kept(block, table, target, backend, buckets, versions, options) -> dict:
-    """With resume or revalidate: the buckets whose table entries (a split bucket's parts) are current."""
+    """With resume or revalidate: the buckets whose table entries (a split bucket's parts) are current and
+    measured (an estimate is tuned again: a timing replaces it)."""
     if not (options.resume or options.revalidate) or table is None:
         return {}
     from ..runtime.versions import judge
@@ -421,7 +422,7 @@ def _kept(block, table, target, backend, buckets, versions, options) -> dict:
     kept = {}
     for b in buckets:
         es = table.parts(target, backend, block.signature_hash(), b.lo, b.hi)
-        if es and all(judge(e, versions) is None for e in es):
+        if es and all(judge(e, versions) is None and not e.estimated for e in es):
             kept[(b.lo, b.hi)] = es
     return kept
 

@@ -71,3 +71,22 @@ def test_presets_run_through_the_pipeline():
         assert (block.E, block.k, block.D, block.F) == GPU_SHAPES[name]
         sb = schedule_block(block, tokens=(1, 1024))
         assert isinstance(sb, ScheduledBlock) and verify_scheduled(sb, final=True)
+
+
+def test_a_backend_without_the_preferred_kind_gets_no_hybrid_whose_threshold_is_out_of_reach():
+    """In the one-row buckets the rules propose only stream_gemv; a backend with no such kernel gets its
+    default from the kinds it offers, and a hybrid there would carry a threshold no expert reaches."""
+    pytest.importorskip("jax")
+    from moetune.codegen.pallas import PallasTpuBackend, grouped_gemm, hybrid
+
+    class NoGemv(PallasTpuBackend):
+        KINDS = (grouped_gemm.KIND, hybrid.KIND)
+
+    block = MoEBlock(E=8, k=2, D=256, F=256, weight_dtype="bfloat16")
+    sb = schedule_block(block, "tpu-v5e", tokens=(1, 16), backend=NoGemv())
+    verify_scheduled(sb)
+    for b in sb.buckets:
+        s = b.schedule
+        assert s.kind != "stream_gemv"
+        assert s.kind != "hybrid" or s.row_threshold <= b.hi
+    assert sb.buckets[0].hi == 1 and sb.buckets[0].schedule.kind == "grouped_gemm"

@@ -633,12 +633,13 @@ def test_the_spread_round_trips(tmp_path):
 
 
 def _v2_without_spread(path: Path) -> Path:
-    """A dispatch_v2 file as written before the spread column existed."""
+    """A dispatch_v2 file as written before the spread column existed (nor the estimated one, added later)."""
     with DispatchTable(path) as t:
         for e in V1_ENTRIES:
             t.put(e)
     conn = sqlite3.connect(path)
     with conn:
+        conn.execute(f"ALTER TABLE {TABLE} DROP COLUMN estimated")
         conn.execute(f"ALTER TABLE {TABLE} DROP COLUMN spread_us")
     conn.close()
     return path

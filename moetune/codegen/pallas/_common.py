@@ -7,15 +7,18 @@
     bridged(block, fn)  the torch-facing ExpertsFn of a JaxExpertsFn: tensors cross by DLPack (no copy where
                         both sides share a device), so the search verifies and times the kernel moetune.jax runs
     interpret()         what a pallas_call's `interpret=` gets: False on a TPU; TPU interpret mode elsewhere when
-                        MOETUNE_PALLAS_INTERPRET is set ("races" also detects DMA races)
+                        MOETUNE_PALLAS_INTERPRET is set ("races" also detects DMA races); False on any machine
+                        inside `for_tpu()` (kernels built and traced there lower for TPU: lowering.py)
 
 Ids outside [0, E) (expert-parallel sentinels) contribute nothing, as in the torch reference.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -24,6 +27,7 @@ from ...ir import MoEBlock
 from ..common import ExpertsFn, ExpertTensors
 
 INTERPRET_ENV = "MOETUNE_PALLAS_INTERPRET"
+_FOR_TPU = contextvars.ContextVar("moetune_pallas_for_tpu", default=False)
 
 
 class JaxExperts(NamedTuple):
@@ -49,10 +53,21 @@ def interpret_requested() -> str | None:
     return None if v in ("", "0") else v
 
 
+@contextlib.contextmanager
+def for_tpu() -> Iterator[None]:
+    """Within it, `interpret()` is False whatever the machine: what is built and traced there is a Mosaic TPU
+    kernel, to be lowered for TPU (`jit(f).trace(...).lower(lowering_platforms=("tpu",))`), not run here."""
+    token = _FOR_TPU.set(True)
+    try:
+        yield
+    finally:
+        _FOR_TPU.reset(token)
+
+
 def interpret():
-    """`interpret=` for pallas_call: False on a TPU, else TPU interpret mode (UnsupportedSchedule-free: the
-    backend's available() has already refused a machine with neither)."""
-    if on_tpu() and interpret_requested() is None:
+    """`interpret=` for pallas_call: False on a TPU (and inside `for_tpu()`), else TPU interpret mode
+    (UnsupportedSchedule-free: the backend's available() has already refused a machine with neither)."""
+    if _FOR_TPU.get() or (on_tpu() and interpret_requested() is None):
         return False
     from jax.experimental.pallas import tpu as pltpu
 
