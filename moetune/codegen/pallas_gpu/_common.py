@@ -1,20 +1,21 @@
 """What the Pallas GPU kernel files share: the interpret switch, the Triton compiler parameters, the blocks the
 kernels refuse, weight-tile loads in both layouts and the activation inside a kernel.
 
-    interpret()           what a pallas_call's `interpret=` gets: False where JAX sees a CUDA device, True
-                          (Pallas' interpreter on the host) where MOETUNE_PALLAS_GPU_INTERPRET is set
+    interpret()           what a pallas_call's `interpret=` gets: True (Pallas' interpreter on the host) where
+                          MOETUNE_PALLAS_GPU_INTERPRET is set, else False (the Triton lowering)
     compiler_params(w, s) jax.experimental.pallas.triton.CompilerParams(num_warps=w, num_stages=s): the Triton
                           lowering's launch width and the software-pipelining depth of every K loop
-    refusal(block)        the blocks no kernel of this backend runs (interleaved gate/up, D or F not a multiple
-                          of 16), with the reason
+    refusal(block)        the blocks no kernel of this backend runs (D or F not a multiple of 16), with the reason
     gate_up_tiles         the [BN, BK] gate and up tiles (f32) of expert e at output n0, reduction k0
+    gate_up_bias          their biases [BN]
     down_tile             the [BN, BK] down tile (f32) of expert e at output n0, reduction k0
     activate              h = act(gate, up) in f32, per the block's activation
 
 The expert tensors are JaxExperts (moetune.codegen.pallas._common) in the layouts of ExpertTensors:
 standard gate_up [E, 2F, D], down [E, D, F]; transposed gate_up [E, D, 2F], down [E, F, D]. Gate rows are
-0..F-1 of the 2F axis, up rows F..2F-1. Tiles are read in place with dynamic slices (`pl.ds`); sizes are
-powers of two that divide the axis they tile (the parameter classes and builds check), so no load is masked.
+0..F-1 of the 2F axis and up rows F..2F-1, or (interleaved) the even and the odd ones. Tiles are read in
+place with dynamic slices (`pl.ds`); sizes are powers of two that divide the axis they tile (the parameter
+classes and builds check), so no load is masked.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def interpret_requested() -> bool:
 
 
 def interpret() -> bool:
-    """`interpret=` for pallas_call: the interpreter when asked for (tests on any machine), else the GPU."""
-    return interpret_requested() or not on_cuda()
+    """`interpret=` for pallas_call, read when a function is traced: the interpreter when asked for (tests on
+    any machine), else the Triton lowering (also what lowering for "cuda" on a machine without one checks)."""
+    return interpret_requested()
 
 
 def compiler_params(num_warps: int, num_stages: int):
@@ -52,9 +54,6 @@ def compiler_params(num_warps: int, num_stages: int):
 
 
 def refusal(block: MoEBlock) -> str | None:
-    if block.layout.interleaved:
-        return ("pallas_gpu kernels read gate and up as the two halves of the 2F axis; the interleaved layout's "
-                "stride-2 row split is not lowered")
     bad = [f"{n} = {v}" for n, v in (("D", block.D), ("F", block.F)) if v % MIN_TILE]
     if bad:
         return f"pallas_gpu kernels tile D and F by powers of two ≥ {MIN_TILE}; {', '.join(bad)} is not a multiple"
@@ -82,18 +81,36 @@ def check_pow2(what: str, **values: int) -> None:
         raise UnsupportedSchedule(f"{what}: {', '.join(bad)} not a power of two")
 
 
-def gate_up_tiles(w_ref, e, n0, k0, F: int, BN: int, BK: int, transposed: bool):
-    """(gate, up) tiles [BN, BK] in f32 (standard) or [BK, BN] (transposed: reduce over axis 0)."""
+def gate_up_slices(block: MoEBlock, n0, BN: int):
+    """(gate, up) slices of the 2F axis for output columns n0 .. n0+BN of F: the two halves, or (interleaved)
+    the even and the odd rows, read with stride 2."""
+    from jax.experimental import pallas as pl
+
+    if block.layout.interleaved:
+        return pl.ds(2 * n0, BN, 2), pl.ds(2 * n0 + 1, BN, 2)
+    return pl.ds(n0, BN), pl.ds(block.F + n0, BN)
+
+
+def gate_up_tiles(block: MoEBlock, w_ref, e, n0, k0, BN: int, BK: int):
+    """(gate, up) tiles in f32: [BN, BK] (standard) or [BK, BN] (transposed: reduce over axis 0)."""
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
-    if transposed:  # [E, D, 2F]
-        g = w_ref[e, pl.ds(k0, BK), pl.ds(n0, BN)]
-        u = w_ref[e, pl.ds(k0, BK), pl.ds(F + n0, BN)]
+    gs, us = gate_up_slices(block, n0, BN)
+    ks = pl.ds(k0, BK)
+    if block.layout.transposed:  # [E, D, 2F]
+        g, u = w_ref[e, ks, gs], w_ref[e, ks, us]
     else:  # [E, 2F, D]
-        g = w_ref[e, pl.ds(n0, BN), pl.ds(k0, BK)]
-        u = w_ref[e, pl.ds(F + n0, BN), pl.ds(k0, BK)]
+        g, u = w_ref[e, gs, ks], w_ref[e, us, ks]
     return g.astype(jnp.float32), u.astype(jnp.float32)
+
+
+def gate_up_bias(block: MoEBlock, b_ref, e, n0, BN: int):
+    """(gate, up) biases [BN] in f32 of expert e's output columns n0 .. n0+BN."""
+    import jax.numpy as jnp
+
+    gs, us = gate_up_slices(block, n0, BN)
+    return b_ref[e, gs].astype(jnp.float32), b_ref[e, us].astype(jnp.float32)
 
 
 def down_tile(w_ref, e, n0, k0, BN: int, BK: int, transposed: bool):

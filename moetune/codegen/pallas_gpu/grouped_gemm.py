@@ -38,6 +38,7 @@ from ._common import (
     compiler_params,
     down_tile,
     dtype_precision,
+    gate_up_bias,
     gate_up_tiles,
     interpret,
     pow2_divisor,
@@ -155,7 +156,7 @@ def _gate_up_kernel(block: MoEBlock, p: GemmParams, has_bias: bool, te_ref, rows
     from jax.experimental.pallas import triton as plgpu
 
     b_ref, h_ref = rest if has_bias else (None, rest[0])
-    BM, BN, BK, F, tr = p.block_m, p.block_n, p.block_k, block.F, block.layout.transposed
+    BM, BN, BK, tr = p.block_m, p.block_n, p.block_k, block.layout.transposed
     i, j = pl.program_id(0), pl.program_id(1)
     r0, n0 = pl.multiple_of(i * BM, BM), pl.multiple_of(j * BN, BN)
     e = te_ref[i]
@@ -166,7 +167,7 @@ def _gate_up_kernel(block: MoEBlock, p: GemmParams, has_bias: bool, te_ref, rows
         def step(kk, acc):
             k0 = pl.multiple_of(kk * BK, BK)
             xv = x_ref[pl.ds(r0, BM), pl.ds(k0, BK)]  # [BM, BK]
-            g, u = gate_up_tiles(w_ref, e, n0, k0, F, BN, BK, tr)
+            g, u = gate_up_tiles(block, w_ref, e, n0, k0, BN, BK)
             g, u = g.astype(xv.dtype), u.astype(xv.dtype)
             return (acc[0] + plgpu.dot(xv, g, trans_b=not tr, precision=prec),
                     acc[1] + plgpu.dot(xv, u, trans_b=not tr, precision=prec))
@@ -177,8 +178,8 @@ def _gate_up_kernel(block: MoEBlock, p: GemmParams, has_bias: bool, te_ref, rows
             wt = rw_ref[pl.ds(r0, BM)][:, None]
             g, u = g * wt, u * wt
         if has_bias:
-            g = g + b_ref[e, pl.ds(n0, BN)].astype(jnp.float32)[None, :]
-            u = u + b_ref[e, pl.ds(F + n0, BN)].astype(jnp.float32)[None, :]
+            bg, bu = gate_up_bias(block, b_ref, e, n0, BN)
+            g, u = g + bg[None, :], u + bu[None, :]
         h_ref[pl.ds(r0, BM), pl.ds(n0, BN)] = activate(block, g, u).astype(h_ref.dtype)
 
 

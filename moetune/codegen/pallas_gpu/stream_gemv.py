@@ -34,6 +34,7 @@ from ._common import (
     check_pow2,
     compiler_params,
     down_tile,
+    gate_up_bias,
     gate_up_tiles,
     interpret,
     pair_expert,
@@ -103,7 +104,7 @@ def _gate_up_kernel(block: MoEBlock, p: GemvParams, has_bias: bool, ids_ref, wts
     from jax.experimental import pallas as pl
 
     b_ref, h_ref = rest if has_bias else (None, rest[0])
-    BN, BK, F, tr = p.block_n, p.block_k, block.F, block.layout.transposed
+    BN, BK, tr = p.block_n, p.block_k, block.layout.transposed
     pair, j = pl.program_id(0), pl.program_id(1)
     n0 = pl.multiple_of(j * BN, BN)
     e, valid = pair_expert(ids_ref, pair, block.E)
@@ -114,7 +115,7 @@ def _gate_up_kernel(block: MoEBlock, p: GemvParams, has_bias: bool, ids_ref, wts
         def step(i, acc):
             k0 = pl.multiple_of(i * BK, BK)
             xv = x_ref[t, pl.ds(k0, BK)].astype(jnp.float32)  # [BK]
-            g, u = gate_up_tiles(w_ref, e, n0, k0, F, BN, BK, tr)
+            g, u = gate_up_tiles(block, w_ref, e, n0, k0, BN, BK)
             if tr:  # [BK, BN]
                 return acc[0] + jnp.sum(g * xv[:, None], axis=0), acc[1] + jnp.sum(u * xv[:, None], axis=0)
             return acc[0] + jnp.sum(g * xv[None, :], axis=1), acc[1] + jnp.sum(u * xv[None, :], axis=1)
@@ -125,8 +126,8 @@ def _gate_up_kernel(block: MoEBlock, p: GemvParams, has_bias: bool, ids_ref, wts
             wt = wts_ref[pair].astype(jnp.float32)
             g, u = g * wt, u * wt
         if has_bias:
-            g = g + b_ref[e, pl.ds(n0, BN)].astype(jnp.float32)
-            u = u + b_ref[e, pl.ds(F + n0, BN)].astype(jnp.float32)
+            bg, bu = gate_up_bias(block, b_ref, e, n0, BN)
+            g, u = g + bg, u + bu
         h_ref[pair, pl.ds(n0, BN)] = activate(block, g, u).astype(h_ref.dtype)
 
     @pl.when(jnp.logical_not(valid))
