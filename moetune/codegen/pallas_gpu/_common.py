@@ -60,6 +60,13 @@ def refusal(block: MoEBlock) -> str | None:
     return None
 
 
+def refuse(block: MoEBlock) -> None:
+    """UnsupportedSchedule with `refusal(block)`'s reason, if there is one."""
+    why = refusal(block)
+    if why:
+        raise UnsupportedSchedule(why)
+
+
 def pow2_divisor(n: int, cap: int) -> int:
     """The largest power of two ≤ cap that divides n."""
     d = 1

@@ -43,6 +43,7 @@ from ._common import (
     interpret,
     pow2_divisor,
     refusal,
+    refuse,
 )
 
 SOURCES = ("grouped_gemm.py", "_common.py")
@@ -83,7 +84,8 @@ def smem_bytes(p: GemmParams, elem: int = 2) -> int:
 
 def check(p: GemmParams, block: MoEBlock, target: Target | None) -> None:
     """The tiles must divide D and F (both projections walk both); the gate/up pipeline must fit the shared
-    memory of one block on `target` (None: the divisibility alone)."""
+    memory of one block on `target` (None: the divisibility alone). Blocks these kernels refuse raise first."""
+    refuse(block)
     check_divides(f"pallas_gpu grouped_gemm on D={block.D}, F={block.F} (gcd {gcd(block.D, block.F)})",
                   block_n=(p.block_n, gcd(block.D, block.F)), block_k=(p.block_k, gcd(block.D, block.F)))
     need, limit = smem_bytes(p), target.smem_per_block if target is not None else None
@@ -243,17 +245,10 @@ def experts_f32(block: MoEBlock, p: GemmParams, x, ids, weights, w):
     return y.reshape(T, block.k, block.D).sum(axis=1)
 
 
-def checked(block: MoEBlock, params: GemmParams) -> GemmParams:
-    why = refusal(block)
-    if why:
-        raise UnsupportedSchedule(why)
-    check(params, block, None)
-    return params
-
-
 def build_jax(block: MoEBlock, schedule: Schedule):
     """JaxExpertsFn of a grouped_gemm schedule (params: GemmParams)."""
-    p = checked(block, schedule.params)
+    p = schedule.params
+    check(p, block, None)
 
     def fn(x, ids, weights, w):
         return experts_f32(block, p, x, ids, weights, w).astype(x.dtype)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-from ...ir import MoEBlock, Schedule, UnsupportedSchedule
+from ...ir import MoEBlock, Schedule
 from ...passes.stats import uniform_distinct
 from ...passes.targets import Target
 from ..common import ParamSpace
@@ -94,9 +94,6 @@ def split(ids, E: int, R: int):
 
 def build_jax(block: MoEBlock, schedule: Schedule):
     """JaxExpertsFn of a hybrid schedule (params: HybridParams; R: the schedule's row_threshold)."""
-    why = refusal(block)
-    if why:
-        raise UnsupportedSchedule(why)
     p, R = schedule.params, schedule.row_threshold
     check(p, block, None)
     gemm, gemv = p.gemm(), p.gemv()

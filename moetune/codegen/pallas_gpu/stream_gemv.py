@@ -40,6 +40,7 @@ from ._common import (
     pair_expert,
     pow2_divisor,
     refusal,
+    refuse,
 )
 
 SOURCES = ("stream_gemv.py", "_common.py")
@@ -81,7 +82,8 @@ CHOICES = (
 
 
 def check(p: GemvParams, block: MoEBlock) -> None:
-    """The tiles must divide the axes they walk (no masked loads)."""
+    """The block must be one these kernels run, and the tiles must divide the axes they walk (no masked loads)."""
+    refuse(block)
     check_divides(f"pallas_gpu stream_gemv on D={block.D}, F={block.F}", block_n=(p.block_n, block.F),
                   block_k=(p.block_k, block.D), down_block_n=(p.down_block_n, block.D),
                   down_block_k=(p.down_block_k, block.F))
@@ -193,17 +195,10 @@ def experts_f32(block: MoEBlock, p: GemvParams, x, ids, weights, w):
     )(ids_f, wts_f, h, w.down, *dnb)  # [T, D]
 
 
-def _checked(block: MoEBlock, schedule: Schedule) -> GemvParams:
-    why = refusal(block)
-    if why:
-        raise UnsupportedSchedule(why)
-    check(schedule.params, block)
-    return schedule.params
-
-
 def build_jax(block: MoEBlock, schedule: Schedule):
     """JaxExpertsFn of a stream_gemv schedule (params: GemvParams)."""
-    p = _checked(block, schedule)
+    p = schedule.params
+    check(p, block)
 
     def fn(x, ids, weights, w):
         return experts_f32(block, p, x, ids, weights, w).astype(x.dtype)
