@@ -76,7 +76,7 @@ CHOICES = (
     ("num_warps", (2, 4, 8)),
     ("num_stages", (1, 2, 3, 4)),
     ("down_block_n", (4, 8, 16, 32, 64)),
-    ("down_block_k", (16, 32, 64, 128, 256, 512)),
+    ("down_block_k", (16, 32, 64, 128, 256, 512, 1024)),
     ("down_warps", (2, 4, 8)),
 )
 
@@ -94,10 +94,14 @@ def space(block: MoEBlock, target: Target) -> ParamSpace:
 
 
 def default_params(block: MoEBlock, T: int, target: Target) -> GemvParams:
-    """16-row output tiles, 256-wide chunks (shrunk to divide small D and F): at one token and k = 8 the
-    gate/up grid is 8·F/16 programs and the down grid D/16, each SM holding several."""
+    """16-row gate/up tiles over 256-wide chunks (T·k·F/16 programs: several per SM from one token on); the
+    down grid has only T·D/BN_d programs, so its tile narrows (to 4 rows over 512-wide chunks) until there are
+    two programs per SM. Every tile shrinks to divide small D and F."""
+    bn, bk = 16, 256
+    while bn > 4 and T * block.D // bn < 2 * (target.sm_count or 1):
+        bn, bk = bn // 2, bk * 2
     return GemvParams(block_n=pow2_divisor(block.F, 16), block_k=pow2_divisor(block.D, 256),
-                      down_block_n=pow2_divisor(block.D, 16), down_block_k=pow2_divisor(block.F, 256))
+                      down_block_n=pow2_divisor(block.D, bn), down_block_k=pow2_divisor(block.F, bk))
 
 
 def _gate_up_kernel(block: MoEBlock, p: GemvParams, has_bias: bool, ids_ref, wts_ref, x_ref, w_ref, *rest):
