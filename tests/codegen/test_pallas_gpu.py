@@ -3,7 +3,8 @@
 Numerics in Pallas' interpreter (MOETUNE_PALLAS_GPU_INTERPRET=1), every kind through its torch-facing build
 (`bridged(build_jax)`) against the float32 torch reference, by the package's tolerance: routings with
 zero-row experts, one hot expert, one row per expert, k = 1, sentinel ids and odd T, in f32 and bf16, with
-tiles small enough that every K loop and grid axis takes several steps; every layout (standard, transposed,
+tiles small enough that every K loop and grid axis takes several steps; FP8 block-quantised weights (the
+GEMV); every layout (standard, transposed,
 interleaved, biases), both activations and both weight applications; each kind's default. Each build is
 compiled once (a few seconds in the interpreter) and checked on several routings of one T.
 Lowering for "cuda" without a GPU (the Triton lowering runs in Python): every kind's default at the real
@@ -25,7 +26,7 @@ from moetune.codegen.backend import get  # noqa: E402
 from moetune.codegen.pallas_gpu import GemmParams, GemvParams, HybridParams  # noqa: E402
 from moetune.codegen.pallas_gpu._common import INTERPRET_ENV  # noqa: E402
 from moetune.codegen.torch import experts_reference, worst_error  # noqa: E402
-from moetune.ir import Activation, MoEBlock, Schedule, UnsupportedSchedule, WeightLayout  # noqa: E402
+from moetune.ir import Activation, MoEBlock, Schedule, UnsupportedSchedule, WeightFormat, WeightLayout  # noqa: E402
 from moetune.ir.presets import preset  # noqa: E402
 from moetune.search.objective import expert_tensors  # noqa: E402
 
@@ -83,7 +84,7 @@ def check(block: MoEBlock, schedule: Schedule, routings: list[torch.Tensor], see
     the float32 reference, within the package's tolerance of the dtype."""
     gen = torch.Generator().manual_seed(seed)
     w = expert_tensors(block, seed=seed)
-    dt = w.gate_up.dtype
+    dt = getattr(torch, block.weight_format.compute_dtype)
     fn = BE.build(block, schedule)
     for ids in routings:
         T = ids.shape[0]
@@ -143,6 +144,27 @@ def test_each_kinds_default_matches_the_reference(interpreted, kind):
     check(block, BE.default(block, kind, 7), [routing(c, block.E, block.k, gen) for c in ("sentinels", "uniform")])
 
 
+@pytest.mark.parametrize("blocks", [(128, 128), (32, 64)])
+def test_the_fp8_gemv_matches_the_reference(interpreted, blocks):
+    """e4m3 weights with float32 scales per block, bf16 activations: against the reference on the dequantised
+    weights, with the tiles' default (one scale block per tile) over every routing case."""
+    block = block_of(E=14, D=256, F=256, dtype="bfloat16").with_weight_format(WeightFormat.fp8_block(blocks))
+    gen = torch.Generator().manual_seed(6)
+    s = BE.default(block, "stream_gemv", 7)
+    assert s.params.block_k <= blocks[1] and s.params.down_block_k <= blocks[1]
+    check(block, s, [routing(c, block.E, block.k, gen) for c in CASES])
+
+
+def test_fp8_refusals():
+    fp8 = WeightFormat.fp8_block()
+    assert "F = 192 is not" in BE.kinds(block_of(D=256, F=192, dtype="bfloat16").with_weight_format(fp8))[
+        "stream_gemv"]
+    q = block_of(D=256, F=256, dtype="bfloat16").with_weight_format(fp8)
+    assert all("unquantised" in BE.kinds(q)[k] for k in ("grouped_gemm", "hybrid"))
+    with pytest.raises(UnsupportedSchedule, match="block_k = 256 does not divide 128"):
+        BE.build(q, Schedule("stream_gemv", backend="pallas_gpu", params=GemvParams(block_k=256)))
+
+
 def test_the_hybrid_splits_by_rows_per_expert():
     import jax.numpy as jnp
 
@@ -185,7 +207,7 @@ def test_availability_and_refusals(monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ lowering
 
-PRESET_NAMES = ("qwen3-30b-a3b", "qwen3.5-397b-a17b")
+PRESET_NAMES = ("qwen3-30b-a3b", "qwen3.5-397b-a17b", "qwen3-30b-a3b-fp8", "qwen3.5-397b-a17b-fp8")
 LOWER_TOKENS = (1, 16, 256, 4096)  # both regimes of the defaults, decode to prefill
 
 
@@ -196,22 +218,28 @@ def lowered(block: MoEBlock, schedule: Schedule, T: int) -> str:
 
     from moetune.codegen.pallas._common import JaxExperts
 
-    lay = block.layout
-    dt = jnp.bfloat16 if block.weight_dtype == "bfloat16" else jnp.float32
+    lay, fmt = block.layout, block.weight_format
+    dt = jnp.dtype(fmt.compute_dtype)
+    wdt = jnp.dtype(fmt.dtype)
 
     def sd(*shape, dtype=dt):
         return jax.ShapeDtypeStruct(shape, dtype)
 
     E, D, F = block.E, block.D, block.F
-    bias = (sd(E, 2 * F), sd(E, D)) if lay.has_bias else ()
-    w = JaxExperts(sd(*lay.gate_up_shape(E, D, F)), sd(*lay.down_shape(E, D, F)), *bias)
+    bias = (sd(E, 2 * F), sd(E, D)) if lay.has_bias else (None, None)
+    scales = ()
+    if fmt.quantized:
+        (r, c), f32 = fmt.block, jnp.float32
+        scales = (sd(E, 2 * (F // r), D // c, dtype=f32), sd(E, D // r, F // c, dtype=f32))
+    w = JaxExperts(sd(*lay.gate_up_shape(E, D, F), dtype=wdt), sd(*lay.down_shape(E, D, F), dtype=wdt), *bias,
+                   *scales)
     fn = BE.kind(schedule.kind, block).build_jax(block, schedule)
     args = (sd(T, D), sd(T, block.k, dtype=jnp.int32), sd(T, block.k), w)
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name", PRESET_NAMES)
+@pytest.mark.parametrize("name,kind", [(n, k) for n in PRESET_NAMES for k, why in BE.kinds(preset(n)).items()
+                                       if why is None])  # fp8_block presets: the GEMV alone reads them
 def test_every_default_lowers_through_triton_at_the_presets_shapes(monkeypatch, name, kind):
     monkeypatch.delenv(INTERPRET_ENV, raising=False)
     block = preset(name)
@@ -229,12 +257,11 @@ def test_gpt_oss_layouts_lower_through_triton(monkeypatch):
 
 
 def test_the_lowered_kernels_compile_for_sm90(monkeypatch, tmp_path):
-    """Each of the four kernels, at the qwen3.5-397b-a17b default of its regime, as Triton IR compiled to
-    sm_90 by the Triton installed here with the launch's num_warps and num_stages (XLA compiles the same IR
-    with its own Triton on the GPU)."""
-    triton = pytest.importorskip("triton")
+    """Each of the kernels, at the qwen3.5-397b-a17b default of its regime (the GEMV on bf16 and on fp8_block
+    weights), as Triton IR compiled to sm_90 by the Triton installed here with the launch's num_warps and
+    num_stages (XLA compiles the same IR with its own Triton on the GPU)."""
+    pytest.importorskip("triton")
     from jax._src.pallas.triton import pallas_call_registration as reg
-    from triton.backends.compiler import GPUTarget
 
     monkeypatch.delenv(INTERPRET_ENV, raising=False)
     modules: dict[str, str] = {}
@@ -247,14 +274,30 @@ def test_the_lowered_kernels_compile_for_sm90(monkeypatch, tmp_path):
         return out
 
     monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", keep)
-    block = preset("qwen3.5-397b-a17b")
-    launch = {}
-    for kind, T in (("stream_gemv", 1), ("grouped_gemm", 256)):
+    compiled_names = []
+    for name, kind, T in (("qwen3.5-397b-a17b", "stream_gemv", 1), ("qwen3.5-397b-a17b", "grouped_gemm", 256),
+                          ("qwen3.5-397b-a17b-fp8", "stream_gemv", 1)):
+        block = preset(name)
+        modules.clear()
+        launch = {}
         text = lowered(block, BE.default(block, kind, T), T)
         for m in re.finditer(r'name = "(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text):
             launch[m.group(1)] = (int(m.group(2)), int(m.group(3)))
-    assert sorted(modules) == sorted(launch) == ["moetune_gemm_down", "moetune_gemm_gate_up",
-                                                 "moetune_gemv_down", "moetune_gemv_gate_up"]
+        assert sorted(modules) == sorted(launch) and len(launch) == 2, (name, kind, sorted(launch))
+        if block.weight_format.quantized:
+            assert "f8E4M3FN" in modules["moetune_gemv_gate_up"]
+        compiled_names += sorted(modules)
+        compile_sm90(modules, launch, tmp_path)
+    assert sorted(set(compiled_names)) == ["moetune_gemm_down", "moetune_gemm_gate_up", "moetune_gemv_down",
+                                           "moetune_gemv_gate_up"]
+
+
+def compile_sm90(modules: dict[str, str], launch: dict[str, tuple[int, int]], tmp_path) -> None:
+    """Each Triton module compiled to an sm_90 cubin with its launch's (num_stages, num_warps), within the
+    H200's shared memory per block."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
     for name, asm in modules.items():
         path = tmp_path / f"{name}.ttir"
         path.write_text(asm)

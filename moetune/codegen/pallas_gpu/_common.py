@@ -8,6 +8,7 @@ kernels refuse, weight-tile loads in both layouts and the activation inside a ke
     refusal(block)        the blocks no kernel of this backend runs (D or F not a multiple of 16), with the reason
     gate_up_tiles         the [BN, BK] gate and up tiles (f32) of expert e at output n0, reduction k0
     gate_up_bias          their biases [BN]
+    gate_up_scales        their fp8_block dequantisation multipliers (the tile lies in one block); down_scale
     down_tile             the [BN, BK] down tile (f32) of expert e at output n0, reduction k0
     activate              h = act(gate, up) in f32, per the block's activation
 
@@ -127,6 +128,21 @@ def down_tile(w_ref, e, n0, k0, BN: int, BK: int, transposed: bool):
     if transposed:
         return w_ref[e, pl.ds(k0, BK), pl.ds(n0, BN)]
     return w_ref[e, pl.ds(n0, BN), pl.ds(k0, BK)]
+
+
+def gate_up_scales(block: MoEBlock, s_ref, e, n0, k0):
+    """(gate, up) dequantisation multipliers of expert e's tile at output row n0, reduction k0 (fp8_block,
+    standard halves layout: the tile lies in one (r, c) block of each half; the up half's blocks start at
+    row block ⌈F/r⌉, moetune.codegen.quant.gate_up_scale_shape)."""
+    r, c = block.weight_format.block
+    nb, kb = n0 // r, k0 // c
+    return s_ref[e, nb, kb], s_ref[e, -(-block.F // r) + nb, kb]
+
+
+def down_scale(block: MoEBlock, s_ref, e, n0, k0):
+    """The dequantisation multiplier of expert e's down tile at output row n0, reduction k0 (fp8_block)."""
+    r, c = block.weight_format.block
+    return s_ref[e, n0 // r, k0 // c]
 
 
 def activate(block: MoEBlock, gate, up):

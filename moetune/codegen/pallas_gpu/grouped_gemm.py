@@ -13,8 +13,9 @@ Two launches over grid (NT, N/BN):
   down     acc [BM, BN] = Σ_F h_pad tile · down tile, + bias, × routing weight on the output: y_pad f32
 Combine (JAX): each valid pair gathers its row of y_pad; the token's k rows are summed (deterministic).
 
-FP8 block-scaled weights are not read (formats: unquantised only): the per-block scales' dequantisation is
-not written for these kernels, so an fp8_block block is refused by the contract's format rule.
+FP8 block-scaled weights are not read (formats: unquantised only): no fp8 tile path (dequantised tiles into
+`pl.dot`, or e4m3 dots with the scales on the accumulators) is written for these kernels, so an fp8_block
+block is refused by the contract's format rule.
 """
 
 from __future__ import annotations

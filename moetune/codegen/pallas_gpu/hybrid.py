@@ -7,7 +7,8 @@ reads no weights in either kernel, so each expert's weights are streamed by one 
 outputs [T, D] are summed. Four launches, no host synchronisation: both grids are static (the GEMM's tile
 bound and the GEMV's P pairs), the split is data on the device.
 
-FP8 block-scaled weights are not read (formats: unquantised only), as in the two kernels it combines.
+FP8 block-scaled weights are not read (formats: unquantised only): the grouped GEMM of its heavy half reads
+unquantised weights only.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ Two launches:
 An expert shared by several pairs is re-read per pair: this is the decode kernel (about one row per active
 expert); many rows per expert are the grouped GEMM's (grouped_gemm.py).
 
-FP8 block-scaled weights are not read (formats: unquantised only): the scales' per-128-block dequantisation
-is not written for these kernels, so an fp8_block block is refused by the contract's format rule.
+The same kernels read FP8 block-quantised weights with their scales (stream_gemv_fp8.py: the tile's row
+sums times its block's multiplier).
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ from ._common import (
     check_divides,
     check_pow2,
     compiler_params,
+    down_scale,
     down_tile,
     gate_up_bias,
+    gate_up_scales,
     gate_up_tiles,
     interpret,
     pair_expert,
@@ -104,12 +106,20 @@ def default_params(block: MoEBlock, T: int, target: Target) -> GemvParams:
                       down_block_n=pow2_divisor(block.D, bn), down_block_k=pow2_divisor(block.F, bk))
 
 
-def _gate_up_kernel(block: MoEBlock, p: GemvParams, has_bias: bool, ids_ref, wts_ref, x_ref, w_ref, *rest):
+def _extras(block: MoEBlock, rest):
+    """(bias ref or None, scale ref or None, output ref) of a kernel's trailing refs."""
+    *ins, out = rest
+    b_ref = ins.pop(0) if block.layout.has_bias else None
+    s_ref = ins.pop(0) if block.weight_format.quantized else None
+    return b_ref, s_ref, out
+
+
+def _gate_up_kernel(block: MoEBlock, p: GemvParams, ids_ref, wts_ref, x_ref, w_ref, *rest):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
-    b_ref, h_ref = rest if has_bias else (None, rest[0])
+    b_ref, s_ref, h_ref = _extras(block, rest)
     BN, BK, tr = p.block_n, p.block_k, block.layout.transposed
     pair, j = pl.program_id(0), pl.program_id(1)
     n0 = pl.multiple_of(j * BN, BN)
@@ -123,15 +133,20 @@ def _gate_up_kernel(block: MoEBlock, p: GemvParams, has_bias: bool, ids_ref, wts
             xv = x_ref[t, pl.ds(k0, BK)].astype(jnp.float32)  # [BK]
             g, u = gate_up_tiles(block, w_ref, e, n0, k0, BN, BK)
             if tr:  # [BK, BN]
-                return acc[0] + jnp.sum(g * xv[:, None], axis=0), acc[1] + jnp.sum(u * xv[:, None], axis=0)
-            return acc[0] + jnp.sum(g * xv[None, :], axis=1), acc[1] + jnp.sum(u * xv[None, :], axis=1)
+                dg, du = jnp.sum(g * xv[:, None], axis=0), jnp.sum(u * xv[:, None], axis=0)
+            else:
+                dg, du = jnp.sum(g * xv[None, :], axis=1), jnp.sum(u * xv[None, :], axis=1)
+            if s_ref is not None:  # the tile lies in one scale block of each half
+                sg, su = gate_up_scales(block, s_ref, e, n0, k0)
+                dg, du = dg * sg, du * su
+            return acc[0] + dg, acc[1] + du
 
         zero = jnp.zeros((BN,), jnp.float32)
         g, u = jax.lax.fori_loop(0, block.D // BK, step, (zero, zero))
         if block.weight_application == "input":
             wt = wts_ref[pair].astype(jnp.float32)
             g, u = g * wt, u * wt
-        if has_bias:
+        if b_ref is not None:
             bg, bu = gate_up_bias(block, b_ref, e, n0, BN)
             g, u = g + bg, u + bu
         h_ref[pair, pl.ds(n0, BN)] = activate(block, g, u).astype(h_ref.dtype)
@@ -141,12 +156,12 @@ def _gate_up_kernel(block: MoEBlock, p: GemvParams, has_bias: bool, ids_ref, wts
         h_ref[pair, pl.ds(n0, BN)] = jnp.zeros((BN,), h_ref.dtype)
 
 
-def _down_kernel(block: MoEBlock, p: GemvParams, has_bias: bool, ids_ref, wts_ref, h_ref, w_ref, *rest):
+def _down_kernel(block: MoEBlock, p: GemvParams, ids_ref, wts_ref, h_ref, w_ref, *rest):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
-    b_ref, o_ref = rest if has_bias else (None, rest[0])
+    b_ref, s_ref, o_ref = _extras(block, rest)
     BN, BK, tr = p.down_block_n, p.down_block_k, block.layout.transposed
     t, j = pl.program_id(0), pl.program_id(1)
     n0 = pl.multiple_of(j * BN, BN)
@@ -156,10 +171,11 @@ def _down_kernel(block: MoEBlock, p: GemvParams, has_bias: bool, ids_ref, wts_re
             k0 = pl.multiple_of(i * BK, BK)
             hv = h_ref[pair, pl.ds(k0, BK)].astype(jnp.float32)  # [BK]
             wv = down_tile(w_ref, e, n0, k0, BN, BK, tr).astype(jnp.float32)
-            return acc + (jnp.sum(wv * hv[:, None], axis=0) if tr else jnp.sum(wv * hv[None, :], axis=1))
+            d = jnp.sum(wv * hv[:, None], axis=0) if tr else jnp.sum(wv * hv[None, :], axis=1)
+            return acc + (d * down_scale(block, s_ref, e, n0, k0) if s_ref is not None else d)
 
         y = jax.lax.fori_loop(0, block.F // BK, step, jnp.zeros((BN,), jnp.float32))  # [BN]
-        if has_bias:
+        if b_ref is not None:
             y = y + b_ref[e, pl.ds(n0, BN)].astype(jnp.float32)
         if block.weight_application == "output":
             y = y * wts_ref[pair].astype(jnp.float32)
@@ -182,21 +198,21 @@ def experts_f32(block: MoEBlock, p: GemvParams, x, ids, weights, w):
     T, P = x.shape[0], x.shape[0] * block.k
     ids_f = ids.reshape(P).astype(jnp.int32)  # [P]
     wts_f = weights.reshape(P)  # [P]
-    has_bias = block.layout.has_bias
-    gub, dnb = ((w.gate_up_bias,), (w.down_bias,)) if has_bias else ((), ())
+    gu_extra = [t for t in (w.gate_up_bias, w.gate_up_scale) if t is not None]  # as `_extras` unpacks them
+    dn_extra = [t for t in (w.down_bias, w.down_scale) if t is not None]
     interp = interpret()
     h = pl.pallas_call(
-        partial(_gate_up_kernel, block, p, has_bias),
+        partial(_gate_up_kernel, block, p),
         out_shape=jax.ShapeDtypeStruct((P, block.F), x.dtype), grid=(P, block.F // p.block_n),
         compiler_params=compiler_params(p.num_warps, p.num_stages), interpret=interp,
         name="moetune_gemv_gate_up",
-    )(ids_f, wts_f, x, w.gate_up, *gub)  # [P, F]
+    )(ids_f, wts_f, x, w.gate_up, *gu_extra)  # [P, F]
     return pl.pallas_call(
-        partial(_down_kernel, block, p, has_bias),
+        partial(_down_kernel, block, p),
         out_shape=jax.ShapeDtypeStruct((T, block.D), jnp.float32), grid=(T, block.D // p.down_block_n),
         compiler_params=compiler_params(p.down_warps, p.num_stages), interpret=interp,
         name="moetune_gemv_down",
-    )(ids_f, wts_f, h, w.down, *dnb)  # [T, D]
+    )(ids_f, wts_f, h, w.down, *dn_extra)  # [T, D]
 
 
 def build_jax(block: MoEBlock, schedule: Schedule):
