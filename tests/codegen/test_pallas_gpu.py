@@ -159,6 +159,10 @@ def test_fp8_refusals():
     fp8 = WeightFormat.fp8_block()
     assert "F = 192 is not" in BE.kinds(block_of(D=256, F=192, dtype="bfloat16").with_weight_format(fp8))[
         "stream_gemv"]
+    wraps = block_of(E=300, D=2048, F=2048, dtype="bfloat16").with_weight_format(fp8)  # 2.5·10^9 e4m3 values
+    assert "gate_up holds" in BE.kinds(wraps)["stream_gemv"]
+    fits = block_of(E=256, D=2048, F=2048, dtype="bfloat16").with_weight_format(fp8)  # 2^31: the last that fits
+    assert BE.kinds(fits)["stream_gemv"] is None
     q = block_of(D=256, F=256, dtype="bfloat16").with_weight_format(fp8)
     assert all("unquantised" in BE.kinds(q)[k] for k in ("grouped_gemm", "hybrid"))
     with pytest.raises(UnsupportedSchedule, match="block_k = 256 does not divide 128"):

@@ -39,6 +39,10 @@ def refusal(block: MoEBlock) -> str | None:
     r, c = fmt.block
     if r < 4 or c < 16 or r & (r - 1) or c & (c - 1):
         return f"pallas_gpu fp8 stream_gemv tiles within blocks of powers of two (r ≥ 4, c ≥ 16), not {fmt.block}"
+    for name, elems in (("gate_up", block.E * 2 * block.F * block.D), ("down", block.E * block.D * block.F)):
+        if 2**31 < elems <= 2**32:  # one byte per e4m3 value
+            return (f"pallas_gpu fp8 stream_gemv: {name} holds {elems} e4m3 values; Pallas' Triton lowering offsets "
+                    "arrays of at most 2^32 bytes with signed 32-bit integers, which wrap beyond 2^31 elements")
     bad = [f"{n} = {v}" for n, v in (("D", block.D), ("F", block.F)) if v % r or v % c]
     if bad:
         return (f"pallas_gpu fp8 stream_gemv needs D and F in whole {r}×{c} scale blocks (both are rows of one "
