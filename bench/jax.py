@@ -214,7 +214,7 @@ def time_jax(fn, cases: list[tuple], ref, timer) -> dict:
             timer = JaxTimer(reps=50, warmup=1)
         t = timer(fn, cases)
         fields.update(time_us=t.median_s * 1e6, median_us=statistics.median(t.times_s) * 1e6,
-                      spread_us=t.spread_s * 1e6, reps=t.reps, method=t.name)
+                      spread_us=t.spread_s * 1e6, reps=t.reps, method=t.method)
     return fields
 
 
@@ -238,7 +238,7 @@ def time_torch(block, T: int, w, cases, ref, timer, table_path: str) -> dict:
         return fields
     t = timer(fn, cases)
     fields.update(time_us=t.median_s * 1e6, host_us=t.host_median_s * 1e6, spread_us=t.spread_s * 1e6,
-                  reps=t.reps, method=t.name)
+                  reps=t.reps, method=t.method)
     return fields
 
 

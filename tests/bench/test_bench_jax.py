@@ -80,3 +80,22 @@ def test_records_carry_the_floor_share_and_the_ratios_of_their_cell():
     text = J.table(recs).splitlines()
     assert len(text) == 2 + len(recs)
     assert "boom" in text[3] and "out of memory" in text[7] and " 2.50 " in text[2]
+
+
+def test_time_jax_checks_before_it_times():
+    """A function within the bound is timed (compile time, reps, the timer's method recorded); a wrong one is
+    recorded with its error and not timed."""
+    import jax
+
+    from moetune.search.timing import JaxTimer
+
+    block = MoEBlock(E=8, k=2, D=64, F=32)
+    x, ids, wts, w = _inputs(block, 3)
+    case = (to_jax(x), to_jax(ids.to(torch.int32)), to_jax(wts), *J.ragged_weights(jax_experts(w)))
+    ref = experts_reference(block, x, ids, wts, w)
+    good = J.time_jax(J.ragged_fn(block), [case], ref, JaxTimer(reps=50, flush_bytes=1 << 20))
+    assert good["worst_err"] <= 1 and good["reps"] == 50 and good["time_us"] > 0 and good["compile_s"] > 0
+    assert good["method"] == JaxTimer.name and "error" not in good
+    wrong = jax.jit(lambda *a: J.ragged_fn(block)(*a) * 1.1)
+    bad = J.time_jax(wrong, [case], ref, JaxTimer(reps=50, flush_bytes=1 << 20))
+    assert "not timed" in bad["error"] and "time_us" not in bad and bad["worst_err"] > 1
