@@ -163,6 +163,7 @@ def test_fp8_refusals():
     assert "gate_up holds" in BE.kinds(wraps)["stream_gemv"]
     fits = block_of(E=256, D=2048, F=2048, dtype="bfloat16").with_weight_format(fp8)  # 2^31: the last that fits
     assert BE.kinds(fits)["stream_gemv"] is None
+    assert "gate_up holds 4294967296" in BE.kinds(preset("qwen3.5-397b-a17b-fp8"))["stream_gemv"]  # 2^32 bytes
     q = block_of(D=256, F=256, dtype="bfloat16").with_weight_format(fp8)
     assert all("unquantised" in BE.kinds(q)[k] for k in ("grouped_gemm", "hybrid"))
     with pytest.raises(UnsupportedSchedule, match="block_k = 256 does not divide 128"):
@@ -261,8 +262,8 @@ def test_gpt_oss_layouts_lower_through_triton(monkeypatch):
 
 
 def test_the_lowered_kernels_compile_for_sm90(monkeypatch, tmp_path):
-    """Each of the kernels, at the qwen3.5-397b-a17b default of its regime (the GEMV on bf16 and on fp8_block
-    weights), as Triton IR compiled to sm_90 by the Triton installed here with the launch's num_warps and
+    """Each of the kernels, at the qwen3.5-397b-a17b default of its regime, and the GEMV on qwen3-30b-a3b's
+    fp8_block weights, as Triton IR compiled to sm_90 by the Triton installed here with the launch's num_warps and
     num_stages (XLA compiles the same IR with its own Triton on the GPU)."""
     pytest.importorskip("triton")
     from jax._src.pallas.triton import pallas_call_registration as reg
@@ -280,7 +281,7 @@ def test_the_lowered_kernels_compile_for_sm90(monkeypatch, tmp_path):
     monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", keep)
     compiled_names = []
     for name, kind, T in (("qwen3.5-397b-a17b", "stream_gemv", 1), ("qwen3.5-397b-a17b", "grouped_gemm", 256),
-                          ("qwen3.5-397b-a17b-fp8", "stream_gemv", 1)):
+                          ("qwen3-30b-a3b-fp8", "stream_gemv", 1)):
         block = preset(name)
         modules.clear()
         launch = {}
