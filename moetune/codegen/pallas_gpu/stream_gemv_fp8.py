@@ -7,7 +7,9 @@ BN rows divide r and its BK columns divide c, so a [BN, BK] tile lies in one blo
 widened to f32 for the FMA and the tile's row sums [BN] are multiplied by the block's one scale (BN
 multiplies per chunk, not BN·BK). Activations stay in the model's dtype, products and sums in f32; h and the
 output as in stream_gemv.py. Standard layout (gate | up halves) only: the scales follow it; D and F in whole
-blocks, so each half's blocks are the fused matrix's row blocks.
+blocks, so each half's blocks are the fused matrix's row blocks. Pallas' Triton lowering offsets an array of
+at most 2^32 bytes with 32-bit integers, which wrap beyond 2^31 one-byte elements: a matrix of 2^31 < n ≤ 2^32
+e4m3 values is refused (qwen3.5-397b-a17b-fp8's gate_up is 2^32 bytes).
 """
 
 from __future__ import annotations
