@@ -5,8 +5,8 @@ block, (x [T, D], ids [T, k], weights [T, k]) → out [T, D], every sort, activa
 included. Per cell, on the tuner's own inputs (`moetune.search.objective.expert_tensors`, `make_cases`: 8
 uniform routings), shared by JAX and torch through DLPack (no copy):
 
-  * moetune (JAX): `moetune_fn(block, T)`, the jitted JaxExpertsFn of the runtime's default schedule at T for
-    the pallas_gpu backend (Pallas kernels through Pallas' Triton lowering, `build_jax`); with `--kinds` also
+  * moetune (JAX): `moetune_fn(block, T)`, moetune.jax.experts jitted, running the runtime's default schedule
+    at T for the pallas_gpu backend (Pallas kernels through Pallas' Triton lowering, `build_jax`); with `--kinds` also
     each schedule kind's default (`backend.default(block, kind, T)`) where it is another schedule;
   * ragged_dot (JAX): `ragged_fn(block)`, the experts written the usual way with `jax.lax.ragged_dot`: sort the
     pairs by expert, group sizes by bincount, gate/up ragged_dot, silu(gate)·up, down ragged_dot, unsort,
@@ -58,14 +58,22 @@ def moetune_schedule(block, T: int):
 
 
 def moetune_fn(block, T: int, schedule=None):
-    """The jitted JAX function moetune runs for `block` at T tokens: fn(x, ids, weights, w: JaxExperts)."""
+    """The jitted JAX function moetune runs for `block` at T tokens: fn(x, ids, weights, w: JaxExperts). With no
+    `schedule`, what a JAX user calls: moetune.jax.experts on the pallas_gpu backend (its default schedule at T);
+    with one, that schedule's kernel itself (`build_jax`)."""
     import jax
 
     from moetune.codegen.backend import get
 
-    be = get(BACKEND)
-    s = schedule if schedule is not None else moetune_schedule(block, T)
-    return jax.jit(be.kind(s.kind, block).build_jax(block, s))
+    if schedule is None:
+        import moetune.jax as mj
+
+        def user(x, ids, weights, w):
+            return mj.experts(x, ids, weights, w.gate_up, w.down, block=block, backend=BACKEND,
+                              gate_up_scale=w.gate_up_scale, down_scale=w.down_scale)
+
+        return jax.jit(user)
+    return jax.jit(get(BACKEND).kind(schedule.kind, block).build_jax(block, schedule))
 
 
 def ragged_weights(w):
@@ -274,8 +282,9 @@ def cell(shape: str, T: int, w, rw, args, timers) -> list[dict]:
             s = be.default(block, kind, T) if why is None else None
             if s is not None and s != main:
                 scheds.append((f"moetune-jax:{kind}", s))
-    for impl, s in scheds:
-        attempt(impl, lambda s=s: time_jax(moetune_fn(block, T, s), [(*c, wj) for c in jcases], ref, timers["jax"]),
+    for impl, s in scheds:  # the main row through moetune.jax.experts (which runs `main`), the others as kernels
+        fn = (lambda: moetune_fn(block, T)) if s is main else (lambda s=s: moetune_fn(block, T, s))
+        attempt(impl, lambda fn=fn: time_jax(fn(), [(*c, wj) for c in jcases], ref, timers["jax"]),
                 schedule=s.describe())
     attempt("ragged_dot", lambda: time_jax(ragged_fn(block), [(*c, *rw) for c in jcases], ref, timers["jax"]))
     attempt("moetune-torch", lambda: time_torch(block, T, w, cases, ref, timers["torch"], args.table))

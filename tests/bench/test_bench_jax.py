@@ -59,8 +59,11 @@ def test_moetune_fn_is_the_jitted_default_and_matches_the_reference(monkeypatch,
     block = MoEBlock(E=8, k=2, D=64, F=32, weight_dtype="bfloat16", routing_weight_dtype="bfloat16")
     assert J.moetune_schedule(block, T).kind == ("stream_gemv" if T == 1 else "grouped_gemm")
     x, ids, wts, w = _inputs(block, T, seed=T)
-    out = J.moetune_fn(block, T)(to_jax(x), to_jax(ids.to(torch.int32)), to_jax(wts), jax_experts(w))
-    assert worst_error(torch.from_dlpack(out), experts_reference(block, x, ids, wts, w)) <= 1
+    args = (to_jax(x), to_jax(ids.to(torch.int32)), to_jax(wts), jax_experts(w))
+    fn = J.moetune_fn(block, T)  # moetune.jax.experts, jitted: its lowered program names the kernel it runs
+    assert worst_error(torch.from_dlpack(fn(*args)), experts_reference(block, x, ids, wts, w)) <= 1
+    text = fn.lower(*args).as_text(debug_info=True)
+    assert f"moetune_experts/pallas_gpu.{J.moetune_schedule(block, T).kind}" in text
 
 
 def test_records_carry_the_floor_share_and_the_ratios_of_their_cell():
