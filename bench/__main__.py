@@ -18,6 +18,7 @@ SUITES = {  # name: one line (the suite module's is bench/<name>.py, imported on
     "dense": "cuBLAS bmm on the same work with perfectly balanced experts (a bound for the grouped GEMM)",
     "tune": "a short `moetune tune` of a preset into a scratch table: each bucket's winner against its "
             "default and the floor",
+    "jax": "moetune's Pallas GPU kernels for JAX against jax.lax.ragged_dot and moetune's PyTorch path",
 }
 
 

@@ -1,7 +1,7 @@
 """The interface every backend offers, and the registry the runtime and the search read.
 
     class Backend(Protocol):
-        name: str                                   # "torch" | "triton" | "pallas_tpu"
+        name: str                                   # "torch" | "triton" | "pallas_tpu" | "pallas_gpu"
         def available(self) -> str | None            # None when usable here, else the reason
         def kinds(self, block) -> dict[kind, str | None]   # schedule kind → None or refusal reason
         def space(self, block, kind) -> ParamSpace   # the kernel's tunables for that kind
@@ -29,7 +29,7 @@ from .common import ExpertsFn, ParamSpace
 _REGISTRY: dict[str, Backend] = {}
 _FOR_TARGET: dict[tuple[str, str], Backend] = {}
 _MODULES = {"torch": "moetune.codegen.torch", "triton": "moetune.codegen.triton",
-            "pallas_tpu": "moetune.codegen.pallas"}
+            "pallas_tpu": "moetune.codegen.pallas", "pallas_gpu": "moetune.codegen.pallas_gpu"}
 
 
 class Backend(Protocol):

@@ -10,6 +10,9 @@ median. Three kinds:
                     CUDA events around each replay, ≥ 100 reps (device time): the median of each case's
                     replays, averaged over the cases (`routing_mean`); plus the plain host-launched time
     FakeTimer       a function of the schedule: tests of the search without measuring anything
+    JaxTimer        jitted JAX calls (no CUDA graphs: JAX's calls cannot be captured by torch): L2 defeated by
+                    reading a 256 MB JAX buffer before every rep, each rep host-timed to block_until_ready
+                    (so JAX's dispatch is included), ≥ 50 reps in rotation, summarised by `routing_mean`
 """
 
 from __future__ import annotations
@@ -221,6 +224,43 @@ class FakeTimer:
         fn(c.x, c.ids, c.weights, c.w)
         t = float(self.cost(schedule))
         return Timing(t, 0.0, 1, self.name)
+
+
+@dataclass
+class JaxTimer:
+    """Times a jitted JAX function `fn(*args)` over `cases` (argument tuples of JAX arrays), rotating through
+    them: `warmup` calls, then `reps` timed calls, each after a read of `flush_bytes` (a sum of a JAX buffer
+    on the first argument's device, waited for) and timed from the call to `block_until_ready` of its result.
+    The summary is `routing_mean` of the reps (each case's median, averaged over the cases)."""
+
+    reps: int = 100
+    warmup: int = 5
+    flush_bytes: int = 256 << 20
+    name: str = "jax:host-timed-block_until_ready+l2-read-flush,mean-over-routings"
+
+    def __post_init__(self) -> None:
+        if self.reps < 50:
+            raise ValueError(f"JaxTimer.reps = {self.reps}: at least 50")
+        self._flush = None
+
+    def __call__(self, fn: Callable, cases: Sequence[tuple]) -> Timing:
+        import jax
+        import jax.numpy as jnp
+
+        device = next(iter(jax.tree_util.tree_leaves(cases[0])[0].devices()))
+        if self._flush is None or next(iter(self._flush.devices())) != device:
+            self._flush = jax.device_put(jnp.ones(self.flush_bytes // 4, jnp.float32), device)
+        read = jax.jit(jnp.sum)
+        for i in range(self.warmup):
+            jax.block_until_ready(fn(*cases[i % len(cases)]))
+        times = []
+        for i in range(self.reps):
+            c = cases[i % len(cases)]
+            read(self._flush).block_until_ready()
+            t0 = time.perf_counter_ns()
+            jax.block_until_ready(fn(*c))
+            times.append((time.perf_counter_ns() - t0) * 1e-9)
+        return Timing(routing_mean(times, len(cases)), _iqr(times), len(times), self.name, times_s=tuple(times))
 
 
 def timer_for(device: str | torch.device) -> Timer:

@@ -19,7 +19,7 @@ from moetune.ir.presets import PRESETS, preset
 from moetune.passes.policy import hybrid_threshold, rows_per_active
 
 CODEGEN = Path(registry.__file__).resolve().parent
-NEEDS = {"triton": "triton", "pallas_tpu": "jax"}  # the library a backend's package imports
+NEEDS = {"triton": "triton", "pallas_tpu": "jax", "pallas_gpu": "jax"}  # the library a backend's package imports
 BACKENDS = [n for n in registry._MODULES if importlib.util.find_spec(NEEDS.get(n, "torch"))]
 FOLDERS = {n: m.rsplit(".", 1)[1] for n, m in registry._MODULES.items()}
 TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 4096)
@@ -28,7 +28,7 @@ BLOCKS = [preset(name) for name in PRESETS] + [
 
 
 def test_nothing_names_a_backend_that_does_not_exist():
-    assert sorted(registry._MODULES) == ["pallas_tpu", "torch", "triton"]
+    assert sorted(registry._MODULES) == ["pallas_gpu", "pallas_tpu", "torch", "triton"]
     assert sorted(p.name for p in CODEGEN.iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(
         FOLDERS.values())
 

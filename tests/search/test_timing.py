@@ -1,4 +1,5 @@
-"""Timers: the CPU timer's median, rotation and thread handling; the fake timer; the CUDA timer on a GPU."""
+"""Timers: the CPU timer's median, rotation and thread handling; the fake timer; the JAX timer; the CUDA timer on
+a GPU."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ import torch
 import toy_backend as tb
 
 from moetune.search.objective import expert_tensors, make_cases
-from moetune.search.timing import Case, CpuTimer, CudaGraphTimer, FakeTimer, NotCapturable, routing_mean, timer_for
+from moetune.search.timing import (
+    Case,
+    CpuTimer,
+    CudaGraphTimer,
+    FakeTimer,
+    JaxTimer,
+    NotCapturable,
+    routing_mean,
+    timer_for,
+)
 
 
 def cases(n: int = 4, T: int = 3):
@@ -172,3 +182,26 @@ def test_a_capture_lets_another_thread_allocate_and_launch():  # pragma: no cove
         stop.set()
         t.join()
     assert not errors and 0 < timing.median_s < 0.1
+
+
+def test_jax_timer_waits_for_each_result_and_rotates_the_routings():
+    """Each rep is timed until its result is ready (a host callback sleeping 2 ms is inside the time), the cases
+    rotate from the first after the warm-up, and fewer than 50 reps are refused."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    seen = []
+
+    def slow(x):
+        seen.append(float(x[0]))
+        time.sleep(0.002)
+        return x
+
+    fn = jax.jit(lambda x: jax.pure_callback(slow, jax.ShapeDtypeStruct(x.shape, x.dtype), x) + 1)
+    cs = [(jnp.full((4,), float(i)),) for i in range(3)]
+    t = JaxTimer(reps=50, warmup=2, flush_bytes=1 << 20)(fn, cs)
+    assert t.reps == 50 and len(t.times_s) == 50 and t.method == JaxTimer.name
+    assert seen == [0.0, 1.0] + [float(i % 3) for i in range(50)]
+    assert 0.002 <= t.median_s < 0.05 and min(t.times_s) >= 0.002
+    with pytest.raises(ValueError, match="at least 50"):
+        JaxTimer(reps=10)

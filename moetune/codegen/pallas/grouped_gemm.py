@@ -56,7 +56,6 @@ FORMATS = ("none", "fp8_block")
 LANE = 128  # TPU vector lanes: the last dimension of every block
 ROW_TILE = 16  # rows per sublane tile of a 16-bit operand (f32: 8), the step of tile_m
 MXU = {"tpu-v5e": 128, "tpu-v6e": 256, "tpu-v7": 256}  # systolic array side per target (others: 128)
-STEP_SECONDS = 0.35e-6  # the fixed cost of one grid step of a Pallas TPU pipeline (Pallas TPU docs)
 FP8_BLOCKS_PER_TILE = 4  # scale blocks per block-quantised weight tile: each is one unrolled matmul of the body
 VMEM_SHARE = 0.75  # a space's double-buffered tiles fill at most this share of a core's VMEM
 M_CHOICES = (16, 32, 64, 128, 256, 512)
@@ -247,7 +246,7 @@ def glue_bytes(block: MoEBlock, T: int) -> float:
 
 
 def seconds(block: MoEBlock, target: Target, gu: Tiles, dn: Tiles, P: float, distinct: float) -> float:
-    """Modelled time of one pass on `target`: max(MXU time, HBM time) + grid steps × STEP_SECONDS, the MXU
+    """Modelled time of one pass on `target`: max(MXU time, HBM time) + grid steps × target.grid_step_s, the MXU
     time counting tile columns and reduction steps padded to the systolic array's side."""
     flops, by, steps = pass_cost(block, gu, dn, P, distinct)
     mxu = MXU.get(target.name, LANE)
@@ -256,7 +255,7 @@ def seconds(block: MoEBlock, target: Target, gu: Tiles, dn: Tiles, P: float, dis
         return math.ceil(t / mxu) * mxu / t
 
     mxu_flops = flops * (2 * waste(gu.n) * waste(gu.k) + waste(dn.n) * waste(dn.k)) / 3
-    return max(mxu_flops / target.peak_flops, by / target.bandwidth) + steps * STEP_SECONDS
+    return max(mxu_flops / target.peak_flops, by / target.bandwidth) + steps * target.grid_step_s
 
 
 def candidates(block: MoEBlock, target: Target) -> list[tuple[Tiles, Tiles]]:
@@ -302,7 +301,7 @@ def default_params(block: MoEBlock, T: int, target: Target) -> GemmParams:
     T·k / rows_per_active(block, T) active experts fill P/tile_m + experts tiles; each tile streams its
     expert's weights and re-reads its rows once per output column tile; the MXU time pads tile columns and
     reduction steps to the systolic array (128 on v5e, 256 on v6e and v7); each grid step costs
-    STEP_SECONDS. Few rows per expert pick small row tiles (the weights dominate, padded rows waste MXU
+    target.grid_step_s. Few rows per expert pick small row tiles (the weights dominate, padded rows waste MXU
     time); many rows pick large ones (fewer weight re-reads)."""
     P = T * block.k
     gu, dn = fastest(block, target, P, P / rows_per_active(block, T))

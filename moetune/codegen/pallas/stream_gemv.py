@@ -62,7 +62,7 @@ VMEM (`footprint`): buffers × (the three weight tiles + their scales) + 2 × (x
 f32 output block [block_t, D] + FP8's widened tiles and group products; a space point must fit 3/4 of
 the target's VMEM per core and the kernel asks Mosaic for its footprint plus 4 MiB (16 MiB at least).
 
-Default (`default_params`), per core with bandwidth B = target.bandwidth / cores and o = 0.35 µs of
+Default (`default_params`), per core with bandwidth B = target.bandwidth / cores and o = target.grid_step_s of
 overhead per grid step: a call at P pairs and n distinct experts takes about
 
     t(BF) = (F / (BF·split)) · P · o  +  n · 3·F·D·b / (split·B)  +  3·BF·D·b / B
@@ -90,7 +90,6 @@ from ._common import JaxExperts, bridged, interpret
 SOURCES = ("stream_gemv.py", "_common.py")
 
 LANE = 128
-STEP_OVERHEAD_S = 0.35e-6  # per grid step of a TPU pipeline
 VMEM_FRACTION = 0.75  # of the target's VMEM per core a space point may use (Mosaic's scoped default is lower)
 VMEM_SLACK = 4 * 2**20  # asked of Mosaic beyond the footprint, for its internal scratch
 MiB = 2**20
@@ -230,7 +229,7 @@ def default_params(block: MoEBlock, T: int, target: Target) -> PallasGemvParams:
             p = PallasGemvParams(block_f=bf, split=split)
             if not _fits(block, p, target):
                 continue
-            t = ((block.F // (bf * split)) * P * STEP_OVERHEAD_S + n * 3 * block.F * block.D * wb / (split * bw)
+            t = ((block.F // (bf * split)) * P * target.grid_step_s + n * 3 * block.F * block.D * wb / (split * bw)
                  + 3 * bf * block.D * wb / bw)
             if best is None or t < best[0]:
                 best = (t, p)

@@ -1,0 +1,174 @@
+"""What the Pallas GPU kernel files share: the interpret switch, the Triton compiler parameters, the blocks the
+kernels refuse, weight-tile loads in both layouts and the activation inside a kernel.
+
+    interpret()           what a pallas_call's `interpret=` gets: True (Pallas' interpreter on the host) where
+                          MOETUNE_PALLAS_GPU_INTERPRET is set, else False (the Triton lowering)
+    compiler_params(w, s) jax.experimental.pallas.triton.CompilerParams(num_warps=w, num_stages=s): the Triton
+                          lowering's launch width and the software-pipelining depth of every K loop
+    refusal(block)        the blocks no kernel of this backend runs (D or F not a multiple of 16), with the reason
+    gate_up_tiles         the [BN, BK] gate and up tiles (f32) of expert e at output n0, reduction k0
+    gate_up_bias          their biases [BN]
+    gate_up_scales        their fp8_block dequantisation multipliers (the tile lies in one block); down_scale
+    down_tile             the [BN, BK] down tile (f32) of expert e at output n0, reduction k0
+    activate              h = act(gate, up) in f32, per the block's activation
+
+The expert tensors are JaxExperts (moetune.codegen.pallas._common) in the layouts of ExpertTensors:
+standard gate_up [E, 2F, D], down [E, D, F]; transposed gate_up [E, D, 2F], down [E, F, D]. Gate rows are
+0..F-1 of the 2F axis and up rows F..2F-1, or (interleaved) the even and the odd ones. Tiles are read in
+place with dynamic slices (`pl.ds`); sizes are powers of two that divide the axis they tile (the parameter
+classes and builds check), so no load is masked.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ...ir import MoEBlock, UnsupportedSchedule
+
+INTERPRET_ENV = "MOETUNE_PALLAS_GPU_INTERPRET"
+MIN_TILE = 16  # the smallest dot operand side of the Triton lowering; D and F must be multiples of it
+
+
+def on_cuda() -> bool:
+    import jax
+
+    try:
+        return any(d.platform == "gpu" for d in jax.devices("gpu"))
+    except RuntimeError:  # no GPU backend in this jaxlib
+        return False
+
+
+def interpret_requested() -> bool:
+    return os.environ.get(INTERPRET_ENV, "") not in ("", "0")
+
+
+def interpret() -> bool:
+    """`interpret=` for pallas_call, read when a function is traced: the interpreter when asked for (tests on
+    any machine), else the Triton lowering (also what lowering for "cuda" on a machine without one checks)."""
+    return interpret_requested()
+
+
+def compiler_params(num_warps: int, num_stages: int):
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def refusal(block: MoEBlock) -> str | None:
+    bad = [f"{n} = {v}" for n, v in (("D", block.D), ("F", block.F)) if v % MIN_TILE]
+    if bad:
+        return f"pallas_gpu kernels tile D and F by powers of two ≥ {MIN_TILE}; {', '.join(bad)} is not a multiple"
+    return None
+
+
+def refuse(block: MoEBlock) -> None:
+    """UnsupportedSchedule with `refusal(block)`'s reason, if there is one."""
+    why = refusal(block)
+    if why:
+        raise UnsupportedSchedule(why)
+
+
+def pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two ≤ cap that divides n."""
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def check_divides(what: str, **sizes: tuple[int, int]) -> None:
+    """UnsupportedSchedule unless every tile (tile, axis length) divides its axis."""
+    bad = [f"{n} = {t} does not divide {a}" for n, (t, a) in sizes.items() if a % t]
+    if bad:
+        raise UnsupportedSchedule(f"{what}: {'; '.join(bad)}")
+
+
+def check_pow2(what: str, **values: int) -> None:
+    bad = [f"{n} = {v}" for n, v in values.items() if v < 1 or v & (v - 1)]
+    if bad:
+        raise UnsupportedSchedule(f"{what}: {', '.join(bad)} not a power of two")
+
+
+def gate_up_slices(block: MoEBlock, n0, BN: int):
+    """(gate, up) slices of the 2F axis for output columns n0 .. n0+BN of F: the two halves, or (interleaved)
+    the even and the odd rows, read with stride 2."""
+    from jax.experimental import pallas as pl
+
+    if block.layout.interleaved:
+        return pl.ds(2 * n0, BN, 2), pl.ds(2 * n0 + 1, BN, 2)
+    return pl.ds(n0, BN), pl.ds(block.F + n0, BN)
+
+
+def gate_up_tiles(block: MoEBlock, w_ref, e, n0, k0, BN: int, BK: int):
+    """(gate, up) tiles in f32: [BN, BK] (standard) or [BK, BN] (transposed: reduce over axis 0)."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    gs, us = gate_up_slices(block, n0, BN)
+    ks = pl.ds(k0, BK)
+    if block.layout.transposed:  # [E, D, 2F]
+        g, u = w_ref[e, ks, gs], w_ref[e, ks, us]
+    else:  # [E, 2F, D]
+        g, u = w_ref[e, gs, ks], w_ref[e, us, ks]
+    return g.astype(jnp.float32), u.astype(jnp.float32)
+
+
+def gate_up_bias(block: MoEBlock, b_ref, e, n0, BN: int):
+    """(gate, up) biases [BN] in f32 of expert e's output columns n0 .. n0+BN."""
+    import jax.numpy as jnp
+
+    gs, us = gate_up_slices(block, n0, BN)
+    return b_ref[e, gs].astype(jnp.float32), b_ref[e, us].astype(jnp.float32)
+
+
+def down_tile(w_ref, e, n0, k0, BN: int, BK: int, transposed: bool):
+    """The down tile [BN, BK] (standard, [E, D, F]) or [BK, BN] (transposed, [E, F, D]), in its dtype."""
+    from jax.experimental import pallas as pl
+
+    if transposed:
+        return w_ref[e, pl.ds(k0, BK), pl.ds(n0, BN)]
+    return w_ref[e, pl.ds(n0, BN), pl.ds(k0, BK)]
+
+
+def gate_up_scales(block: MoEBlock, s_ref, e, n0, k0):
+    """(gate, up) dequantisation multipliers of expert e's tile at output row n0, reduction k0 (fp8_block,
+    standard halves layout: the tile lies in one (r, c) block of each half; the up half's blocks start at
+    row block ⌈F/r⌉, moetune.codegen.quant.gate_up_scale_shape)."""
+    r, c = block.weight_format.block
+    nb, kb = n0 // r, k0 // c
+    return s_ref[e, nb, kb], s_ref[e, -(-block.F // r) + nb, kb]
+
+
+def down_scale(block: MoEBlock, s_ref, e, n0, k0):
+    """The dequantisation multiplier of expert e's down tile at output row n0, reduction k0 (fp8_block)."""
+    r, c = block.weight_format.block
+    return s_ref[e, n0 // r, k0 // c]
+
+
+def activate(block: MoEBlock, gate, up):
+    """h = act(gate, up), f32 in and out (swiglu: silu(gate)·up; clamped_swiglu: the IR's clamps)."""
+    import jax.numpy as jnp
+
+    act = block.activation
+    if act.kind == "swiglu":
+        return gate / (1.0 + jnp.exp(-gate)) * up
+    gate = jnp.minimum(gate, act.limit)
+    up = jnp.minimum(jnp.maximum(up, -act.limit), act.limit)
+    return (up + 1.0) * gate / (1.0 + jnp.exp(-gate * act.alpha))
+
+
+def pair_expert(ids_ref, p, E: int):
+    """(expert id clamped into [0, E), valid) of pair p."""
+    import jax.numpy as jnp
+
+    e = ids_ref[p]
+    valid = (e >= 0) & (e < E)
+    return jnp.where(valid, e, 0), valid
+
+
+def dtype_precision(dtype):
+    """The dot precision for tiles of `dtype`: float32 without TF32 rounding, else the default."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None

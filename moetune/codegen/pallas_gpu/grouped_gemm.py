@@ -1,0 +1,280 @@
+"""grouped_gemm on NVIDIA GPUs: expert-sorted rows in tiles of BM rows, Pallas kernels lowered through
+Pallas' Triton backend with `pl.dot` (tensor cores) over [BM, BK] × [BK, BN] tiles.
+
+In the jitted function, on the device (`tile_plan`):
+  order [P]       the pairs sorted by expert id (argsort; sentinel ids outside [0, E) sort last, dropped)
+  counts [E]      rows per expert (bincount, length E)
+  tiles           each expert's rows split into ⌈counts/BM⌉ tiles of BM rows; NT = ⌈P/BM⌉ + min(E, P) tiles
+                  bound every routing (static grid); tile i → (expert, valid rows), empty tiles skipped
+  x_pad [NT·BM, D]   row r of tile i is the x row of its pair (zeros past the tile's valid rows: masked rows)
+Two launches over grid (NT, N/BN):
+  gate/up  acc_g, acc_u [BM, BN] = Σ_K x_pad tile · gate/up tile (f32 accumulators), + bias, routing weight
+           on the input scales the accumulators (w·(W x) = W (w·x)), activation: h_pad [NT·BM, F] in x.dtype
+  down     acc [BM, BN] = Σ_F h_pad tile · down tile, + bias, × routing weight on the output: y_pad f32
+Combine (JAX): each valid pair gathers its row of y_pad; the token's k rows are summed (deterministic).
+
+FP8 block-scaled weights are not read (formats: unquantised only): no fp8 tile path (dequantised tiles into
+`pl.dot`, or e4m3 dots with the scales on the accumulators) is written for these kernels, so an fp8_block
+block is refused by the contract's format rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from math import gcd
+from typing import NamedTuple
+
+from ...ir import MoEBlock, Schedule, UnsupportedSchedule
+from ...passes.stats import uniform_distinct
+from ...passes.targets import Target
+from ..common import ParamSpace
+from ..contract import KernelKind, sources
+from ..pallas._common import bridged
+from ._common import (
+    MIN_TILE,
+    activate,
+    check_divides,
+    check_pow2,
+    compiler_params,
+    down_tile,
+    dtype_precision,
+    gate_up_bias,
+    gate_up_tiles,
+    interpret,
+    pow2_divisor,
+    refusal,
+    refuse,
+)
+
+SOURCES = ("grouped_gemm.py", "_common.py")
+
+
+@dataclass(frozen=True)
+class GemmParams:
+    block_m: int = 64  # rows per tile (padded per expert)
+    block_n: int = 64  # output columns per program (F for gate/up, D for down)
+    block_k: int = 64  # reduction chunk (D for gate/up, F for down)
+    num_warps: int = 4
+    num_stages: int = 3  # software-pipelining depth of both K loops
+
+    def __post_init__(self) -> None:
+        check_pow2("GemmParams", block_m=self.block_m, block_n=self.block_n, block_k=self.block_k,
+                   num_warps=self.num_warps)
+        small = [f"{n} = {v}" for n, v in (("block_m", self.block_m), ("block_n", self.block_n),
+                                          ("block_k", self.block_k)) if v < MIN_TILE]
+        if small:
+            raise UnsupportedSchedule(f"GemmParams: {', '.join(small)} below the dot's {MIN_TILE}")
+        if self.num_stages < 1:
+            raise UnsupportedSchedule(f"GemmParams.num_stages = {self.num_stages}: need ≥ 1")
+
+
+CHOICES = (
+    ("block_m", (16, 32, 64, 128)),
+    ("block_n", (16, 32, 64, 128, 256)),
+    ("block_k", (16, 32, 64, 128)),
+    ("num_warps", (4, 8)),
+    ("num_stages", (2, 3, 4)),
+)
+
+
+def smem_bytes(p: GemmParams, elem: int = 2) -> int:
+    """Shared memory of the gate/up loop: `num_stages` copies of the x tile and the gate and up tiles."""
+    return p.num_stages * (p.block_m * p.block_k + 2 * p.block_k * p.block_n) * elem
+
+
+def check(p: GemmParams, block: MoEBlock, target: Target | None) -> None:
+    """The tiles must divide D and F (both projections walk both); the gate/up pipeline must fit the shared
+    memory of one block on `target` (None: the divisibility alone). Blocks these kernels refuse raise first."""
+    refuse(block)
+    check_divides(f"pallas_gpu grouped_gemm on D={block.D}, F={block.F} (gcd {gcd(block.D, block.F)})",
+                  block_n=(p.block_n, gcd(block.D, block.F)), block_k=(p.block_k, gcd(block.D, block.F)))
+    need, limit = smem_bytes(p), target.smem_per_block if target is not None else None
+    if limit is not None and need > limit:
+        raise UnsupportedSchedule(f"GemmParams {p.block_m}×{p.block_n}×{p.block_k}, {p.num_stages} stages: needs "
+                                  f"{need // 1024} KiB shared memory, limit {limit // 1024} KiB on {target.name}; "
+                                  "lower block_k or num_stages")
+
+
+def space(block: MoEBlock, target: Target) -> ParamSpace:
+    return ParamSpace(GemmParams, CHOICES, check=partial(check, block=block, target=target))
+
+
+def default_params(block: MoEBlock, T: int, target: Target) -> GemmParams:
+    """64-row tiles (16 while the rows per active expert stay below 16, so a decode bucket pads less),
+    64-wide output tiles and 64-wide chunks, shrunk to divide small D and F."""
+    from ...passes.policy import rows_per_active
+
+    side = pow2_divisor(gcd(block.D, block.F), 64)
+    bm = 16 if rows_per_active(block, max(1, T)) < 16 else 64
+    return GemmParams(block_m=bm, block_n=side, block_k=side)
+
+
+class TilePlan(NamedTuple):
+    tile_expert: object  # [NT] int32, clamped into [0, E)
+    tile_rows: object  # [NT] int32 valid rows of the tile (0: skipped)
+    row_pair: object  # [NT·BM] int32 the pair of each padded row (0 where masked)
+    row_valid: object  # [NT·BM] bool
+    pair_row: object  # [P] int32 the padded row of each pair (0 where the pair is a sentinel)
+    pair_valid: object  # [P] bool
+
+
+def num_tiles(P: int, E: int, bm: int) -> int:
+    """Tiles that hold every routing of P pairs over E experts: Σ_e ⌈c_e/BM⌉ < P/BM + (active experts)."""
+    return -(-P // bm) + min(E, P)
+
+
+def tile_plan(ids_f, E: int, bm: int) -> TilePlan:
+    """The device-side sort and tile metadata of the module doc, for flat ids [P]."""
+    import jax.numpy as jnp
+
+    P = ids_f.shape[0]
+    NT = num_tiles(P, E, bm)
+    valid = (ids_f >= 0) & (ids_f < E)
+    order = jnp.argsort(jnp.where(valid, ids_f, E), stable=True).astype(jnp.int32)  # [P]
+    counts = jnp.bincount(jnp.where(valid, ids_f, 0), weights=valid.astype(jnp.int32), length=E).astype(jnp.int32)
+    starts = jnp.cumsum(counts) - counts  # [E] first sorted position of each expert
+    tiles_e = (counts + bm - 1) // bm  # [E]
+    tile_end = jnp.cumsum(tiles_e)  # [E]
+    tile_begin = tile_end - tiles_e
+    i = jnp.arange(NT, dtype=jnp.int32)
+    te = jnp.minimum(jnp.searchsorted(tile_end, i, side="right"), E - 1).astype(jnp.int32)  # [NT]
+    local = i - tile_begin[te]
+    rows = jnp.where(i < tile_end[-1], jnp.clip(counts[te] - local * bm, 0, bm), 0).astype(jnp.int32)
+    m = jnp.arange(bm, dtype=jnp.int32)
+    row_valid = (m[None, :] < rows[:, None]).reshape(NT * bm)  # [NT·BM]
+    sorted_pos = (starts[te] + local * bm)[:, None] + m[None, :]  # [NT, BM]
+    row_pair = jnp.where(row_valid, order[jnp.clip(sorted_pos.reshape(NT * bm), 0, P - 1)], 0)
+    rank = jnp.zeros((P,), jnp.int32).at[order].set(jnp.arange(P, dtype=jnp.int32))  # sorted position of a pair
+    e = jnp.where(valid, ids_f, 0)
+    pair_row = jnp.where(valid, tile_begin[e] * bm + rank - starts[e], 0).astype(jnp.int32)
+    return TilePlan(te, rows, row_pair.astype(jnp.int32), row_valid, pair_row, valid)
+
+
+def _gate_up_kernel(block: MoEBlock, p: GemmParams, has_bias: bool, te_ref, rows_ref, rw_ref, x_ref, w_ref,
+                    *rest):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    b_ref, h_ref = rest if has_bias else (None, rest[0])
+    BM, BN, BK, tr = p.block_m, p.block_n, p.block_k, block.layout.transposed
+    i, j = pl.program_id(0), pl.program_id(1)
+    r0, n0 = pl.multiple_of(i * BM, BM), pl.multiple_of(j * BN, BN)
+    e = te_ref[i]
+    prec = dtype_precision(x_ref.dtype)
+
+    @pl.when(rows_ref[i] > 0)
+    def _():
+        def step(kk, acc):
+            k0 = pl.multiple_of(kk * BK, BK)
+            xv = x_ref[pl.ds(r0, BM), pl.ds(k0, BK)]  # [BM, BK]
+            g, u = gate_up_tiles(block, w_ref, e, n0, k0, BN, BK)
+            g, u = g.astype(xv.dtype), u.astype(xv.dtype)
+            return (acc[0] + plgpu.dot(xv, g, trans_b=not tr, precision=prec),
+                    acc[1] + plgpu.dot(xv, u, trans_b=not tr, precision=prec))
+
+        zero = jnp.zeros((BM, BN), jnp.float32)
+        g, u = jax.lax.fori_loop(0, block.D // BK, step, (zero, zero))  # [BM, BN] each
+        if block.weight_application == "input":
+            wt = rw_ref[pl.ds(r0, BM)][:, None]
+            g, u = g * wt, u * wt
+        if has_bias:
+            bg, bu = gate_up_bias(block, b_ref, e, n0, BN)
+            g, u = g + bg[None, :], u + bu[None, :]
+        h_ref[pl.ds(r0, BM), pl.ds(n0, BN)] = activate(block, g, u).astype(h_ref.dtype)
+
+
+def _down_kernel(block: MoEBlock, p: GemmParams, has_bias: bool, te_ref, rows_ref, rw_ref, h_ref, w_ref, *rest):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    b_ref, y_ref = rest if has_bias else (None, rest[0])
+    BM, BN, BK, tr = p.block_m, p.block_n, p.block_k, block.layout.transposed
+    i, j = pl.program_id(0), pl.program_id(1)
+    r0, n0 = pl.multiple_of(i * BM, BM), pl.multiple_of(j * BN, BN)
+    e = te_ref[i]
+    prec = dtype_precision(h_ref.dtype)
+
+    @pl.when(rows_ref[i] > 0)
+    def _():
+        def step(kk, acc):
+            k0 = pl.multiple_of(kk * BK, BK)
+            hv = h_ref[pl.ds(r0, BM), pl.ds(k0, BK)]  # [BM, BK]
+            wv = down_tile(w_ref, e, n0, k0, BN, BK, tr).astype(hv.dtype)
+            return acc + plgpu.dot(hv, wv, trans_b=not tr, precision=prec)
+
+        y = jax.lax.fori_loop(0, block.F // BK, step, jnp.zeros((BM, BN), jnp.float32))  # [BM, BN]
+        if has_bias:
+            y = y + b_ref[e, pl.ds(n0, BN)].astype(jnp.float32)[None, :]
+        if block.weight_application == "output":
+            y = y * rw_ref[pl.ds(r0, BM)][:, None]
+        y_ref[pl.ds(r0, BM), pl.ds(n0, BN)] = y
+
+
+def experts_f32(block: MoEBlock, p: GemmParams, x, ids, weights, w):
+    """float32 [T, D] of the routed experts (the plan, the two launches and the combine of the module doc)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    T, P, BM = x.shape[0], x.shape[0] * block.k, p.block_m
+    ids_f = ids.reshape(P).astype(jnp.int32)
+    plan = tile_plan(ids_f, block.E, BM)
+    NT = plan.tile_expert.shape[0]
+    R = NT * BM
+    x_pad = jnp.where(plan.row_valid[:, None], x[plan.row_pair // block.k], 0).astype(x.dtype)  # [R, D]
+    rw_pad = jnp.where(plan.row_valid, weights.reshape(P).astype(jnp.float32)[plan.row_pair], 0.0)  # [R]
+    has_bias = block.layout.has_bias
+    gub, dnb = ((w.gate_up_bias,), (w.down_bias,)) if has_bias else ((), ())
+    interp = interpret()
+    params = compiler_params(p.num_warps, p.num_stages)
+    h_pad = pl.pallas_call(
+        partial(_gate_up_kernel, block, p, has_bias),
+        out_shape=jax.ShapeDtypeStruct((R, block.F), x.dtype), grid=(NT, block.F // p.block_n),
+        compiler_params=params, interpret=interp, name="moetune_gemm_gate_up",
+    )(plan.tile_expert, plan.tile_rows, rw_pad, x_pad, w.gate_up, *gub)  # [R, F]
+    y_pad = pl.pallas_call(
+        partial(_down_kernel, block, p, has_bias),
+        out_shape=jax.ShapeDtypeStruct((R, block.D), jnp.float32), grid=(NT, block.D // p.block_n),
+        compiler_params=params, interpret=interp, name="moetune_gemm_down",
+    )(plan.tile_expert, plan.tile_rows, rw_pad, h_pad, w.down, *dnb)  # [R, D]
+    y = jnp.where(plan.pair_valid[:, None], y_pad[plan.pair_row], 0.0)  # [P, D]
+    return y.reshape(T, block.k, block.D).sum(axis=1)
+
+
+def build_jax(block: MoEBlock, schedule: Schedule):
+    """JaxExpertsFn of a grouped_gemm schedule (params: GemmParams)."""
+    p = schedule.params
+    check(p, block, None)
+
+    def fn(x, ids, weights, w):
+        return experts_f32(block, p, x, ids, weights, w).astype(x.dtype)
+
+    return fn
+
+
+def build(block: MoEBlock, schedule: Schedule):
+    return bridged(block, build_jax(block, schedule))
+
+
+def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
+    """(flops, bytes): the padded tiles' products; each tile reads its expert's weights (an expert of several
+    tiles is re-read per tile), the padded x, h and f32 y buffers."""
+    p = schedule.params
+    P = tokens * block.k
+    wb = 4 if block.weight_dtype == "float32" else 2
+    distinct = uniform_distinct(block.E, block.k, tokens)
+    tiles = -(-P // p.block_m) + distinct  # about Σ_e ⌈c_e/BM⌉
+    rows = tiles * p.block_m
+    flops = 2.0 * 3 * rows * block.D * block.F
+    by = (tiles * block.weight_bytes_per_expert + rows * (2 * block.D * wb + 2 * block.F * wb + block.D * 4)
+          + tokens * block.D * wb)
+    return flops, float(by)
+
+
+KIND = KernelKind("grouped_gemm", GemmParams, space, default_params, build, cost, sources(__file__, SOURCES),
+                  refusal=refusal, build_jax=build_jax)

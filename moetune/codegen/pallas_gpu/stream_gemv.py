@@ -1,0 +1,244 @@
+"""stream_gemv on NVIDIA GPUs: Pallas kernels lowered through Pallas' Triton backend, one program per
+(token, expert) pair and output tile; weights streamed from HBM in [BN, BK] tiles, no padding rows.
+
+Two launches:
+  gate/up  grid (P, F/BN), P = T·k pairs: program (p, j) reads token t = p // k's row x [D] and expert
+           e = ids[p]'s gate and up rows n0 = j·BN .. n0+BN in a pipelined K loop of BK-wide chunks
+           (FMA and a row sum per chunk: a GEMV has no dot-sized operand), adds the biases, applies the
+           routing weight when it goes on the input (w·(W x) = W (w·x)), fuses the activation:
+           h [P, F] in x.dtype. A pair with an id outside [0, E) reads nothing and writes zeros.
+  down     grid (T, D/BN_d): program (t, j) sums over the token's k pairs down[e] rows n0 .. n0+BN_d · h[p]
+           (pipelined K loop over F), + bias, × routing weight when it goes on the output, and writes
+           out[t, n0:n0+BN_d] in f32 directly: no atomics and no combine pass, deterministic. A sentinel
+           pair is skipped (lax.cond), so it contributes nothing and reads nothing.
+An expert shared by several pairs is re-read per pair: this is the decode kernel (about one row per active
+expert); many rows per expert are the grouped GEMM's (grouped_gemm.py).
+
+The same kernels read FP8 block-quantised weights with their scales (stream_gemv_fp8.py: the tile's row
+sums times its block's multiplier).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+from ...ir import MoEBlock, Schedule, UnsupportedSchedule
+from ...passes.targets import Target
+from ..common import ParamSpace
+from ..contract import KernelKind, sources
+from ..pallas._common import bridged
+from ._common import (
+    activate,
+    check_divides,
+    check_pow2,
+    compiler_params,
+    down_scale,
+    down_tile,
+    gate_up_bias,
+    gate_up_scales,
+    gate_up_tiles,
+    interpret,
+    pair_expert,
+    pow2_divisor,
+    refusal,
+    refuse,
+)
+
+SOURCES = ("stream_gemv.py", "_common.py")
+REG_ELEMS = 64  # weight elements per thread of one [BN, BK] tile: more spills the fp32 upcast
+
+
+@dataclass(frozen=True)
+class GemvParams:
+    block_n: int = 16  # gate/up output rows (of F) per program
+    block_k: int = 256  # gate/up reduction chunk (of D)
+    num_warps: int = 4
+    num_stages: int = 3  # software-pipelining depth of both K loops
+    down_block_n: int = 16  # down output rows (of D) per program
+    down_block_k: int = 256  # down reduction chunk (of F)
+    down_warps: int = 4
+
+    def __post_init__(self) -> None:
+        check_pow2("GemvParams", block_n=self.block_n, block_k=self.block_k, num_warps=self.num_warps,
+                   down_block_n=self.down_block_n, down_block_k=self.down_block_k, down_warps=self.down_warps)
+        for bn, bk, warps, what in ((self.block_n, self.block_k, self.num_warps, "gate/up"),
+                                    (self.down_block_n, self.down_block_k, self.down_warps, "down")):
+            if bn * bk > REG_ELEMS * 32 * warps:
+                raise UnsupportedSchedule(
+                    f"GemvParams {what} tile {bn}×{bk} over {warps} warps: {bn * bk // (32 * warps)} elements per "
+                    f"thread, limit {REG_ELEMS}; lower the tile or raise the warps")
+        if self.num_stages < 1:
+            raise UnsupportedSchedule(f"GemvParams.num_stages = {self.num_stages}: need ≥ 1")
+
+
+CHOICES = (
+    ("block_n", (4, 8, 16, 32, 64)),
+    ("block_k", (16, 32, 64, 128, 256, 512)),
+    ("num_warps", (2, 4, 8)),
+    ("num_stages", (1, 2, 3, 4)),
+    ("down_block_n", (4, 8, 16, 32, 64)),
+    ("down_block_k", (16, 32, 64, 128, 256, 512, 1024)),
+    ("down_warps", (2, 4, 8)),
+)
+
+
+def check(p: GemvParams, block: MoEBlock) -> None:
+    """The block must be one these kernels run, and the tiles must divide the axes they walk (no masked loads)."""
+    refuse(block)
+    check_divides(f"pallas_gpu stream_gemv on D={block.D}, F={block.F}", block_n=(p.block_n, block.F),
+                  block_k=(p.block_k, block.D), down_block_n=(p.down_block_n, block.D),
+                  down_block_k=(p.down_block_k, block.F))
+
+
+def space(block: MoEBlock, target: Target) -> ParamSpace:
+    return ParamSpace(GemvParams, CHOICES, check=partial(check, block=block))
+
+
+def default_params(block: MoEBlock, T: int, target: Target) -> GemvParams:
+    """16-row gate/up tiles over 256-wide chunks (T·k·F/16 programs: several per SM from one token on); the
+    down grid has only T·D/BN_d programs, so its tile narrows (to 4 rows over 512-wide chunks) until there are
+    two programs per SM. Every tile shrinks to divide small D and F."""
+    bn, bk = 16, 256
+    while bn > 4 and T * block.D // bn < 2 * (target.sm_count or 1):
+        bn, bk = bn // 2, bk * 2
+    return GemvParams(block_n=pow2_divisor(block.F, 16), block_k=pow2_divisor(block.D, 256),
+                      down_block_n=pow2_divisor(block.D, bn), down_block_k=pow2_divisor(block.F, bk))
+
+
+def _extras(block: MoEBlock, rest):
+    """(bias ref or None, scale ref or None, output ref) of a kernel's trailing refs."""
+    *ins, out = rest
+    b_ref = ins.pop(0) if block.layout.has_bias else None
+    s_ref = ins.pop(0) if block.weight_format.quantized else None
+    return b_ref, s_ref, out
+
+
+def _gate_up_kernel(block: MoEBlock, p: GemvParams, ids_ref, wts_ref, x_ref, w_ref, *rest):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    b_ref, s_ref, h_ref = _extras(block, rest)
+    BN, BK, tr = p.block_n, p.block_k, block.layout.transposed
+    pair, j = pl.program_id(0), pl.program_id(1)
+    n0 = pl.multiple_of(j * BN, BN)
+    e, valid = pair_expert(ids_ref, pair, block.E)
+    t = pair // block.k
+
+    @pl.when(valid)
+    def _():
+        def step(i, acc):
+            k0 = pl.multiple_of(i * BK, BK)
+            xv = x_ref[t, pl.ds(k0, BK)].astype(jnp.float32)  # [BK]
+            g, u = gate_up_tiles(block, w_ref, e, n0, k0, BN, BK)
+            if tr:  # [BK, BN]
+                dg, du = jnp.sum(g * xv[:, None], axis=0), jnp.sum(u * xv[:, None], axis=0)
+            else:
+                dg, du = jnp.sum(g * xv[None, :], axis=1), jnp.sum(u * xv[None, :], axis=1)
+            if s_ref is not None:  # the tile lies in one scale block of each half
+                sg, su = gate_up_scales(block, s_ref, e, n0, k0)
+                dg, du = dg * sg, du * su
+            return acc[0] + dg, acc[1] + du
+
+        zero = jnp.zeros((BN,), jnp.float32)
+        g, u = jax.lax.fori_loop(0, block.D // BK, step, (zero, zero))
+        if block.weight_application == "input":
+            wt = wts_ref[pair].astype(jnp.float32)
+            g, u = g * wt, u * wt
+        if b_ref is not None:
+            bg, bu = gate_up_bias(block, b_ref, e, n0, BN)
+            g, u = g + bg, u + bu
+        h_ref[pair, pl.ds(n0, BN)] = activate(block, g, u).astype(h_ref.dtype)
+
+    @pl.when(jnp.logical_not(valid))
+    def _():
+        h_ref[pair, pl.ds(n0, BN)] = jnp.zeros((BN,), h_ref.dtype)
+
+
+def _down_kernel(block: MoEBlock, p: GemvParams, ids_ref, wts_ref, h_ref, w_ref, *rest):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    b_ref, s_ref, o_ref = _extras(block, rest)
+    BN, BK, tr = p.down_block_n, p.down_block_k, block.layout.transposed
+    t, j = pl.program_id(0), pl.program_id(1)
+    n0 = pl.multiple_of(j * BN, BN)
+
+    def pair_rows(pair, e):
+        def step(i, acc):
+            k0 = pl.multiple_of(i * BK, BK)
+            hv = h_ref[pair, pl.ds(k0, BK)].astype(jnp.float32)  # [BK]
+            wv = down_tile(w_ref, e, n0, k0, BN, BK, tr).astype(jnp.float32)
+            d = jnp.sum(wv * hv[:, None], axis=0) if tr else jnp.sum(wv * hv[None, :], axis=1)
+            return acc + (d * down_scale(block, s_ref, e, n0, k0) if s_ref is not None else d)
+
+        y = jax.lax.fori_loop(0, block.F // BK, step, jnp.zeros((BN,), jnp.float32))  # [BN]
+        if b_ref is not None:
+            y = y + b_ref[e, pl.ds(n0, BN)].astype(jnp.float32)
+        if block.weight_application == "output":
+            y = y * wts_ref[pair].astype(jnp.float32)
+        return y
+
+    out = jnp.zeros((BN,), jnp.float32)
+    for jk in range(block.k):  # the token's k pairs
+        pair = t * block.k + jk
+        e, valid = pair_expert(ids_ref, pair, block.E)
+        out = jax.lax.cond(valid, lambda o, pair=pair, e=e: o + pair_rows(pair, e), lambda o: o, out)
+    o_ref[t, pl.ds(n0, BN)] = out
+
+
+def experts_f32(block: MoEBlock, p: GemvParams, x, ids, weights, w):
+    """float32 [T, D] of the routed experts (the two launches of the module doc)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    T, P = x.shape[0], x.shape[0] * block.k
+    ids_f = ids.reshape(P).astype(jnp.int32)  # [P]
+    wts_f = weights.reshape(P)  # [P]
+    gu_extra = [t for t in (w.gate_up_bias, w.gate_up_scale) if t is not None]  # as `_extras` unpacks them
+    dn_extra = [t for t in (w.down_bias, w.down_scale) if t is not None]
+    interp = interpret()
+    h = pl.pallas_call(
+        partial(_gate_up_kernel, block, p),
+        out_shape=jax.ShapeDtypeStruct((P, block.F), x.dtype), grid=(P, block.F // p.block_n),
+        compiler_params=compiler_params(p.num_warps, p.num_stages), interpret=interp,
+        name="moetune_gemv_gate_up",
+    )(ids_f, wts_f, x, w.gate_up, *gu_extra)  # [P, F]
+    return pl.pallas_call(
+        partial(_down_kernel, block, p),
+        out_shape=jax.ShapeDtypeStruct((T, block.D), jnp.float32), grid=(T, block.D // p.down_block_n),
+        compiler_params=compiler_params(p.down_warps, p.num_stages), interpret=interp,
+        name="moetune_gemv_down",
+    )(ids_f, wts_f, h, w.down, *dn_extra)  # [T, D]
+
+
+def build_jax(block: MoEBlock, schedule: Schedule):
+    """JaxExpertsFn of a stream_gemv schedule (params: GemvParams)."""
+    p = schedule.params
+    check(p, block)
+
+    def fn(x, ids, weights, w):
+        return experts_f32(block, p, x, ids, weights, w).astype(x.dtype)
+
+    return fn
+
+
+def build(block: MoEBlock, schedule: Schedule):
+    return bridged(block, build_jax(block, schedule))
+
+
+def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
+    """(flops, bytes): every pair reads its expert's weights (a shared expert once per pair), its x row, h out
+    and back, and the f32 output."""
+    P = tokens * block.k
+    wb = 4 if block.weight_dtype == "float32" else 2
+    flops = 2.0 * 3 * P * block.D * block.F
+    by = P * block.weight_bytes_per_expert + P * block.D * wb + 2 * P * block.F * wb + tokens * block.D * 4
+    return flops, float(by)
+
+
+KIND = KernelKind("stream_gemv", GemvParams, space, default_params, build, cost, sources(__file__, SOURCES),
+                  refusal=refusal, build_jax=build_jax)

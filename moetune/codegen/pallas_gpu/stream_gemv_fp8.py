@@ -1,0 +1,100 @@
+"""stream_gemv for FP8 block-quantised experts (weight format fp8_block) on NVIDIA GPUs: the kernels of
+stream_gemv.py reading float8_e4m3fn weights, dequantised in registers.
+
+Weights (moetune.codegen.quant): gate_up [E, 2F, D] and down [E, D, F] in float8_e4m3fn with one float32
+multiplier per (r, c) block, gate_up_scale [E, 2⌈F/r⌉, ⌈D/c⌉] and down_scale [E, ⌈D/r⌉, ⌈F/c⌉]. Every tile's
+BN rows divide r and its BK columns divide c, so a [BN, BK] tile lies in one block: its e4m3 values are
+widened to f32 for the FMA and the tile's row sums [BN] are multiplied by the block's one scale (BN
+multiplies per chunk, not BN·BK). Activations stay in the model's dtype, products and sums in f32; h and the
+output as in stream_gemv.py. Standard layout (gate | up halves) only: the scales follow it; D and F in whole
+blocks, so each half's blocks are the fused matrix's row blocks. Pallas' Triton lowering offsets an array of
+at most 2^32 bytes with 32-bit integers, which wrap beyond 2^31 one-byte elements: a matrix of 2^31 < n ≤ 2^32
+e4m3 values is refused (qwen3.5-397b-a17b-fp8's gate_up is 2^32 bytes).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from ...ir import MoEBlock, Schedule, UnsupportedSchedule
+from ...passes.targets import Target
+from ..common import ParamSpace
+from ..contract import KernelKind, sources
+from ..pallas._common import bridged
+from . import stream_gemv as sg
+from ._common import check_divides
+from ._common import refusal as shape_refusal
+from .stream_gemv import GemvParams
+
+SOURCES = ("stream_gemv_fp8.py", "stream_gemv.py", "_common.py")
+
+
+def refusal(block: MoEBlock) -> str | None:
+    why = shape_refusal(block)
+    if why:
+        return why
+    fmt, lay = block.weight_format, block.layout
+    if lay.transposed or lay.interleaved:
+        return f"pallas_gpu fp8 stream_gemv reads the standard gate | up layout of the block scales, not {lay}"
+    if fmt.scale_dtype != "float32":
+        return f"pallas_gpu fp8 stream_gemv reads float32 block scales, not {fmt.scale_dtype}"
+    r, c = fmt.block
+    if r < 4 or c < 16 or r & (r - 1) or c & (c - 1):
+        return f"pallas_gpu fp8 stream_gemv tiles within blocks of powers of two (r ≥ 4, c ≥ 16), not {fmt.block}"
+    for name, elems in (("gate_up", block.E * 2 * block.F * block.D), ("down", block.E * block.D * block.F)):
+        if 2**31 < elems <= 2**32:  # one byte per e4m3 value
+            return (f"pallas_gpu fp8 stream_gemv: {name} holds {elems} e4m3 values; Pallas' Triton lowering offsets "
+                    "arrays of at most 2^32 bytes with signed 32-bit integers, which wrap beyond 2^31 elements")
+    bad = [f"{n} = {v}" for n, v in (("D", block.D), ("F", block.F)) if v % r or v % c]
+    if bad:
+        return (f"pallas_gpu fp8 stream_gemv needs D and F in whole {r}×{c} scale blocks (both are rows of one "
+                f"matrix and columns of the other); {', '.join(bad)} is not")
+    return None
+
+
+def check(p: GemvParams, block: MoEBlock) -> None:
+    """stream_gemv's checks, and every tile inside one scale block."""
+    sg.check(p, block)
+    why = refusal(block)
+    if why:
+        raise UnsupportedSchedule(why)
+    r, c = block.weight_format.block
+    check_divides(f"pallas_gpu fp8 stream_gemv with {r}×{c} scale blocks", block_n=(p.block_n, r),
+                  block_k=(p.block_k, c), down_block_n=(p.down_block_n, r), down_block_k=(p.down_block_k, c))
+
+
+def space(block: MoEBlock, target: Target) -> ParamSpace:
+    return ParamSpace(GemvParams, sg.CHOICES, check=partial(check, block=block))
+
+
+def default_params(block: MoEBlock, T: int, target: Target) -> GemvParams:
+    """stream_gemv's default with every reduction chunk cut to one scale block's columns."""
+    p = sg.default_params(block, T, target)
+    r, c = block.weight_format.block
+    return GemvParams(block_n=min(p.block_n, r), block_k=min(p.block_k, c),
+                      num_warps=p.num_warps, num_stages=p.num_stages, down_block_n=min(p.down_block_n, r),
+                      down_block_k=min(p.down_block_k, c), down_warps=p.down_warps)
+
+
+def build_jax(block: MoEBlock, schedule: Schedule):
+    """JaxExpertsFn of an fp8_block stream_gemv schedule (params: GemvParams)."""
+    p = schedule.params
+    check(p, block)
+
+    def fn(x, ids, weights, w):
+        return sg.experts_f32(block, p, x, ids, weights, w).astype(x.dtype)
+
+    return fn
+
+
+def build(block: MoEBlock, schedule: Schedule):
+    return bridged(block, build_jax(block, schedule))
+
+
+def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
+    """stream_gemv's (flops, bytes) with the block's e4m3 weights and scales (`weight_bytes_per_expert`)."""
+    return sg.cost(block, schedule, tokens)
+
+
+KIND = KernelKind("stream_gemv", GemvParams, space, default_params, build, cost, sources(__file__, SOURCES),
+                  refusal=refusal, formats=("fp8_block",), build_jax=build_jax)
