@@ -86,8 +86,9 @@ from ...passes.targets import Target
 from ..common import ParamSpace
 from ..contract import KernelKind, sources
 from ._common import JaxExperts, bridged, interpret
+from .reference import gated
 
-SOURCES = ("stream_gemv.py", "_common.py")
+SOURCES = ("stream_gemv.py", "_common.py", "reference.py")
 
 LANE = 128
 VMEM_FRACTION = 0.75  # of the target's VMEM per core a space point may use (Mosaic's scoped default is lower)
@@ -305,18 +306,6 @@ def _project(a, w_ref, s_ref, contract: int, cdt):
     return jnp.sum(y * _groups(s.shape[0], O, 0), axis=0, keepdims=True)
 
 
-def _activate(block: MoEBlock, gate, up):
-    import jax
-    import jax.numpy as jnp
-
-    act = block.activation
-    if act.kind == "swiglu":
-        return jax.nn.silu(gate) * up
-    gate = jnp.minimum(gate, act.limit)
-    up = jnp.clip(up, -act.limit, act.limit)
-    return (up + 1) * gate * jax.nn.sigmoid(gate * act.alpha)
-
-
 EID, TOK, S_IN, S_OUT, RUN, RUN_E, RUNS = range(7)  # the scalar-prefetch operands (RUN..: stream="dma")
 
 
@@ -447,7 +436,7 @@ def _kernel(block: MoEBlock, p: PallasGemvParams, nFs: int, streams, *refs):
     if lay.interleaved:  # [1, 2BF] interleaved → gate, up [1, BF]
         bf = parts[0].shape[1] // 2
         parts = [_dot(parts[0], _select(bf, o), 0) for o in (0, 1)]
-    h = _activate(block, *parts).astype(cdt)  # [1, BF]
+    h = gated(block, *parts).astype(cdt)  # [1, BF]
     y = _project(h, dn_ref, dn_s, 0 if lay.transposed else 1, cdt) * s_out  # [1, D]
     t = scal[TOK][q]
     out_ref[0, pl.ds(t, 1), :] += y

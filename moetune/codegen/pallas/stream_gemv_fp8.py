@@ -15,7 +15,7 @@ from .stream_gemv import PallasGemvParams, cost, default_params, space
 from .stream_gemv import build_jax as _build_jax
 from .stream_gemv import fp8_refusal as refusal
 
-SOURCES = ("stream_gemv_fp8.py", "stream_gemv.py", "_common.py")
+SOURCES = ("stream_gemv_fp8.py", "stream_gemv.py", "_common.py", "reference.py")
 
 
 def build_jax(block: MoEBlock, schedule: Schedule, *, interpret_mode=None):
