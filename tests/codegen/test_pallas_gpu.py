@@ -8,13 +8,15 @@ GEMV); every layout (standard, transposed,
 interleaved, biases), both activations and both weight applications; each kind's default. Each build is
 compiled once (a few seconds in the interpreter) and checked on several routings of one T.
 Lowering for "cuda" without a GPU (the Triton lowering runs in Python): every kind's default at the real
-shapes of qwen3-30b-a3b and qwen3.5-397b-a17b over the token range; and the lowered Triton IR of each
+shapes of qwen3-30b-a3b and qwen3.5-397b-a17b (and their -fp8 variants) over the token range; the FP8 GEMV at
+qwen3.5-397b-a17b-fp8, whose 2^32-byte gate_up is read as uint32 words; and the lowered Triton IR of each
 kernel compiled for sm_90 by Triton (where it is installed).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 
 import pytest
@@ -159,11 +161,7 @@ def test_fp8_refusals():
     fp8 = WeightFormat.fp8_block()
     assert "F = 192 is not" in BE.kinds(block_of(D=256, F=192, dtype="bfloat16").with_weight_format(fp8))[
         "stream_gemv"]
-    wraps = block_of(E=300, D=2048, F=2048, dtype="bfloat16").with_weight_format(fp8)  # 2.5·10^9 e4m3 values
-    assert "gate_up holds" in BE.kinds(wraps)["stream_gemv"]
-    fits = block_of(E=256, D=2048, F=2048, dtype="bfloat16").with_weight_format(fp8)  # 2^31: the last that fits
-    assert BE.kinds(fits)["stream_gemv"] is None
-    assert "gate_up holds 4294967296" in BE.kinds(preset("qwen3.5-397b-a17b-fp8"))["stream_gemv"]  # 2^32 bytes
+    assert BE.kinds(preset("qwen3.5-397b-a17b-fp8"))["stream_gemv"] is None  # 2^32 bytes: read as 2^30 words
     q = block_of(D=256, F=256, dtype="bfloat16").with_weight_format(fp8)
     assert all("unquantised" in BE.kinds(q)[k] for k in ("grouped_gemm", "hybrid"))
     with pytest.raises(UnsupportedSchedule, match="block_k = 256 does not divide 128"):
@@ -266,19 +264,7 @@ def test_the_lowered_kernels_compile_for_sm90(monkeypatch, tmp_path):
     fp8_block weights, as Triton IR compiled to sm_90 by the Triton installed here with the launch's num_warps and
     num_stages (XLA compiles the same IR with its own Triton on the GPU)."""
     pytest.importorskip("triton")
-    from jax._src.pallas.triton import pallas_call_registration as reg
-
-    monkeypatch.delenv(INTERPRET_ENV, raising=False)
-    modules: dict[str, str] = {}
-    real = reg.lowering.lower_jaxpr_to_triton_module
-
-    def keep(*a, **kw):
-        out = real(*a, **kw)
-        asm = out.module.operation.get_asm()
-        modules[re.search(r"module @(\w+)", asm).group(1)] = asm
-        return out
-
-    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", keep)
+    modules = captured_triton(monkeypatch)
     compiled_names = []
     for name, kind, T in (("qwen3.5-397b-a17b", "stream_gemv", 1), ("qwen3.5-397b-a17b", "grouped_gemm", 256),
                           ("qwen3-30b-a3b-fp8", "stream_gemv", 1)):
@@ -295,6 +281,49 @@ def test_the_lowered_kernels_compile_for_sm90(monkeypatch, tmp_path):
         compile_sm90(modules, launch, tmp_path)
     assert sorted(set(compiled_names)) == ["moetune_gemm_down", "moetune_gemm_gate_up", "moetune_gemv_down",
                                            "moetune_gemv_gate_up"]
+
+
+def captured_triton(monkeypatch) -> dict[str, str]:
+    """{kernel name: Triton IR} of every pallas_call lowered from now on (without the interpreter)."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    monkeypatch.delenv(INTERPRET_ENV, raising=False)
+    modules: dict[str, str] = {}
+    real = reg.lowering.lower_jaxpr_to_triton_module
+
+    def keep(*a, **kw):
+        out = real(*a, **kw)
+        asm = out.module.operation.get_asm()
+        modules[re.search(r"module @(\w+)", asm).group(1)] = asm
+        return out
+
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", keep)
+    return modules
+
+
+def test_the_fp8_gemv_lowers_at_qwen35_397bs_4_gib_gate_up(monkeypatch, tmp_path):
+    """qwen3.5-397b-a17b-fp8 (E = 512, D = 4096, F = 1024): gate_up is 2^32 e4m3 bytes, past the 2^31 elements
+    that Pallas' 32-bit offsets reach. Both kernels take the weights as 2^30 and 2^29 uint32 words (i32
+    pointers, no e4m3 pointer), widen the e4m3 bytes in registers, and compile for sm_90 (where Triton is
+    installed), at decode and at prefill."""
+    block = preset("qwen3.5-397b-a17b-fp8")
+    assert 2 * block.E * block.F * block.D == 2**32 and BE.kinds(block)["stream_gemv"] is None
+    modules = captured_triton(monkeypatch)
+    for T in (1, 4096):
+        modules.clear()
+        text = lowered(block, BE.default(block, "stream_gemv", T), T)
+        assert text.count("xla.gpu.triton") == 2
+        assert sorted(modules) == ["moetune_gemv_down", "moetune_gemv_gate_up"]
+        for name, asm in modules.items():
+            head = next(line for line in asm.splitlines() if "tt.func" in line)  # (ids, weights, x | h, w, scale, out)
+            args = re.findall(r"%arg\d+: !tt\.ptr<(\w+)>", head)
+            assert len(args) == 6 and args[3] == "i32" and "f8E4M3FN" not in args, (name, head)
+            assert re.search(r"tt\.fp_to_fp %\w+ : tensor<\w+xf8E4M3FN> -> tensor<\w+xf32>", asm), name  # widened e4m3
+    if importlib.util.find_spec("triton") is None:
+        return
+    launch = {m.group(1): (int(m.group(2)), int(m.group(3))) for m in re.finditer(
+        r'name = "(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)}
+    compile_sm90(modules, launch, tmp_path)
 
 
 def compile_sm90(modules: dict[str, str], launch: dict[str, tuple[int, int]], tmp_path) -> None:

@@ -10,6 +10,8 @@ kernels refuse, weight-tile loads in both layouts and the activation inside a ke
     gate_up_bias          their biases [BN]
     gate_up_scales        their fp8_block dequantisation multipliers (the tile lies in one block); down_scale
     down_tile             the [BN, BK] down tile (f32) of expert e at output n0, reduction k0
+    packed_e4m3           float8_e4m3fn weights [..., n] viewed as uint32 words [..., n/4] (outside a kernel)
+    packed_rows_dot       row sums [BN] of a [BN, BK] e4m3 tile read as [BN, BK/4] words, against a vector
     activate              h = act(gate, up) in f32, per the block's activation
 
 The expert tensors are JaxExperts (moetune.codegen.pallas._common) in the layouts of ExpertTensors:
@@ -17,6 +19,12 @@ standard gate_up [E, 2F, D], down [E, D, F]; transposed gate_up [E, D, 2F], down
 0..F-1 of the 2F axis and up rows F..2F-1, or (interleaved) the even and the odd ones. Tiles are read in
 place with dynamic slices (`pl.ds`); sizes are powers of two that divide the axis they tile (the parameter
 classes and builds check), so no load is masked.
+
+FP8 weights are read as uint32 words of four e4m3 values (`packed_e4m3`, a bitcast of the contiguous array:
+no copy): Pallas' Triton lowering offsets an array of at most 2^32 bytes with 32-bit integers, which wrap
+beyond 2^31 elements, and a word view holds at most 2^30 of them there (larger arrays get 64-bit offsets).
+Byte j of word i is the value of column 4i+j (little-endian), so lane j of a [BN, BK/4] word tile meets the
+vector's elements k0+j, k0+j+4, .. (a stride-4 load) and the row sum is the sum of the four lanes' sums.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import os
 from ...ir import MoEBlock, UnsupportedSchedule
 
 INTERPRET_ENV = "MOETUNE_PALLAS_GPU_INTERPRET"
+PACK = 4  # e4m3 values per uint32 word of a packed FP8 weight
 MIN_TILE = 16  # the smallest dot operand side of the Triton lowering; D and F must be multiples of it
 
 
@@ -128,6 +137,39 @@ def down_tile(w_ref, e, n0, k0, BN: int, BK: int, transposed: bool):
     if transposed:
         return w_ref[e, pl.ds(k0, BK), pl.ds(n0, BN)]
     return w_ref[e, pl.ds(n0, BN), pl.ds(k0, BK)]
+
+
+def packed_e4m3(w):
+    """[..., n] float8_e4m3fn → [..., n/4] uint32 (n a multiple of 4): byte j of word i holds value 4i+j."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    return lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // PACK, PACK), jnp.uint32)
+
+
+def unpack_e4m3(words) -> list:
+    """The four lanes (f32, the shape of `words`) of uint32 words of e4m3 values: lane j is byte j."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    return [lax.bitcast_convert_type(((words >> (8 * j)) & 0xFF).astype(jnp.uint8), jnp.float8_e4m3fn)
+            .astype(jnp.float32) for j in range(PACK)]
+
+
+def packed_rows_dot(w_ref, e, rows, v_ref, v_row, k0, BK: int):
+    """Σ_k W[n, k0+k] · v[v_row, k0+k] [BN] (f32) of expert e's e4m3 rows `rows` (a slice of BN rows) of a packed
+    weight w_ref [E, R, C/4] (words), over columns k0 .. k0+BK (k0 a multiple of BK, BK of 4·2^i)."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    bw = BK // PACK
+    words = w_ref[e, rows, pl.ds(pl.multiple_of(k0 // PACK, bw), bw)]  # [BN, BK/4]
+    acc = None
+    for j, lane in enumerate(unpack_e4m3(words)):
+        v = v_ref[v_row, pl.ds(k0 + j, bw, PACK)].astype(jnp.float32)  # [BK/4]: elements k0+j, k0+j+4, ..
+        d = jnp.sum(lane * v[None, :], axis=1)
+        acc = d if acc is None else acc + d
+    return acc
 
 
 def gate_up_scales(block: MoEBlock, s_ref, e, n0, k0):

@@ -15,7 +15,7 @@ An expert shared by several pairs is re-read per pair: this is the decode kernel
 expert); many rows per expert are the grouped GEMM's (grouped_gemm.py).
 
 The same kernels read FP8 block-quantised weights with their scales (stream_gemv_fp8.py: the tile's row
-sums times its block's multiplier).
+sums times its block's multiplier), as uint32 words of four e4m3 values (_common.py's packed_e4m3).
 """
 
 from __future__ import annotations
@@ -37,8 +37,11 @@ from ._common import (
     down_tile,
     gate_up_bias,
     gate_up_scales,
+    gate_up_slices,
     gate_up_tiles,
     interpret,
+    packed_e4m3,
+    packed_rows_dot,
     pair_expert,
     pow2_divisor,
     refusal,
@@ -130,15 +133,18 @@ def _gate_up_kernel(block: MoEBlock, p: GemvParams, ids_ref, wts_ref, x_ref, w_r
     def _():
         def step(i, acc):
             k0 = pl.multiple_of(i * BK, BK)
+            if s_ref is not None:  # packed e4m3 words; the tile lies in one scale block of each half
+                gs, us = gate_up_slices(block, n0, BN)
+                sg, su = gate_up_scales(block, s_ref, e, n0, k0)
+                dg = packed_rows_dot(w_ref, e, gs, x_ref, t, k0, BK) * sg
+                du = packed_rows_dot(w_ref, e, us, x_ref, t, k0, BK) * su
+                return acc[0] + dg, acc[1] + du
             xv = x_ref[t, pl.ds(k0, BK)].astype(jnp.float32)  # [BK]
             g, u = gate_up_tiles(block, w_ref, e, n0, k0, BN, BK)
             if tr:  # [BK, BN]
                 dg, du = jnp.sum(g * xv[:, None], axis=0), jnp.sum(u * xv[:, None], axis=0)
             else:
                 dg, du = jnp.sum(g * xv[None, :], axis=1), jnp.sum(u * xv[None, :], axis=1)
-            if s_ref is not None:  # the tile lies in one scale block of each half
-                sg, su = gate_up_scales(block, s_ref, e, n0, k0)
-                dg, du = dg * sg, du * su
             return acc[0] + dg, acc[1] + du
 
         zero = jnp.zeros((BN,), jnp.float32)
@@ -169,10 +175,12 @@ def _down_kernel(block: MoEBlock, p: GemvParams, ids_ref, wts_ref, h_ref, w_ref,
     def pair_rows(pair, e):
         def step(i, acc):
             k0 = pl.multiple_of(i * BK, BK)
+            if s_ref is not None:  # packed e4m3 words, one scale block per tile
+                d = packed_rows_dot(w_ref, e, pl.ds(n0, BN), h_ref, pair, k0, BK)
+                return acc + d * down_scale(block, s_ref, e, n0, k0)
             hv = h_ref[pair, pl.ds(k0, BK)].astype(jnp.float32)  # [BK]
             wv = down_tile(w_ref, e, n0, k0, BN, BK, tr).astype(jnp.float32)
-            d = jnp.sum(wv * hv[:, None], axis=0) if tr else jnp.sum(wv * hv[None, :], axis=1)
-            return acc + (d * down_scale(block, s_ref, e, n0, k0) if s_ref is not None else d)
+            return acc + (jnp.sum(wv * hv[:, None], axis=0) if tr else jnp.sum(wv * hv[None, :], axis=1))
 
         y = jax.lax.fori_loop(0, block.F // BK, step, jnp.zeros((BN,), jnp.float32))  # [BN]
         if b_ref is not None:
@@ -200,19 +208,22 @@ def experts_f32(block: MoEBlock, p: GemvParams, x, ids, weights, w):
     wts_f = weights.reshape(P)  # [P]
     gu_extra = [t for t in (w.gate_up_bias, w.gate_up_scale) if t is not None]  # as `_extras` unpacks them
     dn_extra = [t for t in (w.down_bias, w.down_scale) if t is not None]
+    gate_up, down = w.gate_up, w.down
+    if block.weight_format.quantized:  # uint32 words of four e4m3 values (module doc of _common.py)
+        gate_up, down = packed_e4m3(gate_up), packed_e4m3(down)
     interp = interpret()
     h = pl.pallas_call(
         partial(_gate_up_kernel, block, p),
         out_shape=jax.ShapeDtypeStruct((P, block.F), x.dtype), grid=(P, block.F // p.block_n),
         compiler_params=compiler_params(p.num_warps, p.num_stages), interpret=interp,
         name="moetune_gemv_gate_up",
-    )(ids_f, wts_f, x, w.gate_up, *gu_extra)  # [P, F]
+    )(ids_f, wts_f, x, gate_up, *gu_extra)  # [P, F]
     return pl.pallas_call(
         partial(_down_kernel, block, p),
         out_shape=jax.ShapeDtypeStruct((T, block.D), jnp.float32), grid=(T, block.D // p.down_block_n),
         compiler_params=compiler_params(p.down_warps, p.num_stages), interpret=interp,
         name="moetune_gemv_down",
-    )(ids_f, wts_f, h, w.down, *dn_extra)  # [T, D]
+    )(ids_f, wts_f, h, down, *dn_extra)  # [T, D]
 
 
 def build_jax(block: MoEBlock, schedule: Schedule):

@@ -7,9 +7,10 @@ BN rows divide r and its BK columns divide c, so a [BN, BK] tile lies in one blo
 widened to f32 for the FMA and the tile's row sums [BN] are multiplied by the block's one scale (BN
 multiplies per chunk, not BN·BK). Activations stay in the model's dtype, products and sums in f32; h and the
 output as in stream_gemv.py. Standard layout (gate | up halves) only: the scales follow it; D and F in whole
-blocks, so each half's blocks are the fused matrix's row blocks. Pallas' Triton lowering offsets an array of
-at most 2^32 bytes with 32-bit integers, which wrap beyond 2^31 one-byte elements: a matrix of 2^31 < n ≤ 2^32
-e4m3 values is refused (qwen3.5-397b-a17b-fp8's gate_up is 2^32 bytes).
+blocks, so each half's blocks are the fused matrix's row blocks. The kernels read the e4m3 matrices as uint32
+words of four values (moetune.codegen.pallas_gpu._common.packed_e4m3): Pallas' Triton lowering offsets an
+array of at most 2^32 bytes with 32-bit integers, which wrap beyond 2^31 elements, and a word view has at
+most 2^30 there, so every size lowers (qwen3.5-397b-a17b-fp8's gate_up is 2^32 bytes, 2^30 words).
 """
 
 from __future__ import annotations
@@ -41,10 +42,6 @@ def refusal(block: MoEBlock) -> str | None:
     r, c = fmt.block
     if r < 4 or c < 16 or r & (r - 1) or c & (c - 1):
         return f"pallas_gpu fp8 stream_gemv tiles within blocks of powers of two (r ≥ 4, c ≥ 16), not {fmt.block}"
-    for name, elems in (("gate_up", block.E * 2 * block.F * block.D), ("down", block.E * block.D * block.F)):
-        if 2**31 < elems <= 2**32:  # one byte per e4m3 value
-            return (f"pallas_gpu fp8 stream_gemv: {name} holds {elems} e4m3 values; Pallas' Triton lowering offsets "
-                    "arrays of at most 2^32 bytes with signed 32-bit integers, which wrap beyond 2^31 elements")
     bad = [f"{n} = {v}" for n, v in (("D", block.D), ("F", block.F)) if v % r or v % c]
     if bad:
         return (f"pallas_gpu fp8 stream_gemv needs D and F in whole {r}×{c} scale blocks (both are rows of one "
