@@ -4,7 +4,7 @@ Numerics in Pallas' interpreter (MOETUNE_PALLAS_GPU_INTERPRET=1), every kind thr
 (`bridged(build_jax)`) against the float32 torch reference, by the package's tolerance: routings with
 zero-row experts, one hot expert, one row per expert, k = 1, sentinel ids and odd T, in f32 and bf16, with
 tiles small enough that every K loop and grid axis takes several steps; FP8 block-quantised weights (the
-GEMV); every layout (standard, transposed,
+GEMV and the w8a16 GEMM); every layout (standard, transposed,
 interleaved, biases), both activations and both weight applications; each kind's default. Each build is
 compiled once (a few seconds in the interpreter) and checked on several routings of one T.
 Lowering for "cuda" without a GPU (the Triton lowering runs in Python): every kind's default at the real
@@ -147,14 +147,30 @@ def test_each_kinds_default_matches_the_reference(interpreted, kind):
 
 
 @pytest.mark.parametrize("blocks", [(128, 128), (32, 64)])
-def test_the_fp8_gemv_matches_the_reference(interpreted, blocks):
+@pytest.mark.parametrize("kind", ["stream_gemv", "grouped_gemm"])
+def test_the_fp8_kernels_match_the_reference(interpreted, kind, blocks):
     """e4m3 weights with float32 scales per block, bf16 activations: against the reference on the dequantised
-    weights, with the tiles' default (one scale block per tile) over every routing case."""
+    weights, with the tiles' default (one scale block per tile, several K steps over two or more scale block
+    columns) over every routing case."""
     block = block_of(E=14, D=256, F=256, dtype="bfloat16").with_weight_format(WeightFormat.fp8_block(blocks))
     gen = torch.Generator().manual_seed(6)
-    s = BE.default(block, "stream_gemv", 7)
-    assert s.params.block_k <= blocks[1] and s.params.down_block_k <= blocks[1]
+    s = BE.default(block, kind, 7)
+    ks = (s.params.block_k, s.params.down_block_k) if kind == "stream_gemv" else (s.params.block_k,)
+    assert all(bk <= blocks[1] for bk in ks) and max(ks) < block.D
     check(block, s, [routing(c, block.E, block.k, gen) for c in CASES])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_the_fp8_grouped_gemm_in_f32_and_f16_with_input_weights(interpreted, dtype):
+    """The w8a16 GEMM with f32 (HIGHEST-precision dots) and f16 activations, the routing weight on the input,
+    16-row tiles over a hot expert of 20 rows (two tiles), top-1 over one row per expert."""
+    fmt = WeightFormat.fp8_block((32, 64))
+    block = block_of(E=8, D=128, F=64, dtype=dtype, apply="input").with_weight_format(fmt)
+    s = Schedule("grouped_gemm", backend="pallas_gpu", params=GemmParams(block_m=16, block_n=16, block_k=64))
+    gen = torch.Generator().manual_seed(7)
+    check(block, s, [routing(c, block.E, block.k, gen, T=20) for c in ("one_hot_expert", "sentinels")])
+    top1 = block_of(E=8, k=1, D=128, F=64, dtype=dtype).with_weight_format(fmt)
+    check(top1, s, [routing(c, 8, 1, gen, T=8) for c in ("one_row_per_expert", "zero_row_experts")])
 
 
 def test_fp8_refusals():
@@ -163,9 +179,16 @@ def test_fp8_refusals():
         "stream_gemv"]
     assert BE.kinds(preset("qwen3.5-397b-a17b-fp8"))["stream_gemv"] is None  # 2^32 bytes: read as 2^30 words
     q = block_of(D=256, F=256, dtype="bfloat16").with_weight_format(fp8)
-    assert all("unquantised" in BE.kinds(q)[k] for k in ("grouped_gemm", "hybrid"))
+    assert "unquantised" in BE.kinds(q)["hybrid"] and BE.kinds(q)["grouped_gemm"] is None
     with pytest.raises(UnsupportedSchedule, match="block_k = 256 does not divide 128"):
         BE.build(q, Schedule("stream_gemv", backend="pallas_gpu", params=GemvParams(block_k=256)))
+    with pytest.raises(UnsupportedSchedule, match="block_k = 32 below 64"):
+        BE.build(q, Schedule("grouped_gemm", backend="pallas_gpu", params=GemmParams(block_k=32)))
+    with pytest.raises(UnsupportedSchedule, match="block_n = 64 does not divide 32"):
+        BE.build(q.with_weight_format(WeightFormat.fp8_block((32, 64))),
+                 Schedule("grouped_gemm", backend="pallas_gpu", params=GemmParams(block_n=64)))
+    narrow = q.with_weight_format(WeightFormat.fp8_block((32, 32)))
+    assert "blocks 32 wide" in BE.kinds(narrow)["grouped_gemm"] and BE.kinds(narrow)["stream_gemv"] is None
 
 
 def test_the_hybrid_splits_by_rows_per_expert():
@@ -260,14 +283,14 @@ def test_gpt_oss_layouts_lower_through_triton(monkeypatch):
 
 
 def test_the_lowered_kernels_compile_for_sm90(monkeypatch, tmp_path):
-    """Each of the kernels, at the qwen3.5-397b-a17b default of its regime, and the GEMV on qwen3-30b-a3b's
-    fp8_block weights, as Triton IR compiled to sm_90 by the Triton installed here with the launch's num_warps and
-    num_stages (XLA compiles the same IR with its own Triton on the GPU)."""
+    """Each of the kernels, at the qwen3.5-397b-a17b default of its regime, the GEMV on qwen3-30b-a3b's and
+    the GEMM on qwen3.5-397b-a17b's fp8_block weights, as Triton IR compiled to sm_90 by the Triton installed
+    here with the launch's num_warps and num_stages (XLA compiles the same IR with its own Triton on the GPU)."""
     pytest.importorskip("triton")
     modules = captured_triton(monkeypatch)
     compiled_names = []
     for name, kind, T in (("qwen3.5-397b-a17b", "stream_gemv", 1), ("qwen3.5-397b-a17b", "grouped_gemm", 256),
-                          ("qwen3-30b-a3b-fp8", "stream_gemv", 1)):
+                          ("qwen3-30b-a3b-fp8", "stream_gemv", 1), ("qwen3.5-397b-a17b-fp8", "grouped_gemm", 256)):
         block = preset(name)
         modules.clear()
         launch = {}
@@ -276,7 +299,7 @@ def test_the_lowered_kernels_compile_for_sm90(monkeypatch, tmp_path):
             launch[m.group(1)] = (int(m.group(2)), int(m.group(3)))
         assert sorted(modules) == sorted(launch) and len(launch) == 2, (name, kind, sorted(launch))
         if block.weight_format.quantized:
-            assert "f8E4M3FN" in modules["moetune_gemv_gate_up"]
+            assert all("f8E4M3FN" in asm for asm in modules.values()), (name, kind)
         compiled_names += sorted(modules)
         compile_sm90(modules, launch, tmp_path)
     assert sorted(set(compiled_names)) == ["moetune_gemm_down", "moetune_gemm_gate_up", "moetune_gemv_down",

@@ -8,9 +8,10 @@ Kernel files, one per schedule kind, each with its kernel, parameters, space, de
     stream_gemv.py   one program per (pair, output tile), token-mode down with no atomics (stream_gemv)
     stream_gemv_fp8.py  the same on FP8 block-quantised weights, dequantised in registers (stream_gemv, fp8_block)
     grouped_gemm.py  expert-sorted rows in BM-row tiles, `pl.dot`, tile metadata computed in JAX (grouped_gemm)
+    grouped_gemm_fp8.py  the same on FP8 block-quantised weights, widened in registers (grouped_gemm, fp8_block)
     hybrid.py        the two above on the heavy and the light experts, summed (hybrid)
-FP8 block-quantised blocks run the streaming GEMV only: the grouped GEMM and the hybrid read unquantised
-weights, so the contract's format rule refuses them on fp8_block blocks.
+FP8 block-quantised blocks run the streaming GEMV and the grouped GEMM (w8a16): the hybrid reads unquantised
+weights, so the contract's format rule refuses it on fp8_block blocks.
 What they share:
     _common.py       interpret switch, compiler parameters, refusals, weight tiles, the in-kernel activation
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from ..backend import register
 from ..contract import KernelBackend
-from . import grouped_gemm, hybrid, stream_gemv, stream_gemv_fp8
+from . import grouped_gemm, grouped_gemm_fp8, hybrid, stream_gemv, stream_gemv_fp8
 from ._common import INTERPRET_ENV, interpret_requested, on_cuda
 from .grouped_gemm import GemmParams
 from .hybrid import HybridParams
@@ -32,7 +33,7 @@ from .stream_gemv import GemvParams
 class PallasGpuBackend(KernelBackend):
     name = "pallas_gpu"
     library = "jax"
-    KINDS = (stream_gemv.KIND, grouped_gemm.KIND, hybrid.KIND, stream_gemv_fp8.KIND)
+    KINDS = (stream_gemv.KIND, grouped_gemm.KIND, hybrid.KIND, stream_gemv_fp8.KIND, grouped_gemm_fp8.KIND)
     TARGET = "h200"
 
     def available(self) -> str | None:

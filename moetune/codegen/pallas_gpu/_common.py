@@ -6,12 +6,14 @@ kernels refuse, weight-tile loads in both layouts and the activation inside a ke
     compiler_params(w, s) jax.experimental.pallas.triton.CompilerParams(num_warps=w, num_stages=s): the Triton
                           lowering's launch width and the software-pipelining depth of every K loop
     refusal(block)        the blocks no kernel of this backend runs (D or F not a multiple of 16), with the reason
+    fp8_refusal           the fp8_block blocks the FP8 kernels do not run (layout, scales, blocks), with the reason
     gate_up_tiles         the [BN, BK] gate and up tiles (f32) of expert e at output n0, reduction k0
     gate_up_bias          their biases [BN]
     gate_up_scales        their fp8_block dequantisation multipliers (the tile lies in one block); down_scale
     down_tile             the [BN, BK] down tile (f32) of expert e at output n0, reduction k0
     packed_e4m3           float8_e4m3fn weights [..., n] viewed as uint32 words [..., n/4] (outside a kernel)
     packed_rows_dot       row sums [BN] of a [BN, BK] e4m3 tile read as [BN, BK/4] words, against a vector
+    packed_tile_dot       the [BM, BN] product of a [BM, BK] tile with such a tile's transpose (four dots)
     activate              h = act(gate, up) in f32, per the block's activation
 
 The expert tensors are JaxExperts (moetune.codegen.pallas._common) in the layouts of ExpertTensors:
@@ -67,6 +69,28 @@ def refusal(block: MoEBlock) -> str | None:
     bad = [f"{n} = {v}" for n, v in (("D", block.D), ("F", block.F)) if v % MIN_TILE]
     if bad:
         return f"pallas_gpu kernels tile D and F by powers of two ≥ {MIN_TILE}; {', '.join(bad)} is not a multiple"
+    return None
+
+
+def fp8_refusal(block: MoEBlock, what: str) -> str | None:
+    """`refusal(block)`, then what the fp8_block kernels need: the standard gate | up layout (the scales follow
+    it), float32 scales, blocks of powers of two (r ≥ 4, c ≥ 16) and D, F in whole blocks (both are rows of one
+    matrix and columns of the other). `what` names the kernel in the reason."""
+    why = refusal(block)
+    if why:
+        return why
+    fmt, lay = block.weight_format, block.layout
+    if lay.transposed or lay.interleaved:
+        return f"{what} reads the standard gate | up layout of the block scales, not {lay}"
+    if fmt.scale_dtype != "float32":
+        return f"{what} reads float32 block scales, not {fmt.scale_dtype}"
+    r, c = fmt.block
+    if r < 4 or c < 16 or r & (r - 1) or c & (c - 1):
+        return f"{what} tiles within blocks of powers of two (r ≥ 4, c ≥ 16), not {fmt.block}"
+    bad = [f"{n} = {v}" for n, v in (("D", block.D), ("F", block.F)) if v % r or v % c]
+    if bad:
+        return (f"{what} needs D and F in whole {r}×{c} scale blocks (both are rows of one matrix and columns of "
+                f"the other); {', '.join(bad)} is not")
     return None
 
 
@@ -147,13 +171,14 @@ def packed_e4m3(w):
     return lax.bitcast_convert_type(w.reshape(*w.shape[:-1], w.shape[-1] // PACK, PACK), jnp.uint32)
 
 
-def unpack_e4m3(words) -> list:
-    """The four lanes (f32, the shape of `words`) of uint32 words of e4m3 values: lane j is byte j."""
+def unpack_e4m3(words, dtype=None) -> list:
+    """The four lanes (in `dtype`, f32 by default; the shape of `words`) of uint32 words of e4m3 values: lane j
+    is byte j. Every e4m3 value is exact in f32, bf16 and f16."""
     import jax.numpy as jnp
     from jax import lax
 
     return [lax.bitcast_convert_type(((words >> (8 * j)) & 0xFF).astype(jnp.uint8), jnp.float8_e4m3fn)
-            .astype(jnp.float32) for j in range(PACK)]
+            .astype(dtype or jnp.float32) for j in range(PACK)]
 
 
 def packed_rows_dot(w_ref, e, rows, v_ref, v_row, k0, BK: int):
@@ -168,6 +193,23 @@ def packed_rows_dot(w_ref, e, rows, v_ref, v_row, k0, BK: int):
     for j, lane in enumerate(unpack_e4m3(words)):
         v = v_ref[v_row, pl.ds(k0 + j, bw, PACK)].astype(jnp.float32)  # [BK/4]: elements k0+j, k0+j+4, ..
         d = jnp.sum(lane * v[None, :], axis=1)
+        acc = d if acc is None else acc + d
+    return acc
+
+
+def packed_tile_dot(w_ref, e, rows, v_ref, v_rows, k0, BK: int):
+    """v[v_rows, k0:k0+BK] · W[rows, k0:k0+BK]ᵀ [BM, BN] (f32, tensor-core dots) of expert e's e4m3 rows `rows`
+    (BN of them) of a packed weight w_ref [E, R, C/4] (words): four dots of BK/4 columns, lane j against the
+    stride-4 columns k0+j, k0+j+4, .. of v (v's dtype, its precision; BK/4 ≥ 16, the dot's side)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    bw = BK // PACK
+    words = w_ref[e, rows, pl.ds(pl.multiple_of(k0 // PACK, bw), bw)]  # [BN, BK/4]
+    acc = None
+    for j, lane in enumerate(unpack_e4m3(words, v_ref.dtype)):
+        v = v_ref[v_rows, pl.ds(k0 + j, bw, PACK)]  # [BM, BK/4]
+        d = plgpu.dot(v, lane, trans_b=True, precision=dtype_precision(v_ref.dtype))
         acc = d if acc is None else acc + d
     return acc
 

@@ -13,9 +13,9 @@ Two launches over grid (NT, N/BN):
   down     acc [BM, BN] = Σ_F h_pad tile · down tile, + bias, × routing weight on the output: y_pad f32
 Combine (JAX): each valid pair gathers its row of y_pad; the token's k rows are summed (deterministic).
 
-FP8 block-scaled weights are not read (formats: unquantised only): no fp8 tile path (dequantised tiles into
-`pl.dot`, or e4m3 dots with the scales on the accumulators) is written for these kernels, so an fp8_block
-block is refused by the contract's format rule.
+The same kernels read FP8 block-quantised weights (grouped_gemm_fp8.py, w8a16): uint32 words of four e4m3
+values (_common.py's packed_e4m3) widened in registers to the activations' dtype, four dots per K step, each
+K step within one scale block column, its [BM, BN] partial times the tile's block multiplier.
 """
 
 from __future__ import annotations
@@ -37,11 +37,16 @@ from ._common import (
     check_divides,
     check_pow2,
     compiler_params,
+    down_scale,
     down_tile,
     dtype_precision,
     gate_up_bias,
+    gate_up_scales,
+    gate_up_slices,
     gate_up_tiles,
     interpret,
+    packed_e4m3,
+    packed_tile_dot,
     pow2_divisor,
     refusal,
     refuse,
@@ -151,14 +156,13 @@ def tile_plan(ids_f, E: int, bm: int) -> TilePlan:
     return TilePlan(te, rows, row_pair.astype(jnp.int32), row_valid, pair_row, valid)
 
 
-def _gate_up_kernel(block: MoEBlock, p: GemmParams, has_bias: bool, te_ref, rows_ref, rw_ref, x_ref, w_ref,
-                    *rest):
+def _gate_up_kernel(block: MoEBlock, p: GemmParams, te_ref, rows_ref, rw_ref, x_ref, w_ref, *rest):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    b_ref, h_ref = rest if has_bias else (None, rest[0])
+    b_ref, s_ref, h_ref = _extras(block, rest)
     BM, BN, BK, tr = p.block_m, p.block_n, p.block_k, block.layout.transposed
     i, j = pl.program_id(0), pl.program_id(1)
     r0, n0 = pl.multiple_of(i * BM, BM), pl.multiple_of(j * BN, BN)
@@ -169,6 +173,12 @@ def _gate_up_kernel(block: MoEBlock, p: GemmParams, has_bias: bool, te_ref, rows
     def _():
         def step(kk, acc):
             k0 = pl.multiple_of(kk * BK, BK)
+            if s_ref is not None:  # packed e4m3 words; the K step lies in one scale block column of each half
+                gs, us = gate_up_slices(block, n0, BN)
+                sg, su = gate_up_scales(block, s_ref, e, n0, k0)
+                rs = pl.ds(r0, BM)
+                return (acc[0] + packed_tile_dot(w_ref, e, gs, x_ref, rs, k0, BK) * sg,
+                        acc[1] + packed_tile_dot(w_ref, e, us, x_ref, rs, k0, BK) * su)
             xv = x_ref[pl.ds(r0, BM), pl.ds(k0, BK)]  # [BM, BK]
             g, u = gate_up_tiles(block, w_ref, e, n0, k0, BN, BK)
             g, u = g.astype(xv.dtype), u.astype(xv.dtype)
@@ -180,19 +190,19 @@ def _gate_up_kernel(block: MoEBlock, p: GemmParams, has_bias: bool, te_ref, rows
         if block.weight_application == "input":
             wt = rw_ref[pl.ds(r0, BM)][:, None]
             g, u = g * wt, u * wt
-        if has_bias:
+        if b_ref is not None:
             bg, bu = gate_up_bias(block, b_ref, e, n0, BN)
             g, u = g + bg[None, :], u + bu[None, :]
         h_ref[pl.ds(r0, BM), pl.ds(n0, BN)] = activate(block, g, u).astype(h_ref.dtype)
 
 
-def _down_kernel(block: MoEBlock, p: GemmParams, has_bias: bool, te_ref, rows_ref, rw_ref, h_ref, w_ref, *rest):
+def _down_kernel(block: MoEBlock, p: GemmParams, te_ref, rows_ref, rw_ref, h_ref, w_ref, *rest):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    b_ref, y_ref = rest if has_bias else (None, rest[0])
+    b_ref, s_ref, y_ref = _extras(block, rest)
     BM, BN, BK, tr = p.block_m, p.block_n, p.block_k, block.layout.transposed
     i, j = pl.program_id(0), pl.program_id(1)
     r0, n0 = pl.multiple_of(i * BM, BM), pl.multiple_of(j * BN, BN)
@@ -203,16 +213,27 @@ def _down_kernel(block: MoEBlock, p: GemmParams, has_bias: bool, te_ref, rows_re
     def _():
         def step(kk, acc):
             k0 = pl.multiple_of(kk * BK, BK)
+            if s_ref is not None:  # packed e4m3 words, one scale block per [BN, BK] tile
+                d = packed_tile_dot(w_ref, e, pl.ds(n0, BN), h_ref, pl.ds(r0, BM), k0, BK)
+                return acc + d * down_scale(block, s_ref, e, n0, k0)
             hv = h_ref[pl.ds(r0, BM), pl.ds(k0, BK)]  # [BM, BK]
             wv = down_tile(w_ref, e, n0, k0, BN, BK, tr).astype(hv.dtype)
             return acc + plgpu.dot(hv, wv, trans_b=not tr, precision=prec)
 
         y = jax.lax.fori_loop(0, block.F // BK, step, jnp.zeros((BM, BN), jnp.float32))  # [BM, BN]
-        if has_bias:
+        if b_ref is not None:
             y = y + b_ref[e, pl.ds(n0, BN)].astype(jnp.float32)[None, :]
         if block.weight_application == "output":
             y = y * rw_ref[pl.ds(r0, BM)][:, None]
         y_ref[pl.ds(r0, BM), pl.ds(n0, BN)] = y
+
+
+def _extras(block: MoEBlock, rest):
+    """(bias ref or None, scale ref or None, output ref) of a kernel's trailing refs."""
+    *ins, out = rest
+    b_ref = ins.pop(0) if block.layout.has_bias else None
+    s_ref = ins.pop(0) if block.weight_format.quantized else None
+    return b_ref, s_ref, out
 
 
 def experts_f32(block: MoEBlock, p: GemmParams, x, ids, weights, w):
@@ -228,20 +249,23 @@ def experts_f32(block: MoEBlock, p: GemmParams, x, ids, weights, w):
     R = NT * BM
     x_pad = jnp.where(plan.row_valid[:, None], x[plan.row_pair // block.k], 0).astype(x.dtype)  # [R, D]
     rw_pad = jnp.where(plan.row_valid, weights.reshape(P).astype(jnp.float32)[plan.row_pair], 0.0)  # [R]
-    has_bias = block.layout.has_bias
-    gub, dnb = ((w.gate_up_bias,), (w.down_bias,)) if has_bias else ((), ())
+    gub = [t for t in (w.gate_up_bias, w.gate_up_scale) if t is not None]  # as `_extras` unpacks them
+    dnb = [t for t in (w.down_bias, w.down_scale) if t is not None]
+    gate_up, down = w.gate_up, w.down
+    if block.weight_format.quantized:  # uint32 words of four e4m3 values (module doc of _common.py)
+        gate_up, down = packed_e4m3(gate_up), packed_e4m3(down)
     interp = interpret()
     params = compiler_params(p.num_warps, p.num_stages)
     h_pad = pl.pallas_call(
-        partial(_gate_up_kernel, block, p, has_bias),
+        partial(_gate_up_kernel, block, p),
         out_shape=jax.ShapeDtypeStruct((R, block.F), x.dtype), grid=(NT, block.F // p.block_n),
         compiler_params=params, interpret=interp, name="moetune_gemm_gate_up",
-    )(plan.tile_expert, plan.tile_rows, rw_pad, x_pad, w.gate_up, *gub)  # [R, F]
+    )(plan.tile_expert, plan.tile_rows, rw_pad, x_pad, gate_up, *gub)  # [R, F]
     y_pad = pl.pallas_call(
-        partial(_down_kernel, block, p, has_bias),
+        partial(_down_kernel, block, p),
         out_shape=jax.ShapeDtypeStruct((R, block.D), jnp.float32), grid=(NT, block.D // p.block_n),
         compiler_params=params, interpret=interp, name="moetune_gemm_down",
-    )(plan.tile_expert, plan.tile_rows, rw_pad, h_pad, w.down, *dnb)  # [R, D]
+    )(plan.tile_expert, plan.tile_rows, rw_pad, h_pad, down, *dnb)  # [R, D]
     y = jnp.where(plan.pair_valid[:, None], y_pad[plan.pair_row], 0.0)  # [P, D]
     return y.reshape(T, block.k, block.D).sum(axis=1)
 

@@ -23,30 +23,14 @@ from ..common import ParamSpace
 from ..contract import KernelKind, sources
 from ..pallas._common import bridged
 from . import stream_gemv as sg
-from ._common import check_divides
-from ._common import refusal as shape_refusal
+from ._common import check_divides, fp8_refusal
 from .stream_gemv import GemvParams
 
 SOURCES = ("stream_gemv_fp8.py", "stream_gemv.py", "_common.py")
 
 
 def refusal(block: MoEBlock) -> str | None:
-    why = shape_refusal(block)
-    if why:
-        return why
-    fmt, lay = block.weight_format, block.layout
-    if lay.transposed or lay.interleaved:
-        return f"pallas_gpu fp8 stream_gemv reads the standard gate | up layout of the block scales, not {lay}"
-    if fmt.scale_dtype != "float32":
-        return f"pallas_gpu fp8 stream_gemv reads float32 block scales, not {fmt.scale_dtype}"
-    r, c = fmt.block
-    if r < 4 or c < 16 or r & (r - 1) or c & (c - 1):
-        return f"pallas_gpu fp8 stream_gemv tiles within blocks of powers of two (r ≥ 4, c ≥ 16), not {fmt.block}"
-    bad = [f"{n} = {v}" for n, v in (("D", block.D), ("F", block.F)) if v % r or v % c]
-    if bad:
-        return (f"pallas_gpu fp8 stream_gemv needs D and F in whole {r}×{c} scale blocks (both are rows of one "
-                f"matrix and columns of the other); {', '.join(bad)} is not")
-    return None
+    return fp8_refusal(block, "pallas_gpu fp8 stream_gemv")
 
 
 def check(p: GemvParams, block: MoEBlock) -> None:
