@@ -15,6 +15,7 @@ kernels refuse, weight-tile loads in both layouts and the activation inside a ke
     packed_rows_dot       row sums [BN] of a [BN, BK] e4m3 tile read as [BN, BK/4] words, against a vector
     packed_tile_dot       the [BM, BN] product of a [BM, BK] tile with such a tile's transpose (four dots)
     activate              h = act(gate, up) in f32, per the block's activation
+    trailing_refs         (bias, scale, output) refs after a kernel's weight ref
 
 The expert tensors are JaxExperts (moetune.codegen.pallas._common) in the layouts of ExpertTensors:
 standard gate_up [E, 2F, D], down [E, D, F]; transposed gate_up [E, D, 2F], down [E, F, D]. Gate rows are
@@ -239,6 +240,15 @@ def activate(block: MoEBlock, gate, up):
     gate = jnp.minimum(gate, act.limit)
     up = jnp.minimum(jnp.maximum(up, -act.limit), act.limit)
     return (up + 1.0) * gate / (1.0 + jnp.exp(-gate * act.alpha))
+
+
+def trailing_refs(block: MoEBlock, rest):
+    """(bias ref or None, scale ref or None, output ref) of a kernel's refs after the weight: the biases where the
+    layout has them, the block scales where the format is quantised, then the output."""
+    *ins, out = rest
+    b_ref = ins.pop(0) if block.layout.has_bias else None
+    s_ref = ins.pop(0) if block.weight_format.quantized else None
+    return b_ref, s_ref, out
 
 
 def pair_expert(ids_ref, p, E: int):

@@ -50,6 +50,7 @@ from ._common import (
     pow2_divisor,
     refusal,
     refuse,
+    trailing_refs,
 )
 
 SOURCES = ("grouped_gemm.py", "_common.py")
@@ -162,7 +163,7 @@ def _gate_up_kernel(block: MoEBlock, p: GemmParams, te_ref, rows_ref, rw_ref, x_
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    b_ref, s_ref, h_ref = _extras(block, rest)
+    b_ref, s_ref, h_ref = trailing_refs(block, rest)
     BM, BN, BK, tr = p.block_m, p.block_n, p.block_k, block.layout.transposed
     i, j = pl.program_id(0), pl.program_id(1)
     r0, n0 = pl.multiple_of(i * BM, BM), pl.multiple_of(j * BN, BN)
@@ -202,7 +203,7 @@ def _down_kernel(block: MoEBlock, p: GemmParams, te_ref, rows_ref, rw_ref, h_ref
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    b_ref, s_ref, y_ref = _extras(block, rest)
+    b_ref, s_ref, y_ref = trailing_refs(block, rest)
     BM, BN, BK, tr = p.block_m, p.block_n, p.block_k, block.layout.transposed
     i, j = pl.program_id(0), pl.program_id(1)
     r0, n0 = pl.multiple_of(i * BM, BM), pl.multiple_of(j * BN, BN)
@@ -228,14 +229,6 @@ def _down_kernel(block: MoEBlock, p: GemmParams, te_ref, rows_ref, rw_ref, h_ref
         y_ref[pl.ds(r0, BM), pl.ds(n0, BN)] = y
 
 
-def _extras(block: MoEBlock, rest):
-    """(bias ref or None, scale ref or None, output ref) of a kernel's trailing refs."""
-    *ins, out = rest
-    b_ref = ins.pop(0) if block.layout.has_bias else None
-    s_ref = ins.pop(0) if block.weight_format.quantized else None
-    return b_ref, s_ref, out
-
-
 def experts_f32(block: MoEBlock, p: GemmParams, x, ids, weights, w):
     """float32 [T, D] of the routed experts (the plan, the two launches and the combine of the module doc)."""
     import jax
@@ -249,7 +242,7 @@ def experts_f32(block: MoEBlock, p: GemmParams, x, ids, weights, w):
     R = NT * BM
     x_pad = jnp.where(plan.row_valid[:, None], x[plan.row_pair // block.k], 0).astype(x.dtype)  # [R, D]
     rw_pad = jnp.where(plan.row_valid, weights.reshape(P).astype(jnp.float32)[plan.row_pair], 0.0)  # [R]
-    gub = [t for t in (w.gate_up_bias, w.gate_up_scale) if t is not None]  # as `_extras` unpacks them
+    gub = [t for t in (w.gate_up_bias, w.gate_up_scale) if t is not None]  # as `trailing_refs` unpacks them
     dnb = [t for t in (w.down_bias, w.down_scale) if t is not None]
     gate_up, down = w.gate_up, w.down
     if block.weight_format.quantized:  # uint32 words of four e4m3 values (module doc of _common.py)

@@ -46,6 +46,7 @@ from ._common import (
     pow2_divisor,
     refusal,
     refuse,
+    trailing_refs,
 )
 
 SOURCES = ("stream_gemv.py", "_common.py")
@@ -109,20 +110,12 @@ def default_params(block: MoEBlock, T: int, target: Target) -> GemvParams:
                       down_block_n=pow2_divisor(block.D, bn), down_block_k=pow2_divisor(block.F, bk))
 
 
-def _extras(block: MoEBlock, rest):
-    """(bias ref or None, scale ref or None, output ref) of a kernel's trailing refs."""
-    *ins, out = rest
-    b_ref = ins.pop(0) if block.layout.has_bias else None
-    s_ref = ins.pop(0) if block.weight_format.quantized else None
-    return b_ref, s_ref, out
-
-
 def _gate_up_kernel(block: MoEBlock, p: GemvParams, ids_ref, wts_ref, x_ref, w_ref, *rest):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
-    b_ref, s_ref, h_ref = _extras(block, rest)
+    b_ref, s_ref, h_ref = trailing_refs(block, rest)
     BN, BK, tr = p.block_n, p.block_k, block.layout.transposed
     pair, j = pl.program_id(0), pl.program_id(1)
     n0 = pl.multiple_of(j * BN, BN)
@@ -167,7 +160,7 @@ def _down_kernel(block: MoEBlock, p: GemvParams, ids_ref, wts_ref, h_ref, w_ref,
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
 
-    b_ref, s_ref, o_ref = _extras(block, rest)
+    b_ref, s_ref, o_ref = trailing_refs(block, rest)
     BN, BK, tr = p.down_block_n, p.down_block_k, block.layout.transposed
     t, j = pl.program_id(0), pl.program_id(1)
     n0 = pl.multiple_of(j * BN, BN)
@@ -206,7 +199,7 @@ def experts_f32(block: MoEBlock, p: GemvParams, x, ids, weights, w):
     T, P = x.shape[0], x.shape[0] * block.k
     ids_f = ids.reshape(P).astype(jnp.int32)  # [P]
     wts_f = weights.reshape(P)  # [P]
-    gu_extra = [t for t in (w.gate_up_bias, w.gate_up_scale) if t is not None]  # as `_extras` unpacks them
+    gu_extra = [t for t in (w.gate_up_bias, w.gate_up_scale) if t is not None]  # as `trailing_refs` unpacks them
     dn_extra = [t for t in (w.down_bias, w.down_scale) if t is not None]
     gate_up, down = w.gate_up, w.down
     if block.weight_format.quantized:  # uint32 words of four e4m3 values (module doc of _common.py)
