@@ -4,6 +4,7 @@ lowered program, the block read off the shapes; explain() says why what it does 
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 
@@ -17,6 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 import jax_layers as jl  # noqa: E402
 
 import moetune.jax as mj  # noqa: E402
+from moetune.ir import Activation  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 D, F, E, K = 16, 8, 6, 2
@@ -122,6 +124,32 @@ def test_a_closure_over_the_weights_works_too(layers):
     assert _marker(moe, x) > 0
 
 
+@pytest.mark.parametrize("style", ["ragged", "gathered"])
+@pytest.mark.parametrize("fused, interleaved", [(True, False), (True, True), (False, False)])
+def test_a_gpt_oss_clamped_swiglu_layer_is_replaced_with_its_alpha_and_limit(style, fused, interleaved):
+    """(up + 1)·g·σ(alpha·g), g = min(gate, limit), up clipped to ±limit: alpha and limit read off the trace."""
+    act = functools.partial(jl.clamped, alpha=1.5, limit=2.5)
+    model = jl.MoE(D, F, E, K, seed=4, style=style, fused=fused, act=act, interleaved=interleaved)
+    moe = jax.jit(mj.compile(_call))
+    for T in (1, 6):
+        x = _x(T) * 4  # gate and up rows past the limit
+        np.testing.assert_allclose(moe(model, x), ORIGINAL(model, x), rtol=1e-5, atol=1e-5)
+    assert _marker(moe, model, _x(6)) > 0
+    (found,) = mj.explain(_call, model, _x(6), print_=False)
+    b = found.match.block
+    assert (b.activation.kind, b.activation.alpha, b.activation.limit) == ("clamped_swiglu", 1.5, 2.5)
+    assert b.layout.interleaved == interleaved and (b.E, b.k, b.D, b.F) == (E, K, D, F)
+
+
+def test_gpt_oss_constants_in_float32_are_read_as_the_ir_holds_them():
+    """alpha = 1.702 and limit = 7 as GPT-OSS has them (1.702 is not a float32): the IR's float, the same output."""
+    model = jl.MoE(D, F, E, K, seed=6, act=jl.clamped, interleaved=True)
+    x = _x(5) * 8
+    np.testing.assert_allclose(mj.compile(_call)(model, x), ORIGINAL(model, x), rtol=1e-5, atol=1e-5)
+    (found,) = mj.explain(_call, model, x, print_=False)
+    assert found.match.block.activation == Activation("clamped_swiglu", alpha=1.702, limit=7.0)
+
+
 # ------------------------------------------------------------------------------ left as they are
 
 
@@ -155,6 +183,13 @@ def relu_activation(x, router, gate_up, down):
     return _unsorted(jax.lax.ragged_dot(jax.nn.relu(gate) * up, down, sizes), order, wts)
 
 
+def clamp_with_two_limits(x, router, gate_up, down):
+    """gate ≤ 2.5 but up within ±1.5: the IR's clamped SwiGLU has one limit for both."""
+    ids, wts = jl.route(x @ router, K, x.dtype)
+    act = functools.partial(jl.clamped, alpha=1.702, limit=2.5, up_limit=1.5)
+    return jl.ragged_experts(x, ids, wts, gate_up, down, act=act, interleaved=True)
+
+
 def weights_on_the_input(x, router, gate_up, down):
     ids, wts = jl.route(x @ router, K, x.dtype)
     order, rows, sizes = _sorted(x, ids)
@@ -173,6 +208,8 @@ def dense_mlp(x, router, gate_up, down):
     (no_activation, r"ragged_dot at eqn \d+: left as is: its input is the output of ragged_dot at eqn \d+ "
                     r"with no activation between"),
     (relu_activation, r"not silu\(gate\)·up \(SwiGLU\)"),
+    (clamp_with_two_limits, r"nor the clamped SwiGLU .* for an alpha and a limit among its constants "
+                            r"\['-1.5', '1', '1.5', '1.702', '2.5'\]"),
     (weights_on_the_input, r"not weighted by routing weights \[T, k\]"),
     (dense_mlp, r"no ragged_dot and no einsum of gathered expert weights"),
 ])
