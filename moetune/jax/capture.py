@@ -18,12 +18,14 @@ standard layout). A match is checked in three steps, and each refusal says which
   2. the token count T and top-k come from the ids [T, k] the group sizes (or gathered indices) are computed
      from, x [T, D] is the nearest value before the gate/up input that does not depend on the ids;
   3. the output is the first [T, D] value after the down matmul that is computed from x, the ids, the
-     routing weights [T, k] and the expert weights alone (every equation between them is replaced).
-Routing weights applied before the experts, other activations (a clamp the one limit cannot express among
-them), and computations that read anything else between the inputs and the output are left as they are,
-with the reason. Steps 2 and 3 are structural: the sort, unsort and weighted sum are not run; what lies
-between those inputs and that output is taken to be the routed experts' sum, which is what the two forms
-above compute.
+     routing weights [T, k] and the expert weights alone (every equation between them is replaced); the
+     weights apply to the output when they are read after the down matmul, to the input (the rows x·w)
+     when they are read before the gate/up matmuls, and not both.
+Other activations (a clamp the one limit cannot express among them), routing weights read both before and
+after the experts, and computations that read anything else between the inputs and the output are left as
+they are, with the reason. Steps 2 and 3 are structural: the sort, unsort, weighting and sum are not run;
+what lies between those inputs and that output is taken to be the routed experts' sum, which is what the
+two forms above compute.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ class Match:
                  "store them fused to read them in place)" if len(self.gate_up) == 2 else "")
         return (f"{self.where}: expert FFN over eqns {min(self.nodes)}..{max(self.nodes)} → moetune.jax.experts "
                 f"(E={self.block.E} k={self.block.k} D={self.block.D} F={self.block.F}, "
-                f"layout {self.block.layout}, weights {self.block.weight_format}){apart}")
+                f"{self.block.activation}, layout {self.block.layout}, weights {self.block.weight_format}, "
+                f"routing weights on the {self.block.weight_application}){apart}")
 
 
 @dataclass(frozen=True)
@@ -324,8 +327,10 @@ def _routing(g: Graph, core: tuple[Matmul, ...]) -> tuple[int, int, int, int] | 
 
 
 def _output(g: Graph, down: Matmul, core: tuple[Matmul, ...], x: int, ids: int, T: int, k: int, D: int):
-    """(out, routing weights, region nodes) for the first [T, D] value after `down` that the FFN computes
-    from x, ids, the routing weights and the expert weights alone; else why none is."""
+    """(out, routing weights, where they apply, region nodes) for the first [T, D] value after `down` that the
+    FFN computes from x, ids, the routing weights and the expert weights alone; else why none is. The weights
+    apply to the output when they are read after the down matmul only, to the input when they are read
+    before the gate/up matmuls only (the rows x·w)."""
     before = g.ancestors(x) | g.ancestors(ids) | set().union(*(g.ancestors(m.weight) for m in core))
     inside = set().union(*(g.ancestors(m.lhs) | g.ancestors(m.key) for m in core))
     after = g.descendants(down.out)
@@ -335,14 +340,26 @@ def _output(g: Graph, down: Matmul, core: tuple[Matmul, ...], x: int, ids: int, 
             if v not in after or g.shape(v) != (T, D) or g.dtype(v) != g.dtype(x):
                 continue
             anc = g.ancestors(v)
+            applied = "output"
             wts = _nearest(g, (u for u in anc - before - inside if g.shape(u) == (T, k)
                                and _floating(g, u) and u not in after))
+            if wts is None:
+                applied = "input"
+                wts = _nearest(g, (u for u in (anc & inside) - before if g.shape(u) == (T, k)
+                                   and _floating(g, u) and u not in after))
             if wts is None:
                 first_reason = first_reason or (f"eqn {n.index}'s [T, D] value is not weighted by routing "
                                                 f"weights [T, k]")
                 continue
             stop = before | g.ancestors(wts)
             nodes = [m for m in g.nodes if set(m.outs) & anc and not set(m.outs) & stop]
+            weighted = g.descendants(wts) - after
+            twice = [m for m in nodes if m is not down.node and set(m.outs) & after
+                     and any(i in weighted for i in m.ins)]
+            if applied == "input" and twice:
+                first_reason = first_reason or (f"the routing weights weight the rows before the experts and, at "
+                                                f"eqn {twice[0].index}, their results after them")
+                continue
             allowed = {x, ids, wts, *(m.weight for m in core)}
             extra = _free(nodes) - allowed
             if extra or any(m.effects for m in nodes):
@@ -355,7 +372,7 @@ def _output(g: Graph, down: Matmul, core: tuple[Matmul, ...], x: int, ids: int, 
                 first_reason = first_reason or f"eqn {n.index}'s value also goes through ragged_dot at eqn " \
                                                f"{others[0].index}"
                 continue
-            return v, wts, nodes
+            return v, wts, applied, nodes
     return first_reason or (f"no [T, D] value of the hidden states' dtype is computed from its result in the "
                             f"{COMBINE_WINDOW} equations after it")
 
@@ -364,7 +381,7 @@ def _output(g: Graph, down: Matmul, core: tuple[Matmul, ...], x: int, ids: int, 
 
 
 def _block(g: Graph, down: Matmul, gu: tuple[Matmul, ...], interleaved: bool, act: Activation, x: int, k: int,
-           wts: int, h: int, name: str) -> MoEBlock | str:
+           wts: int, applied: str, h: int, name: str) -> MoEBlock | str:
     E = g.shape(down.weight)[0]
     D, F = g.shape(x)[1], g.shape(h)[-1]
     if any(m.transposed != down.transposed for m in gu):
@@ -385,8 +402,8 @@ def _block(g: Graph, down: Matmul, gu: tuple[Matmul, ...], interleaved: bool, ac
         return f"dtypes {g.dtype(x)} / {g.dtype(wts)}: supported {', '.join(DTYPES)}"
     if not 1 <= k <= E:
         return f"top-k {k} outside [1, E = {E}]"
-    return MoEBlock(E=E, k=k, D=D, F=F, activation=act, layout=lay, weight_dtype=g.dtype(x),
-                    routing_weight_dtype=g.dtype(wts), name=name)
+    return MoEBlock(E=E, k=k, D=D, F=F, activation=act, weight_application=applied, layout=lay,
+                    weight_dtype=g.dtype(x), routing_weight_dtype=g.dtype(wts), name=name)
 
 
 def _ffn(g: Graph, down: Matmul, found: list[Matmul], name: str) -> Match | str:
@@ -410,8 +427,9 @@ def _ffn(g: Graph, down: Matmul, found: list[Matmul], name: str) -> Match | str:
     out = _output(g, down, core, x, ids, T, k, g.shape(x)[1])
     if isinstance(out, str):
         return out
-    v, wts, nodes = out
-    block = _block(g, down, gu, interleaved, activation, x, k, wts, h, f"{name}: {down.where}" if name else down.where)
+    v, wts, applied, nodes = out
+    where = f"{name}: {down.where}" if name else down.where
+    block = _block(g, down, gu, interleaved, activation, x, k, wts, applied, h, where)
     if isinstance(block, str):
         return block
     return Match(down.where, block, x, ids, wts, tuple(m.weight for m in gu), down.weight, v,

@@ -150,6 +150,34 @@ def test_gpt_oss_constants_in_float32_are_read_as_the_ir_holds_them():
     assert found.match.block.activation == Activation("clamped_swiglu", alpha=1.702, limit=7.0)
 
 
+def ragged_weights_on_the_input(x, router, gate_up, down):
+    """Σ_j expert_j(w_j·x): each sorted row scaled by its routing weight, the results summed unweighted."""
+    ids, wts = jl.route(x @ router, K, x.dtype)
+    order, rows, sizes = _sorted(x, ids)
+    rows = rows * wts.reshape(-1)[order][:, None]
+    gate, up = jnp.split(jax.lax.ragged_dot(rows, gate_up, sizes), 2, axis=-1)
+    y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, sizes)
+    return jnp.zeros_like(y).at[order].set(y).reshape(x.shape[0], K, D).sum(1)
+
+
+def gathered_weights_on_the_input(x, router, gate_up, down):
+    ids, wts = jl.route(x @ router, K, x.dtype)
+    xw = x[:, None, :] * wts[..., None]  # [T, k, D]
+    gate, up = jnp.split(jnp.einsum("tkd,tkdf->tkf", xw, gate_up[ids]), 2, axis=-1)
+    return jnp.einsum("tkf,tkfd->tkd", jl.clamped(gate, up, alpha=1.5, limit=2.5), down[ids]).sum(1)
+
+
+@pytest.mark.parametrize("fn, kind", [(ragged_weights_on_the_input, "swiglu"),
+                                      (gathered_weights_on_the_input, "clamped_swiglu")])
+def test_routing_weights_on_the_input_are_read_as_such(fn, kind):
+    args = (_x(7) * 3, *_weights())
+    np.testing.assert_allclose(mj.compile(fn)(*args), jax.jit(fn)(*args), rtol=1e-5, atol=1e-5)
+    assert _marker(mj.compile(fn), *args) > 0
+    (found,) = [f for f in mj.explain(fn, *args, print_=False) if f.match is not None]
+    assert (found.match.block.weight_application, found.match.block.activation.kind) == ("input", kind)
+    assert "routing weights on the input" in str(found)
+
+
 # ------------------------------------------------------------------------------ left as they are
 
 
@@ -190,13 +218,12 @@ def clamp_with_two_limits(x, router, gate_up, down):
     return jl.ragged_experts(x, ids, wts, gate_up, down, act=act, interleaved=True)
 
 
-def weights_on_the_input(x, router, gate_up, down):
+def weights_on_both(x, router, gate_up, down):
     ids, wts = jl.route(x @ router, K, x.dtype)
     order, rows, sizes = _sorted(x, ids)
     rows = rows * wts.reshape(-1)[order][:, None]
     gate, up = jnp.split(jax.lax.ragged_dot(rows, gate_up, sizes), 2, axis=-1)
-    y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, sizes)
-    return jnp.zeros_like(y).at[order].set(y).reshape(x.shape[0], K, D).sum(1)
+    return _unsorted(jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, sizes), order, wts)
 
 
 def dense_mlp(x, router, gate_up, down):
@@ -210,7 +237,8 @@ def dense_mlp(x, router, gate_up, down):
     (relu_activation, r"not silu\(gate\)·up \(SwiGLU\)"),
     (clamp_with_two_limits, r"nor the clamped SwiGLU .* for an alpha and a limit among its constants "
                             r"\['-1.5', '1', '1.5', '1.702', '2.5'\]"),
-    (weights_on_the_input, r"not weighted by routing weights \[T, k\]"),
+    (weights_on_both, r"the routing weights weight the rows before the experts and, at eqn \d+, their results "
+                      r"after them"),
     (dense_mlp, r"no ragged_dot and no einsum of gathered expert weights"),
 ])
 def test_what_is_not_an_expert_ffn_is_left_as_it_is_and_explain_says_why(fn, reason, capsys):
