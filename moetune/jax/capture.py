@@ -238,9 +238,10 @@ def _pairs(vals, direct: list[Matmul]):
             yield (direct[a], direct[b]), False, vals[a], vals[b]
 
 
-def _activation(g: Graph, feeders: list[Matmul], h: int) -> tuple[tuple[Matmul, ...], bool, Activation] | str:
-    """((gate_up,) or (gate, up), interleaved, activation) when h is the SwiGLU, or the clamped SwiGLU with
-    alpha and limit among the computation's constants, of the feeders' outputs; else why not."""
+def _activation(g: Graph, feeders: list[Matmul], h: int):
+    """((gate_up,) or (gate, up), interleaved, activation, the constant values it reads) when h is the SwiGLU,
+    or the clamped SwiGLU with alpha and limit among the computation's constants, of the feeders' outputs;
+    else why not."""
     outs = {m.out for m in feeders}
     nodes = _region(g, outs, h)
     consts = {v for v in _free(nodes) - outs if _constant(g, v)}  # e.g. a limit converted to the rows' dtype
@@ -265,7 +266,7 @@ def _activation(g: Graph, feeders: list[Matmul], h: int) -> tuple[tuple[Matmul, 
     swiglu = Activation()
     for gu, interleaved, gate, up in _pairs(vals, direct):
         if _close(got, _gated(swiglu, gate, up), dtype):
-            return gu, interleaved, swiglu
+            return gu, interleaved, swiglu, made
     limits = sorted({abs(s) for s in scalars} - {0.0})
     for limit in limits:  # each limit checked on rows that reach past it: N(0, limit²)
         vals, got, _ = _probe(g, nodes, inputs, h, scale=max(limit, 1.0))
@@ -273,7 +274,7 @@ def _activation(g: Graph, feeders: list[Matmul], h: int) -> tuple[tuple[Matmul, 
             act = Activation("clamped_swiglu", alpha=alpha, limit=limit)
             for gu, interleaved, gate, up in _pairs(vals, direct):
                 if _close(got, _gated(act, gate, up), dtype):
-                    return gu, interleaved, act
+                    return gu, interleaved, act, made
     return ("the computation between the gate/up matmuls and it is not silu(gate)·up (SwiGLU), nor the clamped "
             "SwiGLU (up + 1)·g·σ(alpha·g) with g = min(gate, limit), up clamped to ±limit, for an alpha and a "
             f"limit among its constants {[f'{s:g}' for s in sorted(scalars)]}")
@@ -326,9 +327,11 @@ def _routing(g: Graph, core: tuple[Matmul, ...]) -> tuple[int, int, int, int] | 
     return x, ids, T, k
 
 
-def _output(g: Graph, down: Matmul, core: tuple[Matmul, ...], x: int, ids: int, T: int, k: int, D: int):
+def _output(g: Graph, down: Matmul, core: tuple[Matmul, ...], x: int, ids: int, T: int, k: int, D: int,
+            consts: set[int]):
     """(out, routing weights, where they apply, region nodes) for the first [T, D] value after `down` that the
-    FFN computes from x, ids, the routing weights and the expert weights alone; else why none is. The weights
+    FFN computes from x, ids, the routing weights, the expert weights and the activation's constant values
+    `consts` alone; else why none is. The weights
     apply to the output when they are read after the down matmul only, to the input when they are read
     before the gate/up matmuls only (the rows x·w)."""
     before = g.ancestors(x) | g.ancestors(ids) | set().union(*(g.ancestors(m.weight) for m in core))
@@ -360,7 +363,7 @@ def _output(g: Graph, down: Matmul, core: tuple[Matmul, ...], x: int, ids: int, 
                 first_reason = first_reason or (f"the routing weights weight the rows before the experts and, at "
                                                 f"eqn {twice[0].index}, their results after them")
                 continue
-            allowed = {x, ids, wts, *(m.weight for m in core)}
+            allowed = {x, ids, wts, *(m.weight for m in core), *consts}
             extra = _free(nodes) - allowed
             if extra or any(m.effects for m in nodes):
                 u = min(extra) if extra else None
@@ -416,7 +419,7 @@ def _ffn(g: Graph, down: Matmul, found: list[Matmul], name: str) -> Match | str:
     act = _activation(g, feeders, h)
     if isinstance(act, str):
         return act
-    gu, interleaved, activation = act
+    gu, interleaved, activation, consts = act
     if len(gu) == 2 and gu[0].lhs != gu[1].lhs:
         return f"{gu[0].where} and {gu[1].where} read different rows"
     routing = _routing(g, (*gu, down))
@@ -424,7 +427,7 @@ def _ffn(g: Graph, down: Matmul, found: list[Matmul], name: str) -> Match | str:
         return routing
     x, ids, T, k = routing
     core = (*gu, down)
-    out = _output(g, down, core, x, ids, T, k, g.shape(x)[1])
+    out = _output(g, down, core, x, ids, T, k, g.shape(x)[1], consts)
     if isinstance(out, str):
         return out
     v, wts, applied, nodes = out

@@ -178,6 +178,17 @@ def test_routing_weights_on_the_input_are_read_as_such(fn, kind):
     assert "routing weights on the input" in str(found)
 
 
+def test_an_alpha_held_in_an_array_is_read_too():
+    """alpha a jnp scalar the activation closes over: a constant of the trace, read like a literal."""
+    alpha = jnp.float32(1.25)
+    act = functools.partial(jl.clamped, alpha=alpha, limit=3.0)
+    model = jl.MoE(D, F, E, K, seed=7, style="gathered", act=act)
+    x = _x(4) * 4
+    np.testing.assert_allclose(mj.compile(_call)(model, x), ORIGINAL(model, x), rtol=1e-5, atol=1e-5)
+    (found,) = mj.explain(_call, model, x, print_=False)
+    assert found.match.block.activation == Activation("clamped_swiglu", alpha=1.25, limit=3.0)
+
+
 # ------------------------------------------------------------------------------ left as they are
 
 
