@@ -179,7 +179,7 @@ def _constant(g: Graph, v: int) -> bool:
 
 def _probe(g: Graph, nodes: list[Node], inputs: tuple[int, ...], out: int, scale: float = 3.0):
     """(inputs' random values [N(0, scale²)], the value `nodes` compute for `out` from them, the float scalars
-    `nodes` read: their literals and constants), all in float32."""
+    `nodes` read: their literals and constants), the arrays in float32."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -331,9 +331,8 @@ def _output(g: Graph, down: Matmul, core: tuple[Matmul, ...], x: int, ids: int, 
             consts: set[int]):
     """(out, routing weights, where they apply, region nodes) for the first [T, D] value after `down` that the
     FFN computes from x, ids, the routing weights, the expert weights and the activation's constant values
-    `consts` alone; else why none is. The weights
-    apply to the output when they are read after the down matmul only, to the input when they are read
-    before the gate/up matmuls only (the rows x·w)."""
+    `consts` alone; else why none is. The weights apply to the output when they are read after the down
+    matmul only, to the input when they are read before the gate/up matmuls only (the rows x·w)."""
     before = g.ancestors(x) | g.ancestors(ids) | set().union(*(g.ancestors(m.weight) for m in core))
     inside = set().union(*(g.ancestors(m.lhs) | g.ancestors(m.key) for m in core))
     after = g.descendants(down.out)
