@@ -10,16 +10,22 @@ Two ways of writing the routed experts are recognised, each by its three expert 
 
 Weights [E, in, out] (what lax.ragged_dot takes: the block's transposed layout) or [E, out, in] (the
 standard layout). A match is checked in three steps, and each refusal says which failed:
-  1. the down matmul's input is computed from the gate/up matmuls' outputs alone, and that computation is
-     silu(gate)·up: it is run once on random rows and compared with swiglu (halves or interleaved gate/up);
+  1. the down matmul's input is computed from the gate/up matmuls' outputs (and numbers of the trace) alone,
+     and that computation is an activation of the IR: it is run on random rows and compared with swiglu,
+     silu(gate)·up, then with clamped_swiglu (GPT-OSS: (up + 1)·g·σ(alpha·g), g = min(gate, limit), up
+     clamped to ±limit) for each alpha and limit among the scalars it reads (its literals and constants),
+     each limit on rows N(0, limit²) that reach past it; gate/up as halves or interleaved;
   2. the token count T and top-k come from the ids [T, k] the group sizes (or gathered indices) are computed
      from, x [T, D] is the nearest value before the gate/up input that does not depend on the ids;
   3. the output is the first [T, D] value after the down matmul that is computed from x, the ids, the
-     routing weights [T, k] and the expert weights alone (every equation between them is replaced).
-Routing weights applied before the experts, activations other than SwiGLU, and computations that read
-anything else between the inputs and the output are left as they are, with the reason. Steps 2 and 3 are
-structural: the sort, unsort and weighted sum are not run; what lies between those inputs and that output is
-taken to be the routed experts' sum, which is what the two forms above compute.
+     routing weights [T, k] and the expert weights alone (every equation between them is replaced); the
+     weights apply to the output when they are read after the down matmul, to the input (the rows x·w)
+     when they are read before the gate/up matmuls, and not both.
+Other activations (a clamp the one limit cannot express among them), routing weights read both before and
+after the experts, and computations that read anything else between the inputs and the output are left as
+they are, with the reason. Steps 2 and 3 are structural: the sort, unsort, weighting and sum are not run;
+what lies between those inputs and that output is taken to be the routed experts' sum, which is what the
+two forms above compute.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..ir import DTYPES, MoEBlock, WeightLayout
+from ..ir import DTYPES, Activation, MoEBlock, WeightLayout
 from .graph import Graph, Lit, Node
 
 PROBE_LIMIT = 1 << 24  # elements of the gate/up rows the activation check runs on
@@ -76,7 +82,8 @@ class Match:
                  "store them fused to read them in place)" if len(self.gate_up) == 2 else "")
         return (f"{self.where}: expert FFN over eqns {min(self.nodes)}..{max(self.nodes)} → moetune.jax.experts "
                 f"(E={self.block.E} k={self.block.k} D={self.block.D} F={self.block.F}, "
-                f"layout {self.block.layout}, weights {self.block.weight_format}){apart}")
+                f"{self.block.activation}, layout {self.block.layout}, weights {self.block.weight_format}, "
+                f"routing weights on the {self.block.weight_application}){apart}")
 
 
 @dataclass(frozen=True)
@@ -164,8 +171,15 @@ def _free(nodes: list[Node]) -> set[int]:
     return {i for n in nodes for i in n.ins if isinstance(i, int) and i not in made}
 
 
-def _probe(g: Graph, nodes: list[Node], inputs: tuple[int, ...], out: int):
-    """(inputs' random values, the value `nodes` compute for `out` from them), in float32."""
+def _constant(g: Graph, v: int) -> bool:
+    """Whether `v` is one number computed from the trace's literals and constants alone."""
+    return (math.prod(g.shape(v)) == 1 and _floating(g, v)
+            and all(u in g.consts or u in g.producer for u in g.ancestors(v)))
+
+
+def _probe(g: Graph, nodes: list[Node], inputs: tuple[int, ...], out: int, scale: float = 3.0):
+    """(inputs' random values [N(0, scale²)], the value `nodes` compute for `out` from them, the float scalars
+    `nodes` read: their literals and constants), the arrays in float32."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -174,18 +188,31 @@ def _probe(g: Graph, nodes: list[Node], inputs: tuple[int, ...], out: int):
 
     rng = np.random.default_rng(0)
     with jax.ensure_compile_time_eval():  # concrete values, also while an outer jit traces
-        env = {i: jnp.asarray(rng.standard_normal(g.shape(i), dtype=np.float32) * 3).astype(g.avals[i].dtype)
+        env = {i: jnp.asarray(rng.standard_normal(g.shape(i), dtype=np.float32) * scale).astype(g.avals[i].dtype)
                for i in inputs}
+        env.update((v, c) for v, c in g.consts.items() if any(v in n.ins for n in nodes))
+        scalars = set()
         for n in nodes:
-            env.update(zip(n.outs, run_node(n, [i.value if isinstance(i, Lit) else env[i] for i in n.ins]),
-                           strict=True))
-        return ([np.asarray(env[i], dtype=np.float32) for i in inputs], np.asarray(env[out], dtype=np.float32))
+            vals = [i.value if isinstance(i, Lit) else env[i] for i in n.ins]
+            # each in the shortest decimal its own dtype reads back: 1.702 as a float32 literal is 1.702
+            scalars |= {float(str(np.asarray(a).reshape(-1)[0])) for a in vals
+                        if np.size(a) == 1 and str(np.asarray(a).dtype) in ("float64", *DTYPES)}
+            env.update(zip(n.outs, run_node(n, vals), strict=True))
+        return ([np.asarray(env[i], dtype=np.float32) for i in inputs], np.asarray(env[out], dtype=np.float32),
+                scalars)
 
 
-def _silu_times(gate, up):
+def _gated(act: Activation, gate, up):
+    """The block's activation of gate and up (moetune.codegen.pallas.reference.gated), in float64 numpy."""
     import numpy as np
 
-    return gate / (1 + np.exp(-gate)) * up
+    gate, up = np.asarray(gate, np.float64), np.asarray(up, np.float64)
+    if act.kind == "swiglu":
+        return gate / (1 + np.exp(-gate)) * up
+    gate = np.minimum(gate, act.limit)
+    up = np.clip(up, -act.limit, act.limit)
+    with np.errstate(over="ignore"):
+        return (up + 1) * gate / (1 + np.exp(-act.alpha * gate))
 
 
 def _close(got, want, dtype: str) -> bool:
@@ -199,11 +226,28 @@ def _close(got, want, dtype: str) -> bool:
     return got.shape == want.shape and bool(np.all(np.abs(got - want) <= atol * scale + rtol * np.abs(want)))
 
 
-def _activation(g: Graph, feeders: list[Matmul], h: int) -> tuple[tuple[Matmul, ...], bool] | str:
-    """((gate_up,) or (gate, up), interleaved) when h = silu(gate)·up of the feeders' outputs; else why not."""
+def _pairs(vals, direct: list[Matmul]):
+    """((gate_up,) or (gate, up), interleaved, gate, up) for each way the gate/up rows may be split."""
+    if len(direct) == 1:
+        (gu,) = vals
+        F = gu.shape[-1] // 2
+        yield (direct[0],), False, gu[..., :F], gu[..., F:]
+        yield (direct[0],), True, gu[..., 0::2], gu[..., 1::2]
+    else:
+        for a, b in ((0, 1), (1, 0)):
+            yield (direct[a], direct[b]), False, vals[a], vals[b]
+
+
+def _activation(g: Graph, feeders: list[Matmul], h: int):
+    """((gate_up,) or (gate, up), interleaved, activation, the constant values it reads) when h is the SwiGLU,
+    or the clamped SwiGLU with alpha and limit among the computation's constants, of the feeders' outputs;
+    else why not."""
     outs = {m.out for m in feeders}
     nodes = _region(g, outs, h)
-    extra = _free(nodes) - outs
+    consts = {v for v in _free(nodes) - outs if _constant(g, v)}  # e.g. a limit converted to the rows' dtype
+    made = set().union(*(g.ancestors(v) for v in consts))
+    nodes = sorted({*nodes, *(n for n in g.nodes if set(n.outs) & made)}, key=lambda n: n.index)
+    extra = _free(nodes) - outs - made
     if extra:
         v = min(extra)
         return (f"between the gate/up matmuls and it, the computation also reads a {g.dtype(v)}"
@@ -217,18 +261,23 @@ def _activation(g: Graph, feeders: list[Matmul], h: int) -> tuple[tuple[Matmul, 
     if size > PROBE_LIMIT:
         return f"gate/up rows of {size} elements, over the {PROBE_LIMIT} the activation check runs on"
     dtype = g.dtype(h)
-    vals, got = _probe(g, nodes, tuple(m.out for m in direct), h)
-    if len(direct) == 1:
-        (gu,) = vals
-        F = gu.shape[-1] // 2
-        for interleaved, (gate, up) in ((False, (gu[..., :F], gu[..., F:])), (True, (gu[..., 0::2], gu[..., 1::2]))):
-            if _close(got, _silu_times(gate, up), dtype):
-                return (direct[0],), interleaved
-    else:
-        for order in ((0, 1), (1, 0)):
-            if _close(got, _silu_times(vals[order[0]], vals[order[1]]), dtype):
-                return (direct[order[0]], direct[order[1]]), False
-    return "the computation between the gate/up matmuls and it is not silu(gate)·up (SwiGLU)"
+    inputs = tuple(m.out for m in direct)
+    vals, got, scalars = _probe(g, nodes, inputs, h)
+    swiglu = Activation()
+    for gu, interleaved, gate, up in _pairs(vals, direct):
+        if _close(got, _gated(swiglu, gate, up), dtype):
+            return gu, interleaved, swiglu, made
+    limits = sorted({abs(s) for s in scalars} - {0.0})
+    for limit in limits:  # each limit checked on rows that reach past it: N(0, limit²)
+        vals, got, _ = _probe(g, nodes, inputs, h, scale=max(limit, 1.0))
+        for alpha in sorted({1.0, *limits}):
+            act = Activation("clamped_swiglu", alpha=alpha, limit=limit)
+            for gu, interleaved, gate, up in _pairs(vals, direct):
+                if _close(got, _gated(act, gate, up), dtype):
+                    return gu, interleaved, act, made
+    return ("the computation between the gate/up matmuls and it is not silu(gate)·up (SwiGLU), nor the clamped "
+            "SwiGLU (up + 1)·g·σ(alpha·g) with g = min(gate, limit), up clamped to ±limit, for an alpha and a "
+            f"limit among its constants {[f'{s:g}' for s in sorted(scalars)]}")
 
 
 # ----------------------------------------------------------------------------------------- routing
@@ -278,9 +327,12 @@ def _routing(g: Graph, core: tuple[Matmul, ...]) -> tuple[int, int, int, int] | 
     return x, ids, T, k
 
 
-def _output(g: Graph, down: Matmul, core: tuple[Matmul, ...], x: int, ids: int, T: int, k: int, D: int):
-    """(out, routing weights, region nodes) for the first [T, D] value after `down` that the FFN computes
-    from x, ids, the routing weights and the expert weights alone; else why none is."""
+def _output(g: Graph, down: Matmul, core: tuple[Matmul, ...], x: int, ids: int, T: int, k: int, D: int,
+            consts: set[int]):
+    """(out, routing weights, where they apply, region nodes) for the first [T, D] value after `down` that the
+    FFN computes from x, ids, the routing weights, the expert weights and the activation's constant values
+    `consts` alone; else why none is. The weights apply to the output when they are read after the down
+    matmul only, to the input when they are read before the gate/up matmuls only (the rows x·w)."""
     before = g.ancestors(x) | g.ancestors(ids) | set().union(*(g.ancestors(m.weight) for m in core))
     inside = set().union(*(g.ancestors(m.lhs) | g.ancestors(m.key) for m in core))
     after = g.descendants(down.out)
@@ -290,15 +342,27 @@ def _output(g: Graph, down: Matmul, core: tuple[Matmul, ...], x: int, ids: int, 
             if v not in after or g.shape(v) != (T, D) or g.dtype(v) != g.dtype(x):
                 continue
             anc = g.ancestors(v)
+            applied = "output"
             wts = _nearest(g, (u for u in anc - before - inside if g.shape(u) == (T, k)
                                and _floating(g, u) and u not in after))
+            if wts is None:
+                applied = "input"
+                wts = _nearest(g, (u for u in (anc & inside) - before if g.shape(u) == (T, k)
+                                   and _floating(g, u) and u not in after))
             if wts is None:
                 first_reason = first_reason or (f"eqn {n.index}'s [T, D] value is not weighted by routing "
                                                 f"weights [T, k]")
                 continue
             stop = before | g.ancestors(wts)
             nodes = [m for m in g.nodes if set(m.outs) & anc and not set(m.outs) & stop]
-            allowed = {x, ids, wts, *(m.weight for m in core)}
+            weighted = g.descendants(wts) - after
+            twice = [m for m in nodes if m is not down.node and set(m.outs) & after
+                     and any(i in weighted for i in m.ins)]
+            if applied == "input" and twice:
+                first_reason = first_reason or (f"the routing weights weight the rows before the experts and, at "
+                                                f"eqn {twice[0].index}, their results after them")
+                continue
+            allowed = {x, ids, wts, *(m.weight for m in core), *consts}
             extra = _free(nodes) - allowed
             if extra or any(m.effects for m in nodes):
                 u = min(extra) if extra else None
@@ -310,7 +374,7 @@ def _output(g: Graph, down: Matmul, core: tuple[Matmul, ...], x: int, ids: int, 
                 first_reason = first_reason or f"eqn {n.index}'s value also goes through ragged_dot at eqn " \
                                                f"{others[0].index}"
                 continue
-            return v, wts, nodes
+            return v, wts, applied, nodes
     return first_reason or (f"no [T, D] value of the hidden states' dtype is computed from its result in the "
                             f"{COMBINE_WINDOW} equations after it")
 
@@ -318,8 +382,8 @@ def _output(g: Graph, down: Matmul, core: tuple[Matmul, ...], x: int, ids: int, 
 # ------------------------------------------------------------------------------------------- match
 
 
-def _block(g: Graph, down: Matmul, gu: tuple[Matmul, ...], interleaved: bool, x: int, k: int, wts: int,
-           h: int, name: str) -> MoEBlock | str:
+def _block(g: Graph, down: Matmul, gu: tuple[Matmul, ...], interleaved: bool, act: Activation, x: int, k: int,
+           wts: int, applied: str, h: int, name: str) -> MoEBlock | str:
     E = g.shape(down.weight)[0]
     D, F = g.shape(x)[1], g.shape(h)[-1]
     if any(m.transposed != down.transposed for m in gu):
@@ -340,8 +404,8 @@ def _block(g: Graph, down: Matmul, gu: tuple[Matmul, ...], interleaved: bool, x:
         return f"dtypes {g.dtype(x)} / {g.dtype(wts)}: supported {', '.join(DTYPES)}"
     if not 1 <= k <= E:
         return f"top-k {k} outside [1, E = {E}]"
-    return MoEBlock(E=E, k=k, D=D, F=F, layout=lay, weight_dtype=g.dtype(x), routing_weight_dtype=g.dtype(wts),
-                    name=name)
+    return MoEBlock(E=E, k=k, D=D, F=F, activation=act, weight_application=applied, layout=lay,
+                    weight_dtype=g.dtype(x), routing_weight_dtype=g.dtype(wts), name=name)
 
 
 def _ffn(g: Graph, down: Matmul, found: list[Matmul], name: str) -> Match | str:
@@ -354,7 +418,7 @@ def _ffn(g: Graph, down: Matmul, found: list[Matmul], name: str) -> Match | str:
     act = _activation(g, feeders, h)
     if isinstance(act, str):
         return act
-    gu, interleaved = act
+    gu, interleaved, activation, consts = act
     if len(gu) == 2 and gu[0].lhs != gu[1].lhs:
         return f"{gu[0].where} and {gu[1].where} read different rows"
     routing = _routing(g, (*gu, down))
@@ -362,11 +426,12 @@ def _ffn(g: Graph, down: Matmul, found: list[Matmul], name: str) -> Match | str:
         return routing
     x, ids, T, k = routing
     core = (*gu, down)
-    out = _output(g, down, core, x, ids, T, k, g.shape(x)[1])
+    out = _output(g, down, core, x, ids, T, k, g.shape(x)[1], consts)
     if isinstance(out, str):
         return out
-    v, wts, nodes = out
-    block = _block(g, down, gu, interleaved, x, k, wts, h, f"{name}: {down.where}" if name else down.where)
+    v, wts, applied, nodes = out
+    where = f"{name}: {down.where}" if name else down.where
+    block = _block(g, down, gu, interleaved, activation, x, k, wts, applied, h, where)
     if isinstance(block, str):
         return block
     return Match(down.where, block, x, ids, wts, tuple(m.weight for m in gu), down.weight, v,

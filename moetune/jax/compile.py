@@ -7,8 +7,8 @@ On each new argument structure and shape, `fn` is traced (jax.make_jaxpr), its e
 (moetune.jax.graph), the expert FFNs found (moetune.jax.capture) and the function re-evaluated equation by
 equation with each matched FFN's output computed by moetune.jax.experts from the FFN's own inputs (x, ids,
 routing weights, the expert weights as they are) and its equations skipped. Everything else runs as traced.
-The block of each FFN is read off its shapes and dtypes. A function with no recognised FFN runs unchanged,
-with one warning; `explain` names every candidate and why it was or was not replaced.
+The block of each FFN is read off its shapes, dtypes and activation constants. A function with no recognised
+FFN runs unchanged, with one warning; `explain` names every candidate and why it was or was not replaced.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
                       the weighted sum over k (MaxText / Tokamax style)
     gathered_experts  w[ids] gathered per token and contracted with einsum
     MoE               a flax.nnx layer: a softmax top-k router and the experts in one of those styles,
-                      gate/up fused [E, D, 2F] or apart [E, D, F] x2, down [E, F, D]
+                      gate/up fused [E, D, 2F] or apart [E, D, F] x2, down [E, F, D]; the activation
+                      SwiGLU or GPT-OSS's clamped SwiGLU (`clamped`), gate/up halves or interleaved
 """
 
 from __future__ import annotations
@@ -15,17 +16,34 @@ import numpy as np
 from flax import nnx
 
 
-def _gate_up(rows, gate_up, matmul):
-    """silu(gate)·up of rows times gate_up: one fused array [E, D, 2F] or (gate, up)."""
-    if isinstance(gate_up, tuple):
-        gate, up = (matmul(rows, w) for w in gate_up)
-    else:
-        gate, up = jnp.split(matmul(rows, gate_up), 2, axis=-1)
+def clamped(gate, up, *, alpha: float = 1.702, limit: float = 7.0, up_limit: float | None = None):
+    """GPT-OSS's clamped SwiGLU: (up + 1)·g·σ(alpha·g), g = min(gate, limit), up clamped to ±limit (±up_limit
+    where given: a clamp the IR's one limit cannot express)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -(up_limit or limit), up_limit or limit)
+    return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
+
+
+def swiglu(gate, up):
     return jax.nn.silu(gate) * up
 
 
-def ragged_experts(x, ids, wts, gate_up, down, *, standard: bool = False):
-    """x [T, D], ids [T, k], wts [T, k]; weights [E, in, out] (or [E, out, in] with `standard`)."""
+def _gate_up(rows, gate_up, matmul, act, interleaved: bool):
+    """act(gate, up) of rows times gate_up: one fused array [E, D, 2F] (halves, or gate and up interleaved)
+    or (gate, up)."""
+    if isinstance(gate_up, tuple):
+        gate, up = (matmul(rows, w) for w in gate_up)
+    elif interleaved:
+        gu = matmul(rows, gate_up)
+        gate, up = gu[..., 0::2], gu[..., 1::2]
+    else:
+        gate, up = jnp.split(matmul(rows, gate_up), 2, axis=-1)
+    return act(gate, up)
+
+
+def ragged_experts(x, ids, wts, gate_up, down, *, standard: bool = False, act=swiglu, interleaved: bool = False):
+    """x [T, D], ids [T, k], wts [T, k]; weights [E, in, out] (or [E, out, in] with `standard`); act(gate, up)
+    the activation."""
     T, k = ids.shape
     E = down.shape[0]
     flat = ids.reshape(-1)  # [T·k]
@@ -37,17 +55,17 @@ def ragged_experts(x, ids, wts, gate_up, down, *, standard: bool = False):
     def matmul(a, w):
         return jax.lax.ragged_dot_general(a, w, sizes, dims)
 
-    y = matmul(_gate_up(rows, gate_up, matmul), down)  # [T·k, D]
+    y = matmul(_gate_up(rows, gate_up, matmul, act, interleaved), down)  # [T·k, D]
     y = jnp.zeros_like(y).at[order].set(y).reshape(T, k, -1)  # unsorted: [T, k, D]
     return jnp.einsum("tkd,tk->td", y, wts)
 
 
-def gathered_experts(x, ids, wts, gate_up, down):
+def gathered_experts(x, ids, wts, gate_up, down, *, act=swiglu, interleaved: bool = False):
     """The same with each token's experts' weights gathered: w[ids] [T, k, in, out]."""
     def matmul(a, w):
         return jnp.einsum("td,tkdf->tkf" if a.ndim == 2 else "tkd,tkdf->tkf", a, w[ids])
 
-    h = _gate_up(x, gate_up, matmul)  # [T, k, F]
+    h = _gate_up(x, gate_up, matmul, act, interleaved)  # [T, k, F]
     y = jnp.einsum("tkf,tkfd->tkd", h, down[ids])
     return (y * wts[..., None]).sum(axis=1)
 
@@ -61,13 +79,13 @@ def route(logits, k: int, dtype):
 
 class MoE(nnx.Module):
     def __init__(self, D: int, F: int, E: int, k: int, *, seed: int = 0, style: str = "ragged",
-                 fused: bool = True, dtype=jnp.float32):
+                 fused: bool = True, dtype=jnp.float32, act=swiglu, interleaved: bool = False):
         rng = np.random.default_rng(seed)
 
         def param(shape, std):  # drawn on the host: no device program per initialiser
             return nnx.Param(jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * std).astype(dtype))
 
-        self.k, self.style, self.fused = k, style, fused
+        self.k, self.style, self.fused, self.act, self.interleaved = k, style, fused, act, interleaved
         self.router = param((D, E), 1.0)
         if fused:
             self.w_gate_up = param((E, D, 2 * F), D ** -0.5)
@@ -79,7 +97,7 @@ class MoE(nnx.Module):
         ids, wts = route(x @ self.router[...], self.k, x.dtype)
         gate_up = self.w_gate_up[...] if self.fused else (self.w_gate[...], self.w_up[...])
         experts = ragged_experts if self.style == "ragged" else gathered_experts
-        return experts(x, ids, wts, gate_up, self.w_down[...])
+        return experts(x, ids, wts, gate_up, self.w_down[...], act=self.act, interleaved=self.interleaved)
 
 
 class Decoder(nnx.Module):

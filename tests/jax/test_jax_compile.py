@@ -4,6 +4,7 @@ lowered program, the block read off the shapes; explain() says why what it does 
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 
@@ -17,6 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 import jax_layers as jl  # noqa: E402
 
 import moetune.jax as mj  # noqa: E402
+from moetune.ir import Activation  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 D, F, E, K = 16, 8, 6, 2
@@ -122,6 +124,71 @@ def test_a_closure_over_the_weights_works_too(layers):
     assert _marker(moe, x) > 0
 
 
+@pytest.mark.parametrize("style", ["ragged", "gathered"])
+@pytest.mark.parametrize("fused, interleaved", [(True, False), (True, True), (False, False)])
+def test_a_gpt_oss_clamped_swiglu_layer_is_replaced_with_its_alpha_and_limit(style, fused, interleaved):
+    """(up + 1)·g·σ(alpha·g), g = min(gate, limit), up clipped to ±limit: alpha and limit read off the trace."""
+    act = functools.partial(jl.clamped, alpha=1.5, limit=2.5)
+    model = jl.MoE(D, F, E, K, seed=4, style=style, fused=fused, act=act, interleaved=interleaved)
+    moe = jax.jit(mj.compile(_call))
+    for T in (1, 6):
+        x = _x(T) * 4  # gate and up rows past the limit
+        np.testing.assert_allclose(moe(model, x), ORIGINAL(model, x), rtol=1e-5, atol=1e-5)
+    assert _marker(moe, model, _x(6)) > 0
+    (found,) = mj.explain(_call, model, _x(6), print_=False)
+    b = found.match.block
+    assert (b.activation.kind, b.activation.alpha, b.activation.limit) == ("clamped_swiglu", 1.5, 2.5)
+    assert b.layout.interleaved == interleaved and (b.E, b.k, b.D, b.F) == (E, K, D, F)
+
+
+def test_gpt_oss_constants_in_float32_are_read_as_the_ir_holds_them():
+    """alpha = 1.702 and limit = 7 as GPT-OSS has them (1.702 is not a float32): the IR's float, the same output."""
+    model = jl.MoE(D, F, E, K, seed=6, act=jl.clamped, interleaved=True)
+    x = _x(5) * 8
+    np.testing.assert_allclose(mj.compile(_call)(model, x), ORIGINAL(model, x), rtol=1e-5, atol=1e-5)
+    (found,) = mj.explain(_call, model, x, print_=False)
+    assert found.match.block.activation == Activation("clamped_swiglu", alpha=1.702, limit=7.0)
+
+
+def ragged_weights_on_the_input(x, router, gate_up, down):
+    """Σ_j expert_j(w_j·x): each sorted row scaled by its routing weight, the results summed unweighted."""
+    ids, wts = jl.route(x @ router, K, x.dtype)
+    order, rows, sizes = _sorted(x, ids)
+    rows = rows * wts.reshape(-1)[order][:, None]
+    gate, up = jnp.split(jax.lax.ragged_dot(rows, gate_up, sizes), 2, axis=-1)
+    y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, sizes)
+    return jnp.zeros_like(y).at[order].set(y).reshape(x.shape[0], K, D).sum(1)
+
+
+def gathered_weights_on_the_input(x, router, gate_up, down):
+    ids, wts = jl.route(x @ router, K, x.dtype)
+    xw = x[:, None, :] * wts[..., None]  # [T, k, D]
+    gate, up = jnp.split(jnp.einsum("tkd,tkdf->tkf", xw, gate_up[ids]), 2, axis=-1)
+    return jnp.einsum("tkf,tkfd->tkd", jl.clamped(gate, up, alpha=1.5, limit=2.5), down[ids]).sum(1)
+
+
+@pytest.mark.parametrize("fn, kind", [(ragged_weights_on_the_input, "swiglu"),
+                                      (gathered_weights_on_the_input, "clamped_swiglu")])
+def test_routing_weights_on_the_input_are_read_as_such(fn, kind):
+    args = (_x(7) * 3, *_weights())
+    np.testing.assert_allclose(mj.compile(fn)(*args), jax.jit(fn)(*args), rtol=1e-5, atol=1e-5)
+    assert _marker(mj.compile(fn), *args) > 0
+    (found,) = [f for f in mj.explain(fn, *args, print_=False) if f.match is not None]
+    assert (found.match.block.weight_application, found.match.block.activation.kind) == ("input", kind)
+    assert "routing weights on the input" in str(found)
+
+
+def test_an_alpha_held_in_an_array_is_read_too():
+    """alpha a jnp scalar the activation closes over: a constant of the trace, read like a literal."""
+    alpha = jnp.float32(1.25)
+    act = functools.partial(jl.clamped, alpha=alpha, limit=3.0)
+    model = jl.MoE(D, F, E, K, seed=7, style="gathered", act=act)
+    x = _x(4) * 4
+    np.testing.assert_allclose(mj.compile(_call)(model, x), ORIGINAL(model, x), rtol=1e-5, atol=1e-5)
+    (found,) = mj.explain(_call, model, x, print_=False)
+    assert found.match.block.activation == Activation("clamped_swiglu", alpha=1.25, limit=3.0)
+
+
 # ------------------------------------------------------------------------------ left as they are
 
 
@@ -155,13 +222,19 @@ def relu_activation(x, router, gate_up, down):
     return _unsorted(jax.lax.ragged_dot(jax.nn.relu(gate) * up, down, sizes), order, wts)
 
 
-def weights_on_the_input(x, router, gate_up, down):
+def clamp_with_two_limits(x, router, gate_up, down):
+    """gate ≤ 2.5 but up within ±1.5: the IR's clamped SwiGLU has one limit for both."""
+    ids, wts = jl.route(x @ router, K, x.dtype)
+    act = functools.partial(jl.clamped, alpha=1.702, limit=2.5, up_limit=1.5)
+    return jl.ragged_experts(x, ids, wts, gate_up, down, act=act, interleaved=True)
+
+
+def weights_on_both(x, router, gate_up, down):
     ids, wts = jl.route(x @ router, K, x.dtype)
     order, rows, sizes = _sorted(x, ids)
     rows = rows * wts.reshape(-1)[order][:, None]
     gate, up = jnp.split(jax.lax.ragged_dot(rows, gate_up, sizes), 2, axis=-1)
-    y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, sizes)
-    return jnp.zeros_like(y).at[order].set(y).reshape(x.shape[0], K, D).sum(1)
+    return _unsorted(jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, sizes), order, wts)
 
 
 def dense_mlp(x, router, gate_up, down):
@@ -173,7 +246,10 @@ def dense_mlp(x, router, gate_up, down):
     (no_activation, r"ragged_dot at eqn \d+: left as is: its input is the output of ragged_dot at eqn \d+ "
                     r"with no activation between"),
     (relu_activation, r"not silu\(gate\)·up \(SwiGLU\)"),
-    (weights_on_the_input, r"not weighted by routing weights \[T, k\]"),
+    (clamp_with_two_limits, r"nor the clamped SwiGLU .* for an alpha and a limit among its constants "
+                            r"\['-1.5', '1', '1.5', '1.702', '2.5'\]"),
+    (weights_on_both, r"the routing weights weight the rows before the experts and, at eqn \d+, their results "
+                      r"after them"),
     (dense_mlp, r"no ragged_dot and no einsum of gathered expert weights"),
 ])
 def test_what_is_not_an_expert_ffn_is_left_as_it_is_and_explain_says_why(fn, reason, capsys):
