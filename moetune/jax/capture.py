@@ -20,7 +20,8 @@ standard layout). A match is checked in three steps, and each refusal says which
   3. the output is the first [T, D] value after the down matmul that is computed from x, the ids, the
      routing weights [T, k] and the expert weights alone (every equation between them is replaced); the
      weights apply to the output when they are read after the down matmul, to the input (the rows x·w)
-     when they are read before the gate/up matmuls, and not both.
+     when they are read before the gate/up matmuls, and not both; between the down matmul and it, no nonlinear
+     step and no arithmetic with a number of the trace's own (a scale of the experts' results) is allowed.
 Other activations (a clamp the one limit cannot express among them), routing weights read both before and
 after the experts, and computations that read anything else between the inputs and the output are left as
 they are, with the reason. Steps 2 and 3 are structural: the sort, unsort, weighting and sum are not run;
@@ -357,7 +358,7 @@ def _output(g: Graph, down: Matmul, core: tuple[Matmul, ...], x: int, ids: int, 
             nodes = [m for m in g.nodes if set(m.outs) & anc and not set(m.outs) & stop]
             weighted = g.descendants(wts) - after
             twice = [m for m in nodes if m is not down.node and set(m.outs) & after
-                     and any(i in weighted for i in m.ins)]
+                     and any(isinstance(i, int) and i in weighted for i in m.ins)]
             if applied == "input" and twice:
                 first_reason = first_reason or (f"the routing weights weight the rows before the experts and, at "
                                                 f"eqn {twice[0].index}, their results after them")
@@ -369,6 +370,11 @@ def _output(g: Graph, down: Matmul, core: tuple[Matmul, ...], x: int, ids: int, 
                 what = (f"also reads a {g.dtype(u)}{list(g.shape(u))} value" if u is not None else "has effects")
                 first_reason = first_reason or f"the [T, D] value of eqn {n.index} {what}"
                 continue
+            odd = _not_a_sum(g, [m for m in nodes if m is not down.node and set(m.outs) & after], wts)
+            if odd is not None:
+                first_reason = first_reason or f"eqn {n.index}'s value is not the weighted sum of the experts' " \
+                                               f"results: {odd}"
+                continue
             others = [m for m in nodes if m.name == "ragged_dot_general" and m not in [c.node for c in core]]
             if others:
                 first_reason = first_reason or f"eqn {n.index}'s value also goes through ragged_dot at eqn " \
@@ -377,6 +383,32 @@ def _output(g: Graph, down: Matmul, core: tuple[Matmul, ...], x: int, ids: int, 
             return v, wts, applied, nodes
     return first_reason or (f"no [T, D] value of the hidden states' dtype is computed from its result in the "
                             f"{COMBINE_WINDOW} equations after it")
+
+
+NONLINEAR = {"exp", "exp2", "log", "log1p", "tanh", "logistic", "sqrt", "rsqrt", "pow", "integer_pow", "erf", "abs",
+             "max", "min", "sign", "floor", "ceil", "round"}
+ARITHMETIC = {"mul", "div", "add", "sub"}
+
+
+def _not_a_sum(g: Graph, post: list[Node], wts: int) -> str | None:
+    """Why the equations after the down matmul are more than an unsort and a weighted sum over k, or None:
+    a nonlinear step, or arithmetic with a number of the trace's own (a scale the experts' results would lose
+    when the sum is replaced)."""
+    import numpy as np
+
+    for m in post:
+        if m.name in NONLINEAR:
+            return f"eqn {m.index} applies {m.name}"
+        if m.name not in ARITHMETIC:
+            continue
+        for i in m.ins:
+            if isinstance(i, Lit):
+                v = np.asarray(i.value)
+                if v.size == 1 and np.issubdtype(v.dtype, np.floating) and float(v) not in (0.0, 1.0):
+                    return f"eqn {m.index} applies {m.name} by {float(v):g}"
+            elif i not in g.ancestors(wts) and _constant(g, i):
+                return f"eqn {m.index} applies {m.name} by a constant of the trace"
+    return None
 
 
 # ------------------------------------------------------------------------------------------- match

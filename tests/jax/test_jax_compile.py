@@ -237,6 +237,14 @@ def weights_on_both(x, router, gate_up, down):
     return _unsorted(jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, sizes), order, wts)
 
 
+def scaled_expert_outputs(x, router, gate_up, down):
+    """Each expert's result scaled by 2.5 before the weighted sum: more than the experts' sum."""
+    ids, wts = jl.route(x @ router, K, x.dtype)
+    order, rows, sizes = _sorted(x, ids)
+    gate, up = jnp.split(jax.lax.ragged_dot(rows, gate_up, sizes), 2, axis=-1)
+    return _unsorted(jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, sizes) * 2.5, order, wts)
+
+
 def dense_mlp(x, router, gate_up, down):
     gate, up = jnp.split(x @ gate_up[0], 2, axis=-1)
     return (jax.nn.silu(gate) * up) @ down[0]
@@ -250,6 +258,7 @@ def dense_mlp(x, router, gate_up, down):
                             r"\['-1.5', '1', '1.5', '1.702', '2.5'\]"),
     (weights_on_both, r"the routing weights weight the rows before the experts and, at eqn \d+, their results "
                       r"after them"),
+    (scaled_expert_outputs, r"is not the weighted sum of the experts' results: eqn \d+ applies mul by 2.5"),
     (dense_mlp, r"no ragged_dot and no einsum of gathered expert weights"),
 ])
 def test_what_is_not_an_expert_ffn_is_left_as_it_is_and_explain_says_why(fn, reason, capsys):
