@@ -229,8 +229,9 @@ def space(block: MoEBlock, target: Target) -> ParamSpace:
 def default_params(block: MoEBlock, T: int, target: Target) -> Fp8GemmParams:
     """w8a8 (activations quantised per 1 × C group, C the weight block's columns): wherever the tuner timed
     both on the H200 it beat the weight-only tiles (bench/README.md, "FP8 experts"), and transformers' own FP8
-    experts quantise activations the same way. Tiles of rows per active expert, each a tuned winner's: 16-row
-    tiles while experts get a few rows, then 32-row and 64-row tiles through TMA (8 warps on the 64-row ones);
+    experts quantise activations the same way. Tiles of rows per active expert, in the shapes the tuner's winners
+    took: 16-row tiles while experts get a few rows, then 32-row and 64-row tiles through TMA (8 warps on the
+    64-row ones);
     128 weight columns per tile and K steps of one scale block column; none spills registers on sm_90.
     Weight-only (act_quant "none") and 128-row tiles stay in the space for the tuner."""
     rows = rows_per_active(block, T)
