@@ -5,9 +5,12 @@ block, (x [T, D], ids [T, k], weights [T, k]) → out [T, D], every sort, activa
 included. Per cell, on the tuner's own inputs (`moetune.search.objective.expert_tensors`, `make_cases`: 8
 uniform routings), shared by JAX and torch through DLPack (no copy):
 
-  * moetune (JAX): `moetune_fn(block, T)`, moetune.jax.experts jitted, running the runtime's default schedule
-    at T for the pallas_gpu backend (Pallas kernels through Pallas' Triton lowering, `build_jax`); with `--kinds` also
-    each schedule kind's default (`backend.default(block, kind, T)`) where it is another schedule;
+  * moetune (JAX), two routes, each `moetune_fn(block, T, backend=…)`, moetune.jax.experts jitted:
+    `moetune-jax` the pallas_gpu backend (Pallas kernels through Pallas' Triton lowering, `build_jax`) running its
+    runtime default at T; `moetune-jax:triton-xla` moetune's Triton kernels at an XLA FFI call
+    (moetune.jax.xla_call) running the schedule the dispatch table (`--table`) holds for T, as the PyTorch path
+    does; with `--kinds` also each pallas_gpu schedule kind's default (`backend.default(block, kind, T)`) where
+    it is another schedule;
   * ragged_dot (JAX): `ragged_fn(block)`, the experts written the usual way with `jax.lax.ragged_dot`: sort the
     pairs by expert, group sizes by bincount, gate/up ragged_dot, silu(gate)·up, down ragged_dot, unsort,
     weighted sum over the k experts. It reads the weights in the [E, D, 2F] / [E, F, D] layout ragged_dot
@@ -17,12 +20,15 @@ uniform routings), shared by JAX and torch through DLPack (no copy):
 
 Each is checked against the float32 reference (`moetune.search.objective.reference`, the package's bound
 `worst_error` ≤ 1) before it is timed; a failing or crashing one is recorded with its error and the sweep
-goes on. JAX functions are timed by `moetune.search.timing.JaxTimer` (host-timed to block_until_ready, a
-256 MB read before every rep, ≥ 50 reps: JAX dispatch included); the PyTorch path by the package's
-CudaGraphTimer (graph replays; its host-launched median beside). `compile_s` is the first call's wall time
-(trace, lowering and compile). Per record: time, the floor (`moetune.passes.targets.floor`, h200, with the
-distinct experts of the timed routings), % of floor and, for the moetune JAX rows, the ratios
-ragged_dot / moetune and PyTorch path / moetune (graph and host-launched).
+goes on. JAX functions are timed by `moetune.search.timing.JaxTimer`: `time_us` host-timed to
+block_until_ready (a 256 MB read before every rep, ≥ 50 reps: JAX dispatch and the wait included) and
+`pipelined_us`, the per-call cost of calls issued back to back (`JaxTimer.pipelined`: the steady state). The
+PyTorch path is timed by the package's CudaGraphTimer: `time_us` graph replays (device time), `host_us` its
+host-launched median (launch and wait included). `compile_s` is the first call's wall time (trace, lowering
+and compile). Per record: time, the floor (`moetune.passes.targets.floor`, h200, with the distinct experts of
+the timed routings), % of floor and, for the moetune JAX rows, like-for-like ratios: `vs_ragged_dot`
+(host-timed both), `vs_torch_host` (PyTorch host-launched / JAX host-timed) and `vs_torch_graph` (PyTorch graph
+replay / JAX pipelined).
 
     python -m bench jax --out DIR [--shapes a,b] [--tokens 1,8,64,256] [--kinds] [--reps 100] [--budget-s 240]
 
@@ -57,10 +63,10 @@ def moetune_schedule(block, T: int):
     return default_at(block, get(BACKEND), TARGET, T)
 
 
-def moetune_fn(block, T: int, schedule=None):
+def moetune_fn(block, T: int, schedule=None, backend: str = BACKEND, table: str | None = None):
     """The jitted JAX function moetune runs for `block` at T tokens: fn(x, ids, weights, w: JaxExperts). With no
-    `schedule`, what a JAX user calls: moetune.jax.experts on the pallas_gpu backend (its default schedule at T);
-    with one, that schedule's kernel itself (`build_jax`)."""
+    `schedule`, what a JAX user calls: moetune.jax.experts on `backend` (with `table`, else its default schedule
+    at T); with one, that pallas_gpu schedule's kernel itself (`build_jax`)."""
     import jax
 
     from moetune.codegen.backend import get
@@ -69,11 +75,19 @@ def moetune_fn(block, T: int, schedule=None):
         import moetune.jax as mj
 
         def user(x, ids, weights, w):
-            return mj.experts(x, ids, weights, w.gate_up, w.down, block=block, backend=BACKEND,
+            return mj.experts(x, ids, weights, w.gate_up, w.down, block=block, backend=backend, table=table,
                               gate_up_scale=w.gate_up_scale, down_scale=w.down_scale)
 
         return jax.jit(user)
     return jax.jit(get(BACKEND).kind(schedule.kind, block).build_jax(block, schedule))
+
+
+def xla_schedule(block, T: int, table: str) -> str:
+    """What moetune.jax.experts runs at T on the triton backend with `table`: the schedule and its source."""
+    import moetune.jax as mj
+
+    r = mj.route(block, T, table=table, backend="triton")
+    return f"{r.source}: {r.schedule.describe() if r.schedule is not None else mj.REFERENCE}"
 
 
 def ragged_weights(w):
@@ -133,7 +147,7 @@ def record(shape: str, block, T: int, impl: str, floor_us: float, **fields) -> d
 
 
 def add_ratios(records: list[dict]) -> None:
-    """On each timed moetune JAX record: ragged_dot / it and the PyTorch path (graph, host) / it, same cell."""
+    """On each timed moetune JAX record the like-for-like ratios of the module doc, same cell."""
     cells: dict[tuple, dict] = {}
     for r in records:
         cells.setdefault((r["shape"], r["tokens"]), {})[r["impl"]] = r
@@ -144,16 +158,16 @@ def add_ratios(records: list[dict]) -> None:
         rag, pt = same.get("ragged_dot", {}), same.get("moetune-torch", {})
         if rag.get("time_us"):
             r["vs_ragged_dot"] = round(rag["time_us"] / r["time_us"], 3)
-        if pt.get("time_us"):
-            r["vs_torch_graph"] = round(pt["time_us"] / r["time_us"], 3)
+        if pt.get("time_us") and r.get("pipelined_us"):
+            r["vs_torch_graph"] = round(pt["time_us"] / r["pipelined_us"], 3)
         if pt.get("host_us"):
             r["vs_torch_host"] = round(pt["host_us"] / r["time_us"], 3)
 
 
 def table(records: list[dict]) -> str:
     """The short text table: one line per record."""
-    head = (f"{'shape':18s} {'T':>4s} {'impl':22s} {'time µs':>9s} {'floor':>7s} {'%floor':>6s} "
-            f"{'/ragged':>7s} {'/torch':>7s} {'compile s':>9s}  schedule / error")
+    head = (f"{'shape':18s} {'T':>4s} {'impl':24s} {'time µs':>9s} {'pipe µs':>8s} {'floor':>7s} {'%floor':>6s} "
+            f"{'/ragged':>7s} {'/t-host':>7s} {'/t-graph':>8s} {'compile s':>9s}  schedule / error")
     lines = [head, "-" * len(head)]
 
     def num(v, f):
@@ -161,10 +175,11 @@ def table(records: list[dict]) -> str:
 
     for r in records:
         tail = r.get("error") or r.get("schedule") or ""
-        lines.append(f"{r['shape']:18s} {r['tokens']:4d} {r['impl']:22s} {num(r.get('time_us'), '9.1f')} "
-                     f"{num(r['floor_us'], '7.1f')} {num(r.get('pct_floor'), '6.1f')} "
-                     f"{num(r.get('vs_ragged_dot'), '7.2f')} {num(r.get('vs_torch_graph'), '7.2f')} "
-                     f"{num(r.get('compile_s'), '9.2f')}  {tail[:120]}")
+        lines.append(f"{r['shape']:18s} {r['tokens']:4d} {r['impl']:24s} {num(r.get('time_us'), '9.1f')} "
+                     f"{num(r.get('pipelined_us'), '8.1f')} {num(r['floor_us'], '7.1f')} "
+                     f"{num(r.get('pct_floor'), '6.1f')} {num(r.get('vs_ragged_dot'), '7.2f')} "
+                     f"{num(r.get('vs_torch_host'), '7.2f')} {num(r.get('vs_torch_graph'), '8.2f')} "
+                     f"{num(r.get('compile_s'), '9.2f')}  {tail[:100]}")
     return "\n".join(lines)
 
 
@@ -222,7 +237,8 @@ def time_jax(fn, cases: list[tuple], ref, timer) -> dict:
             timer = JaxTimer(reps=50, warmup=1)
         t = timer(fn, cases)
         fields.update(time_us=t.median_s * 1e6, median_us=statistics.median(t.times_s) * 1e6,
-                      spread_us=t.spread_s * 1e6, reps=t.reps, method=t.method)
+                      spread_us=t.spread_s * 1e6, reps=t.reps, method=t.method,
+                      pipelined_us=timer.pipelined(fn, cases) * 1e6)
     return fields
 
 
@@ -276,6 +292,10 @@ def cell(shape: str, T: int, w, rw, args, timers) -> list[dict]:
 
     main = moetune_schedule(block, T)
     scheds = [("moetune-jax", main)]
+    via = xla_schedule(block, T, args.table)
+    attempt("moetune-jax:triton-xla", lambda: time_jax(moetune_fn(block, T, backend="triton", table=args.table),
+                                                       [(*c, wj) for c in jcases], ref, timers["jax"]),
+            schedule=via)
     if args.kinds:
         be = get(BACKEND)
         for kind, why in be.kinds(block).items():

@@ -25,9 +25,12 @@ backends (moetune.jax.dispatch)
     "pallas_tpu"  the Pallas TPU kernels (`KernelKind.build_jax` of the schedule's kind) on a TPU; elsewhere in
                   TPU interpret mode when MOETUNE_PALLAS_INTERPRET is set, else refused with the reason
     "pallas_gpu"  the Pallas GPU kernels, where that backend is registered (looked up by name when asked)
-    None          pallas_tpu where JAX sees a TPU, pallas_gpu where it sees a GPU and that backend is
-                  registered and usable, else the reference
-    Any registered backend whose kinds have a `build_jax` runs the same way; torch and triton have none.
+    "triton"      moetune's Triton kernels (the torch runtime's, with its tuned table entries) at an XLA FFI
+                  call on the program's own stream (moetune.jax.xla_call); "torch" the same way
+    None          pallas_tpu where JAX sees a TPU; on a GPU the GPU default of moetune.jax.dispatch
+                  (DEFAULT_ORDER); else the reference
+    Any registered backend whose kinds have a `build_jax` runs its JAX kernels; any other, its torch kernels
+    through the XLA FFI.
 
 dispatch table
     `table` is a file or an opened moetune.runtime.table.DispatchTable. The entries read are those of the
@@ -35,8 +38,8 @@ dispatch table
     backend's target (pallas_tpu: its TPU description). They are judged as in the torch runtime (stale,
     foreign and overlapping entries left out, with the reason); token counts without a usable entry run the
     default schedule of their default bucket (moetune.runtime.default, the pass pipeline's), said in ONE
-    DispatchWarning per (block, backend, table, target); entries of backends the JAX path does not run
-    (torch, triton) are never used, and the warning names them. No table: every bucket's default, silently.
+    DispatchWarning per (block, backend, table, target); entries of other backends are never used, and the
+    warning names them. No table: every bucket's default, silently.
 
 compile / explain (moetune.jax.compile, capture, graph)
     The function is traced (jax.make_jaxpr) once per argument shape, its nested jit bodies inlined, and each

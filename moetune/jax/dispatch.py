@@ -4,16 +4,18 @@
     r = route(block, T, table=…, backend=…)       # Route(lo, hi, schedule, source, fn), fn a JaxExpertsFn
 
 A JAX backend is "reference" (the float32 JAX reference, moetune.codegen.pallas.reference, cast to x's
-dtype; it runs no schedule) or a registered backend whose kernel kinds have a `build_jax` ("pallas_tpu";
-"pallas_gpu" where that backend is installed). With no name: pallas_tpu where JAX sees a TPU, pallas_gpu
-where it sees a GPU and that backend is registered and usable, else the reference.
+dtype; it runs no schedule), a registered backend whose kernel kinds have a `build_jax` ("pallas_tpu";
+"pallas_gpu" where that backend is installed), or any other registered backend, whose torch kernels run at
+an XLA FFI call (moetune.jax.xla_call: "triton", "torch"). With no name: the first of DEFAULT_ORDER whose
+platform JAX sees and which is usable there, else the reference.
 
 The routes of a (block, backend, table, target) are built once, the first time a trace asks, the way the
 torch runtime builds its dispatcher (moetune.runtime.dispatch): the table's usable entries of that backend
 (`load_entries` / `DispatchTable.lookup`: stale, foreign and overlapping entries are left out) and, in the
 token ranges they leave uncovered, the default buckets with their default schedules (moetune.runtime.default,
-the pass pipeline's). A table entry serves only the backend it names: entries of backends the JAX path does
-not run (torch, triton) are never read. One DispatchWarning names the buckets that run a default, and why;
+the pass pipeline's). A table entry serves only the backend it names: a triton entry serves the JAX path on
+the triton backend exactly as it serves the torch runtime, and entries of other backends are never read.
+One DispatchWarning names the buckets that run a default, and why;
 with no table every bucket runs its default and nothing is said. A default the backend cannot build runs the
 reference, said in that warning. A backend that runs none of its kernels on the block is refused when it
 was asked for by name; chosen by default, it gives way to the reference, said once. T above the last bucket
@@ -59,12 +61,13 @@ def _kernel_backend(name: str):
     except (MoetuneError, ImportError) as e:
         raise UnsupportedSchedule(f"moetune.jax: backend {name!r} is not installed in this moetune ({e}); "
                                   f"backend={REFERENCE!r} runs anywhere") from e
+    if not any(getattr(k, "build_jax", None) is not None for k in getattr(be, "KINDS", ())):
+        from .xla_call import bridged_backend
+
+        be = bridged_backend(be)  # its torch kernels, called through the XLA FFI
     why = be.available()
     if why:
         raise UnsupportedSchedule(f"moetune.jax: backend {name!r} is not usable here: {why}")
-    if not any(getattr(k, "build_jax", None) is not None for k in getattr(be, "KINDS", ())):
-        raise UnsupportedSchedule(f"moetune.jax: backend {name!r} has no JAX kernels (KernelKind.build_jax); "
-                                  f"JAX backends: {REFERENCE}, pallas_tpu, pallas_gpu")
     return be
 
 

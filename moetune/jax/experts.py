@@ -74,8 +74,8 @@ def experts(x, topk_ids, topk_weights, gate_up, down, *, block: MoEBlock | str, 
 
     block     a MoEBlock, or a preset name (moetune.ir.presets; activations in x's dtype)
     table     a dispatch-table file or an opened moetune.runtime.table.DispatchTable; None: default schedules
-    backend   "reference" | "pallas_tpu" | "pallas_gpu" | None: pallas_tpu on a TPU, pallas_gpu on a GPU
-              where that backend is registered, else the reference (moetune.jax.dispatch)
+    backend   "reference" | "pallas_tpu" | "pallas_gpu" | "triton" | "torch" | None: pallas_tpu on a TPU,
+              the GPU default on a GPU, else the reference (moetune.jax.dispatch)
     target    the table's target name; None: the backend's own target (pallas_tpu: its TPU description)
     """
     import jax

@@ -12,7 +12,8 @@ median. Three kinds:
     FakeTimer       a function of the schedule: tests of the search without measuring anything
     JaxTimer        jitted JAX calls (no CUDA graphs: JAX's calls cannot be captured by torch): L2 defeated by
                     reading a 256 MB JAX buffer before every rep, each rep host-timed to block_until_ready
-                    (so JAX's dispatch is included), ≥ 50 reps in rotation, summarised by `routing_mean`
+                    (so JAX's dispatch is included), ≥ 50 reps in rotation, summarised by `routing_mean`;
+                    `pipelined`: the per-call cost of calls issued back to back (the steady state)
 """
 
 from __future__ import annotations
@@ -247,20 +248,50 @@ class JaxTimer:
         import jax
         import jax.numpy as jnp
 
-        device = next(iter(jax.tree_util.tree_leaves(cases[0])[0].devices()))
-        if self._flush is None or next(iter(self._flush.devices())) != device:
-            self._flush = jax.device_put(jnp.ones(self.flush_bytes // 4, jnp.float32), device)
-        read = jax.jit(jnp.sum)
+        read, flush = self._reader(cases)
         for i in range(self.warmup):
             jax.block_until_ready(fn(*cases[i % len(cases)]))
         times = []
         for i in range(self.reps):
             c = cases[i % len(cases)]
-            read(self._flush).block_until_ready()
+            read(flush).block_until_ready()
             t0 = time.perf_counter_ns()
             jax.block_until_ready(fn(*c))
             times.append((time.perf_counter_ns() - t0) * 1e-9)
         return Timing(routing_mean(times, len(cases)), _iqr(times), len(times), self.name, times_s=tuple(times))
+
+    def pipelined(self, fn: Callable, cases: Sequence[tuple], rounds: int = 3) -> float:
+        """Seconds per call of `fn` issued back to back, each after the flush read, nothing waited for until
+        the last, less the same stream of flush reads alone; the median of `rounds`. The steady cost of a
+        call while the host keeps ahead of the device: device time, or the host's own cost where that is
+        the larger."""
+        import jax
+
+        read, flush = self._reader(cases)
+        jax.block_until_ready(fn(*cases[0]))
+
+        def stream(with_fn: bool) -> float:
+            jax.block_until_ready(read(flush))
+            outs = []
+            t0 = time.perf_counter_ns()
+            for i in range(self.reps):
+                r = read(flush)
+                if with_fn:
+                    outs.append(fn(*cases[i % len(cases)]))
+            jax.block_until_ready((r, outs))
+            return (time.perf_counter_ns() - t0) * 1e-9 / self.reps
+
+        return statistics.median(max(0.0, stream(True) - stream(False)) for _ in range(rounds))
+
+    def _reader(self, cases: Sequence[tuple]):
+        """(jitted sum, the flush buffer on the device of the cases' first array)."""
+        import jax
+        import jax.numpy as jnp
+
+        device = next(iter(jax.tree_util.tree_leaves(cases[0])[0].devices()))
+        if self._flush is None or next(iter(self._flush.devices())) != device:
+            self._flush = jax.device_put(jnp.ones(self.flush_bytes // 4, jnp.float32), device)
+        return jax.jit(jnp.sum), self._flush
 
 
 def timer_for(device: str | torch.device) -> Timer:

@@ -143,8 +143,7 @@ def test_backends_of_a_machine_without_tpu_or_gpu(monkeypatch):
     assert mj.jax_backend(None) == mj.REFERENCE
     with pytest.raises(UnsupportedSchedule, match="pallas_tpu.*not usable here: no TPU and MOETUNE_PALLAS_INTERPRET"):
         mj.jax_backend("pallas_tpu")
-    with pytest.raises(UnsupportedSchedule, match="'torch' has no JAX kernels"):
-        mj.jax_backend("torch")
+    assert mj.jax_backend("torch").name == "torch"  # its torch kernels, through the XLA FFI
     with pytest.raises(UnsupportedSchedule, match="'no_such' is not installed"):
         mj.jax_backend("no_such")
 

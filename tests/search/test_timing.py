@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 import toy_backend as tb
@@ -192,7 +193,8 @@ def test_jax_timer_waits_for_each_result_and_rotates_the_routings():
 
     seen = []
 
-    def slow(x):
+    def slow(x):  # host-side numpy: a JAX op inside the callback would wait on the calls queued behind it
+        x = np.asarray(x)
         seen.append(float(x[0]))
         time.sleep(0.002)
         return x
@@ -203,5 +205,9 @@ def test_jax_timer_waits_for_each_result_and_rotates_the_routings():
     assert t.reps == 50 and len(t.times_s) == 50 and t.method == JaxTimer.name
     assert seen == [0.0, 1.0] + [float(i % 3) for i in range(50)]
     assert 0.002 <= t.median_s < 0.05 and min(t.times_s) >= 0.002
+    seen.clear()
+    per_call = JaxTimer(reps=50, warmup=2, flush_bytes=1 << 20).pipelined(fn, cs, rounds=1)
+    assert seen == [0.0] + [float(i % 3) for i in range(50)]  # one warm call, then every rep in rotation
+    assert 0.0015 <= per_call < 0.05  # the callback's 2 ms sleep is the call's steady cost
     with pytest.raises(ValueError, match="at least 50"):
         JaxTimer(reps=10)

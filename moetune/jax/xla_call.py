@@ -1,0 +1,108 @@
+"""moetune's torch-facing kernels inside a JAX program, called through the XLA FFI.
+
+    fn = via_xla(block, experts_fn)     # a JaxExpertsFn; experts_fn a torch ExpertsFn (a backend's `build`)
+    be = XlaBridged(backend)            # the backend with build_jax = via_xla ∘ build, all else its own
+
+A backend with no JAX kernels (triton, torch) runs under jitted JAX this way, with its own schedules and
+its own dispatch-table entries: the table tuned for the torch runtime applies unchanged. The call is one
+`jax.experimental.buffer_callback` (an XLA FFI custom call into Python). When the program reaches it, XLA
+hands the callback its device buffers and, on a GPU, the stream it runs the program on; the torch kernels
+are launched on that stream (torch.cuda.ExternalStream), so they are ordered with the program's other work
+and the host waits for nothing. Buffers cross by DLPack: the weights are read in place and the result is
+copied once into the callback's output buffer. The callback is not recorded into XLA's command buffers: it
+runs, and launches its kernels from the host, every time the program runs.
+
+Ids reach the torch kernels as int64, the dtype the torch runtime passes them in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..codegen.common import ExpertsFn, ExpertTensors
+from ..codegen.pallas._common import JaxExperts
+from ..ir import MoEBlock, Schedule, UnsupportedSchedule
+
+FIELDS = JaxExperts._fields
+
+
+def _tensor(buf) -> torch.Tensor:
+    """A torch view of an XLA FFI buffer (DLPack, no copy)."""
+    try:
+        return torch.from_dlpack(buf)
+    except TypeError:  # a producer that takes no stream argument: the capsule itself
+        return torch.utils.dlpack.from_dlpack(buf.__dlpack__())
+
+
+_DL_CUDA = 2  # DLPack's device type of a CUDA buffer
+
+
+def _stream(ctx, buf):
+    """Within it, torch's current stream is the one XLA runs the program on (a buffer on a GPU); nothing to do
+    on a CPU."""
+    kind, index = buf.__dlpack_device__()
+    if kind != _DL_CUDA:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.ExternalStream(ctx.stream, device=torch.device("cuda", index)))
+
+
+def via_xla(block: MoEBlock, fn: ExpertsFn):
+    """The JaxExpertsFn running the torch ExpertsFn `fn` of `block` at an XLA FFI call (module doc)."""
+    import jax
+    from jax.experimental.buffer_callback import buffer_callback
+
+    def call(x, ids, weights, w: JaxExperts):
+        present = tuple(f for f in FIELDS if getattr(w, f) is not None)
+
+        def run(ctx, out, x_b, ids_b, weights_b, *arrays) -> None:
+            with _stream(ctx, out):
+                o = _tensor(out)
+                tw = ExpertTensors(**{f: _tensor(a) for f, a in zip(present, arrays, strict=True)})
+                y = fn(_tensor(x_b), _tensor(ids_b).to(torch.int64), _tensor(weights_b), tw)
+                o.copy_(y)
+
+        result = jax.ShapeDtypeStruct((x.shape[0], block.D), x.dtype)
+        return buffer_callback(run, result)(x, ids, weights, *(getattr(w, f) for f in present))
+
+    return call
+
+
+class XlaBridged:
+    """A torch-facing kernel backend seen by moetune.jax: `build_jax` is its `build` behind `via_xla`; every
+    other attribute (name, target, kinds, defaults, costs, spaces) is the backend's own."""
+
+    def __init__(self, backend) -> None:
+        self._backend = backend
+
+    def __getattr__(self, name: str):
+        return getattr(self._backend, name)
+
+    def build_jax(self, block: MoEBlock, schedule: Schedule):
+        return via_xla(block, self._backend.build(block, schedule))
+
+    def available(self) -> str | None:
+        why = self._backend.available()
+        if why:
+            return why
+        import jax
+
+        if self._backend.name == "triton" and torch.cuda.is_available():
+            if not any(d.platform == "gpu" for d in jax.devices()):
+                return "the triton kernels run on the GPU and JAX sees none (install jax[cuda])"
+        return None
+
+
+_BRIDGED: dict[int, XlaBridged] = {}
+
+
+def bridged_backend(backend) -> XlaBridged:
+    """`backend` behind the XLA FFI, one object per backend (the routes are cached by it); UnsupportedSchedule
+    where it builds no torch kernels."""
+    if not callable(getattr(backend, "build", None)):
+        raise UnsupportedSchedule(f"moetune.jax: backend {backend.name!r} builds no torch kernels")
+    hit = _BRIDGED.get(id(backend))
+    if hit is None or hit._backend is not backend:
+        hit = _BRIDGED[id(backend)] = XlaBridged(backend)
+    return hit

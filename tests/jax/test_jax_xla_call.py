@@ -1,0 +1,120 @@
+"""moetune.jax.experts on the torch-facing backends (torch, triton) through the XLA FFI: against the torch
+float32 reference in every weight format, under jit; the triton entries of a dispatch table serve the JAX
+path unchanged; the lowered program holds the FFI call inside moetune's scope."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+jax = pytest.importorskip("jax")
+
+import jax.numpy as jnp  # noqa: E402
+
+import moetune.jax as mj  # noqa: E402
+from moetune.codegen.pallas._common import to_jax  # noqa: E402
+from moetune.codegen.torch import experts_reference  # noqa: E402
+from moetune.codegen.torch.tolerance import quantizes_activations, worst_error  # noqa: E402
+from moetune.codegen.triton import GemvParams  # noqa: E402
+from moetune.ir import MoEBlock, Schedule, WeightFormat, WeightLayout  # noqa: E402
+from moetune.jax.xla_call import XlaBridged  # noqa: E402
+from moetune.runtime.dispatch import DispatchWarning  # noqa: E402
+from moetune.runtime.table import DispatchEntry, DispatchTable  # noqa: E402
+from moetune.runtime.versions import Versions  # noqa: E402
+from moetune.search.objective import expert_tensors  # noqa: E402
+
+BLOCKS = {
+    "f32": MoEBlock(E=6, k=2, D=32, F=16, weight_dtype="float32", routing_weight_dtype="float32", T_max=64),
+    "bf16_transposed_bias": MoEBlock(E=5, k=3, D=16, F=24, layout=WeightLayout(transposed=True, has_bias=True),
+                                     T_max=64),
+    "f32_k1": MoEBlock(E=3, k=1, D=8, F=8, weight_dtype="float32", T_max=64),
+    "fp8_block": MoEBlock(E=4, k=2, D=256, F=128, T_max=64).with_weight_format(WeightFormat.fp8_block((128, 128))),
+}
+ROUTINGS = ("random", "sentinels", "one_hot")
+
+
+def _case(block: MoEBlock, T: int, routing: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, block.D, generator=g).to(getattr(torch, block.weight_format.compute_dtype))
+    ids = torch.stack([torch.randperm(block.E, generator=g)[:block.k] for _ in range(T)]).to(torch.int32)
+    if routing == "sentinels":
+        ids[0, 0] = -1
+        ids[-1, -1] = block.E
+    if routing == "one_hot":
+        ids[:, 0] = 1  # one expert takes every token; most experts get no row
+    wts = torch.softmax(torch.randn(T, block.k, generator=g), 1).to(getattr(torch, block.routing_weight_dtype))
+    return x, ids, wts
+
+
+def _jitted(block, backend, **kw):
+    def f(x, i, t, gu, dn, gus, dns, gub, dnb):
+        return mj.experts(x, i, t, gu, dn, block=block, backend=backend, gate_up_scale=gus, down_scale=dns,
+                          gate_up_bias=gub, down_bias=dnb, **kw)
+
+    return jax.jit(f)
+
+
+def _args(case, w):
+    return tuple(to_jax(a) for a in (*case, w.gate_up, w.down, w.gate_up_scale, w.down_scale, w.gate_up_bias,
+                                     w.down_bias))
+
+
+def _check(block, backend, T, routing, seed=0, **kw):
+    w = expert_tensors(block, seed=seed + 1)
+    case = _case(block, T, routing, seed)
+    out = _jitted(block, backend, **kw)(*_args(case, w))
+    assert out.shape == (T, block.D) and out.dtype == jnp.dtype(block.weight_format.compute_dtype)
+    x, ids, wts = case
+    sch = mj.route(block, T, backend=backend, table=kw.get("table"), target=kw.get("target")).schedule
+    a8 = sch is not None and quantizes_activations(sch.params)  # a w8a8 schedule: the bound of its rounding
+    err = worst_error(torch.from_dlpack(out), experts_reference(block, x, ids.long(), wts, w), a8=a8)
+    assert err <= 1.0, (backend, T, routing, err)
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("name", BLOCKS)
+def test_the_torch_backend_runs_under_jit_through_xla(name, routing):
+    for T in (1, 7):
+        _check(BLOCKS[name], "torch", T, routing, seed=T)
+
+
+@pytest.mark.parametrize("name", ["f32", "fp8_block"])
+def test_the_triton_kernels_run_under_jit_through_xla(name):
+    """GEMV and grouped GEMM (the defaults at T = 1 and at T = 24 on these blocks), interpreted on a CPU."""
+    block = BLOCKS[name]
+    kinds = {mj.route(block, T, backend="triton").schedule.kind for T in (1, 24)}
+    assert kinds == {"stream_gemv", "grouped_gemm"}
+    for T, routing in ((1, "random"), (24, "one_hot"), (24, "sentinels")):
+        _check(block, "triton", T, routing, seed=T)
+
+
+def test_a_torch_backend_is_bridged_and_keeps_its_own_name_and_target():
+    be = mj.jax_backend("triton")
+    assert isinstance(be, XlaBridged) and be.name == "triton" and be.target.name == be._backend.target.name
+    assert mj.jax_backend("triton") is be  # one object per backend: its routes are built once
+
+
+def _triton_entry(block, bucket, schedule):
+    v = Versions.current("triton", "cpu")
+    return DispatchEntry.of(target="cpu", block=block, bucket=bucket, time_us=1.0,
+                            schedule=dataclasses.replace(schedule, backend="triton"), versions=v)
+
+
+def test_the_tables_triton_entries_serve_the_jax_path_unchanged(tmp_path):
+    block = BLOCKS["f32"]
+    gemv = Schedule("stream_gemv", backend="triton", params=GemvParams(block_n=16, block_k=32, num_warps=2))
+    path = tmp_path / "t.sqlite"
+    with DispatchTable(path) as t:
+        t.put_all([_triton_entry(block, (1, 64), gemv)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DispatchWarning)  # the entry covers every T: nothing to say
+        r = mj.route(block, 3, table=str(path), backend="triton", target="cpu")
+        assert (r.source, r.schedule) == ("table", gemv)
+        _check(block, "triton", 3, "random", table=str(path), target="cpu")
+        w = expert_tensors(block, seed=1)
+        text = _jitted(block, "triton", table=str(path), target="cpu").lower(
+            *_args(_case(block, 3, "random"), w)).as_text(debug_info=True)
+    assert f"{mj.SCOPE}/triton.stream_gemv" in text and "buffer" in text.lower()
