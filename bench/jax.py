@@ -28,7 +28,9 @@ host-launched median (launch and wait included). `compile_s` is the first call's
 and compile). Per record: time, the floor (`moetune.passes.targets.floor`, h200, with the distinct experts of
 the timed routings), % of floor and, for the moetune JAX rows, like-for-like ratios: `vs_ragged_dot`
 (host-timed both), `vs_torch_host` (PyTorch host-launched / JAX host-timed) and `vs_torch_graph` (PyTorch graph
-replay / JAX pipelined).
+replay / JAX pipelined). Where JAX's CUDA build reaches CUPTI, `device_us` is every row's kernels' own device time
+per call (`JaxTimer.device_time`, `CudaGraphTimer.kernel_time`: kernel durations summed, no gaps) and
+`vs_torch_device` the PyTorch path's over the JAX row's.
 
     python -m bench jax --out DIR [--shapes a,b] [--tokens 1,8,64,256] [--kinds] [--reps 100] [--budget-s 240]
 
@@ -162,12 +164,15 @@ def add_ratios(records: list[dict]) -> None:
             r["vs_torch_graph"] = round(pt["time_us"] / r["pipelined_us"], 3)
         if pt.get("host_us"):
             r["vs_torch_host"] = round(pt["host_us"] / r["time_us"], 3)
+        if pt.get("device_us") and r.get("device_us"):
+            r["vs_torch_device"] = round(pt["device_us"] / r["device_us"], 3)
 
 
 def table(records: list[dict]) -> str:
     """The short text table: one line per record."""
-    head = (f"{'shape':18s} {'T':>4s} {'impl':24s} {'time µs':>9s} {'pipe µs':>8s} {'floor':>7s} {'%floor':>6s} "
-            f"{'/ragged':>7s} {'/t-host':>7s} {'/t-graph':>8s} {'compile s':>9s}  schedule / error")
+    head = (f"{'shape':18s} {'T':>4s} {'impl':24s} {'time µs':>9s} {'pipe µs':>8s} {'dev µs':>8s} {'floor':>7s} "
+            f"{'%floor':>6s} {'/ragged':>7s} {'/t-host':>7s} {'/t-graph':>8s} {'/t-dev':>6s} {'compile s':>9s}  "
+            f"schedule / error")
     lines = [head, "-" * len(head)]
 
     def num(v, f):
@@ -176,9 +181,10 @@ def table(records: list[dict]) -> str:
     for r in records:
         tail = r.get("error") or r.get("schedule") or ""
         lines.append(f"{r['shape']:18s} {r['tokens']:4d} {r['impl']:24s} {num(r.get('time_us'), '9.1f')} "
-                     f"{num(r.get('pipelined_us'), '8.1f')} {num(r['floor_us'], '7.1f')} "
-                     f"{num(r.get('pct_floor'), '6.1f')} {num(r.get('vs_ragged_dot'), '7.2f')} "
-                     f"{num(r.get('vs_torch_host'), '7.2f')} {num(r.get('vs_torch_graph'), '8.2f')} "
+                     f"{num(r.get('pipelined_us'), '8.1f')} {num(r.get('device_us'), '8.1f')} "
+                     f"{num(r['floor_us'], '7.1f')} {num(r.get('pct_floor'), '6.1f')} "
+                     f"{num(r.get('vs_ragged_dot'), '7.2f')} {num(r.get('vs_torch_host'), '7.2f')} "
+                     f"{num(r.get('vs_torch_graph'), '8.2f')} {num(r.get('vs_torch_device'), '6.2f')} "
                      f"{num(r.get('compile_s'), '9.2f')}  {tail[:100]}")
     return "\n".join(lines)
 
@@ -239,6 +245,9 @@ def time_jax(fn, cases: list[tuple], ref, timer) -> dict:
         fields.update(time_us=t.median_s * 1e6, median_us=statistics.median(t.times_s) * 1e6,
                       spread_us=t.spread_s * 1e6, reps=t.reps, method=t.method,
                       pipelined_us=timer.pipelined(fn, cases) * 1e6)
+        dev = timer.device_time(fn, cases)
+        if dev is not None:
+            fields["device_us"] = dev * 1e6
     return fields
 
 
@@ -263,6 +272,9 @@ def time_torch(block, T: int, w, cases, ref, timer, table_path: str) -> dict:
     t = timer(fn, cases)
     fields.update(time_us=t.median_s * 1e6, host_us=t.host_median_s * 1e6, spread_us=t.spread_s * 1e6,
                   reps=t.reps, method=t.method)
+    dev = timer.kernel_time(fn, cases)
+    if dev is not None:
+        fields["device_us"] = dev * 1e6
     return fields
 
 

@@ -28,15 +28,30 @@ from ..ir import MoEBlock, Schedule, UnsupportedSchedule
 FIELDS = JaxExperts._fields
 
 
-def _tensor(buf) -> torch.Tensor:
-    """A torch view of an XLA FFI buffer (DLPack, no copy)."""
-    try:
-        return torch.from_dlpack(buf)
-    except TypeError:  # a producer that takes no stream argument: the capsule itself
-        return torch.utils.dlpack.from_dlpack(buf.__dlpack__())
-
-
 _DL_CUDA = 2  # DLPack's device type of a CUDA buffer
+_NO_SYNC = -1  # DLPack's stream argument asking the producer not to synchronise: the kernels run on its stream
+_VIEWS: dict[tuple, torch.Tensor] = {}  # (address, shape, dtype) of a GPU buffer → its torch view
+_STREAMS: dict[tuple[int, int], torch.cuda.ExternalStream] = {}
+
+
+def _tensor(buf) -> torch.Tensor:
+    """A torch view of an XLA FFI buffer (DLPack, no copy). On a GPU the view of an address seen before with
+    the same shape and dtype is reused: XLA hands the same weights, and mostly the same buffers, every call,
+    and making a view is a host cost paid on every call otherwise."""
+    cai = getattr(buf, "__cuda_array_interface__", None) if buf.__dlpack_device__()[0] == _DL_CUDA else None
+    key = None if cai is None else (cai["data"][0], tuple(buf.shape), str(buf.dtype))
+    hit = _VIEWS.get(key) if key is not None else None
+    if hit is not None:
+        return hit
+    try:
+        t = torch.utils.dlpack.from_dlpack(buf.__dlpack__(stream=_NO_SYNC) if key is not None else buf.__dlpack__())
+    except (TypeError, BufferError):  # a producer refusing the stream argument: torch's own protocol call
+        t = torch.from_dlpack(buf)
+    if key is not None:
+        if len(_VIEWS) >= 256:
+            _VIEWS.clear()
+        _VIEWS[key] = t
+    return t
 
 
 def _stream(ctx, buf):
@@ -45,7 +60,11 @@ def _stream(ctx, buf):
     kind, index = buf.__dlpack_device__()
     if kind != _DL_CUDA:
         return contextlib.nullcontext()
-    return torch.cuda.stream(torch.cuda.ExternalStream(ctx.stream, device=torch.device("cuda", index)))
+    key = (index, ctx.stream)
+    s = _STREAMS.get(key)
+    if s is None:
+        s = _STREAMS[key] = torch.cuda.ExternalStream(ctx.stream, device=torch.device("cuda", index))
+    return torch.cuda.stream(s)
 
 
 def via_xla(block: MoEBlock, fn: ExpertsFn):

@@ -13,7 +13,8 @@ median. Three kinds:
     JaxTimer        jitted JAX calls (no CUDA graphs: JAX's calls cannot be captured by torch): L2 defeated by
                     reading a 256 MB JAX buffer before every rep, each rep host-timed to block_until_ready
                     (so JAX's dispatch is included), ≥ 50 reps in rotation, summarised by `routing_mean`;
-                    `pipelined`: the per-call cost of calls issued back to back (the steady state)
+                    `pipelined`: the per-call cost of calls issued back to back (the steady state);
+                    `device_time`: the kernels' own device time per call (CUPTI: `kernel_sum`)
 """
 
 from __future__ import annotations
@@ -197,6 +198,20 @@ class CudaGraphTimer:
                 fn(c.x, c.ids, c.weights, c.w)
         return self._host_launched(fn, cases, self._flush_buffer(device), torch.zeros((), device=device))
 
+    def kernel_time(self, fn: ExpertsFn, cases: Sequence[Case]) -> float | None:
+        """Device seconds per call as `kernel_sum` counts them (the kernels alone, no gaps), each call after
+        the flush read, less the flush reads' own: beside a JAX function's `JaxTimer.device_time`, like for
+        like. None where CUPTI is not reachable."""
+        buf = self._flush_buffer(cases[0].x.device)
+
+        def wait(_):
+            torch.cuda.synchronize()
+
+        with torch.inference_mode():
+            both = kernel_sum(lambda i: (buf.sum(), _call(fn, cases[i % len(cases)])), self.reps, wait)
+            alone = kernel_sum(lambda i: buf.sum(), self.reps, wait)
+        return None if both is None or alone is None else max(0.0, both - alone)
+
     def _host_launched(self, fn: ExpertsFn, cases: Sequence[Case], buf: torch.Tensor,
                        sink: torch.Tensor) -> float:
         times = []
@@ -246,7 +261,6 @@ class JaxTimer:
 
     def __call__(self, fn: Callable, cases: Sequence[tuple]) -> Timing:
         import jax
-        import jax.numpy as jnp
 
         read, flush = self._reader(cases)
         for i in range(self.warmup):
@@ -283,6 +297,16 @@ class JaxTimer:
 
         return statistics.median(max(0.0, stream(True) - stream(False)) for _ in range(rounds))
 
+    def device_time(self, fn: Callable, cases: Sequence[tuple]) -> float | None:
+        """Device seconds per call: `kernel_sum` over `reps` calls in rotation, each after the flush read,
+        less the flush reads' own; None where CUPTI is not reachable."""
+        import jax
+
+        read, flush = self._reader(cases)
+        both = kernel_sum(lambda i: (read(flush), fn(*cases[i % len(cases)])), self.reps, jax.block_until_ready)
+        alone = kernel_sum(lambda i: read(flush), self.reps, jax.block_until_ready)
+        return None if both is None or alone is None else max(0.0, both - alone)
+
     def _reader(self, cases: Sequence[tuple]):
         """(jitted sum, the flush buffer on the device of the cases' first array)."""
         import jax
@@ -292,6 +316,33 @@ class JaxTimer:
         if self._flush is None or next(iter(self._flush.devices())) != device:
             self._flush = jax.device_put(jnp.ones(self.flush_bytes // 4, jnp.float32), device)
         return jax.jit(jnp.sum), self._flush
+
+
+def _call(fn: ExpertsFn, c: Case) -> torch.Tensor:
+    return fn(c.x, c.ids, c.weights, c.w)
+
+
+def kernel_sum(launch: Callable[[int], object], iterations: int, wait: Callable[[list], object]) -> float | None:
+    """Device seconds per iteration of `launch(i)` (which launches and returns what `wait` waits for): the
+    durations of every kernel the iterations ran, as CUPTI records them (through JAX's GPU extension, which
+    sees the kernels of the whole process: JAX's and torch's), summed and divided by `iterations`; gaps
+    between kernels are not counted. None where the extension is not installed (no CUDA JAX) or records
+    nothing."""
+    try:
+        from jax._src.lib import mosaic_gpu
+
+        ext = mosaic_gpu._mosaic_gpu_ext
+    except (ImportError, AttributeError):
+        return None
+    wait([launch(0)])
+    ext._cupti_init()
+    try:
+        wait([launch(i) for i in range(iterations)])
+    finally:
+        timings = ext._cupti_get_timings(True)
+    if not timings:
+        return None
+    return sum(ms for _, ms in timings) * 1e-3 / iterations
 
 
 def timer_for(device: str | torch.device) -> Timer:
