@@ -6,10 +6,10 @@ included. Per cell, on the tuner's own inputs (`moetune.search.objective.expert_
 uniform routings), shared by JAX and torch through DLPack (no copy):
 
   * moetune (JAX), two routes, each `moetune_fn(block, T, backend=…)`, moetune.jax.experts jitted:
-    `moetune-jax` the pallas_gpu backend (Pallas kernels through Pallas' Triton lowering, `build_jax`) running its
-    runtime default at T; `moetune-jax:triton-xla` moetune's Triton kernels at an XLA FFI call
-    (moetune.jax.xla_call) running the schedule the dispatch table (`--table`) holds for T, as the PyTorch path
-    does; with `--kinds` also each pallas_gpu schedule kind's default (`backend.default(block, kind, T)`) where
+    `moetune-jax` the pallas_gpu backend (Pallas kernels through Pallas' Triton lowering, `build_jax`) running the
+    table's (`--table`) pallas_gpu entry for T, else its runtime default; `moetune-jax:triton-xla` moetune's
+    Triton kernels at an XLA FFI call (moetune.jax.xla_call) running the table's triton schedule for T, as the
+    PyTorch path does; with `--kinds` also each pallas_gpu schedule kind's default (`backend.default(block, kind, T)`) where
     it is another schedule;
   * ragged_dot (JAX): `ragged_fn(block)`, the experts written the usual way with `jax.lax.ragged_dot`: sort the
     pairs by expert, group sizes by bincount, gate/up ragged_dot, silu(gate)·up, down ragged_dot, unsort,
@@ -56,13 +56,12 @@ BACKEND = "pallas_gpu"
 # ------------------------------------------------------------------------------------------ the functions
 
 
-def moetune_schedule(block, T: int):
-    from moetune.codegen.backend import get
-    from moetune.runtime.default import default_at
+def moetune_schedule(block, T: int, table: str | None = None):
+    """(the schedule moetune.jax.experts runs at T on the pallas_gpu backend with `table`, its source)."""
+    import moetune.jax as mj
 
-    from .kernels import TARGET
-
-    return default_at(block, get(BACKEND), TARGET, T)
+    r = mj.route(block, T, table=table, backend=BACKEND)
+    return r.schedule, r.source
 
 
 def moetune_fn(block, T: int, schedule=None, backend: str = BACKEND, table: str | None = None):
@@ -302,7 +301,7 @@ def cell(shape: str, T: int, w, rw, args, timers) -> list[dict]:
             fields["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         records.append(record(shape, block, T, impl, fl, **fields))
 
-    main = moetune_schedule(block, T)
+    main, source = moetune_schedule(block, T, args.table)
     scheds = [("moetune-jax", main)]
     via = xla_schedule(block, T, args.table)
     attempt("moetune-jax:triton-xla", lambda: time_jax(moetune_fn(block, T, backend="triton", table=args.table),
@@ -315,9 +314,9 @@ def cell(shape: str, T: int, w, rw, args, timers) -> list[dict]:
             if s is not None and s != main:
                 scheds.append((f"moetune-jax:{kind}", s))
     for impl, s in scheds:  # the main row through moetune.jax.experts (which runs `main`), the others as kernels
-        fn = (lambda: moetune_fn(block, T)) if s is main else (lambda s=s: moetune_fn(block, T, s))
+        fn = (lambda: moetune_fn(block, T, table=args.table)) if s is main else (lambda s=s: moetune_fn(block, T, s))
         attempt(impl, lambda fn=fn: time_jax(fn(), [(*c, wj) for c in jcases], ref, timers["jax"]),
-                schedule=s.describe())
+                schedule=f"{source}: {s.describe()}" if s is main else s.describe())
     attempt("ragged_dot", lambda: time_jax(ragged_fn(block), [(*c, *rw) for c in jcases], ref, timers["jax"]))
     attempt("moetune-torch", lambda: time_torch(block, T, w, cases, ref, timers["torch"], args.table))
     add_ratios(records)

@@ -9,6 +9,8 @@ median. Three kinds:
     CudaGraphTimer  one CUDA graph per case, L2 defeated by *reading* a 256 MB buffer before every rep,
                     CUDA events around each replay, ≥ 100 reps (device time): the median of each case's
                     replays, averaged over the cases (`routing_mean`); plus the plain host-launched time
+    KernelSumTimer  a call a CUDA graph cannot hold (a JAX program): its kernels' device time per call as CUPTI
+                    records them (`kernel_sum`), after the same flush read, median of rounds
     FakeTimer       a function of the schedule: tests of the search without measuring anything
     JaxTimer        jitted JAX calls (no CUDA graphs: JAX's calls cannot be captured by torch): L2 defeated by
                     reading a 256 MB JAX buffer before every rep, each rep host-timed to block_until_ready
@@ -345,6 +347,54 @@ def kernel_sum(launch: Callable[[int], object], iterations: int, wait: Callable[
     return sum(ms for _, ms in timings) * 1e-3 / iterations
 
 
-def timer_for(device: str | torch.device) -> Timer:
-    """The real timer for a device: CUDA graphs on a GPU, the host timer on CPU."""
-    return CudaGraphTimer() if torch.device(device).type == "cuda" else CpuTimer()
+class CuptiUnavailable(UnsupportedSchedule):
+    """CUPTI, which KernelSumTimer reads, is not reachable (JAX's CUDA build is not installed)."""
+
+
+@dataclass
+class KernelSumTimer:
+    """Device time of a call that a CUDA graph cannot hold (a JAX program, behind `bridged`): `kernel_sum`
+    of `reps` calls in rotation in `rounds` rounds, each call after a read of `flush_bytes`, less the flush
+    reads' own; the summary is the median of the rounds, the spread their range. Kernels alone, no gaps
+    between them: the figure a CUDA graph of the whole call would approach. The torch ↔ JAX conversion
+    kernels of the bridge (the ids' dtype) are in it, the same for every candidate."""
+
+    reps: int = 100
+    rounds: int = 5
+    warmup: int = 2
+    flush_bytes: int = 256 << 20
+    name: str = "cuda:cupti-kernel-sum+l2-read-flush,median-of-rounds"
+
+    def __post_init__(self) -> None:
+        if self.reps < 50 or self.rounds < 1:
+            raise ValueError(f"KernelSumTimer reps = {self.reps}, rounds = {self.rounds}: at least 50 and 1")
+        self._flush: torch.Tensor | None = None
+
+    def __call__(self, fn: ExpertsFn, cases: Sequence[Case], schedule: Schedule | None = None) -> Timing:
+        device = cases[0].x.device
+        if self._flush is None or self._flush.device != device:
+            self._flush = torch.ones(self.flush_bytes // 4, dtype=torch.float32, device=device)
+        buf, n = self._flush, max(1, self.reps // self.rounds)
+
+        def wait(_):
+            torch.cuda.synchronize(device)
+
+        with torch.inference_mode():
+            for i in range(self.warmup):
+                _call(fn, cases[i % len(cases)])
+            alone = kernel_sum(lambda i: buf.sum(), n, wait)
+            rounds = [kernel_sum(lambda i, r=r: (buf.sum(), _call(fn, cases[(r * n + i) % len(cases)])), n, wait)
+                      for r in range(self.rounds)]
+        if alone is None or any(t is None for t in rounds):
+            raise CuptiUnavailable("KernelSumTimer: CUPTI is not reachable here (it is read through JAX's CUDA "
+                                   "build: pip install 'jax[cuda]')")
+        per = sorted(max(0.0, t - alone) for t in rounds)
+        return Timing(statistics.median(per), per[-1] - per[0], n * self.rounds, self.name, None, tuple(per))
+
+
+def timer_for(device: str | torch.device, backend=None) -> Timer:
+    """The real timer for a device and backend: on a GPU, CUDA graphs, or the kernel sum for a backend whose
+    kernels are JAX programs (a torch graph cannot capture a JAX call); on CPU, the host timer."""
+    if torch.device(device).type != "cuda":
+        return CpuTimer()
+    return KernelSumTimer() if getattr(backend, "library", "") == "jax" else CudaGraphTimer()

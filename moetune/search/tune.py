@@ -320,7 +320,7 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
     if why:
         raise TunerUnavailable(f"backend {backend} is not usable here: {why}")
     device = options.device or backend_device(backend)
-    timer = timer or timer_for(device)
+    timer = timer or timer_for(device, be)
     block = block.replace(T_max=max(block.T_max, tokens[1])) if block.T_max < tokens[1] else block
     sb = schedule_block(block, target, trace=trace, tokens=tokens)
     buckets = [b for b in sb.buckets if b.hi >= tokens[0] and b.lo <= tokens[1]]

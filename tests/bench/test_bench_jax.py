@@ -57,13 +57,13 @@ def test_the_ragged_dot_experts_match_the_reference(dtype):
 def test_moetune_fn_is_the_jitted_default_and_matches_the_reference(monkeypatch, T):
     monkeypatch.setenv(INTERPRET_ENV, "1")
     block = MoEBlock(E=8, k=2, D=64, F=32, weight_dtype="bfloat16", routing_weight_dtype="bfloat16")
-    assert J.moetune_schedule(block, T).kind == ("stream_gemv" if T == 1 else "grouped_gemm")
+    assert J.moetune_schedule(block, T)[0].kind == ("stream_gemv" if T == 1 else "grouped_gemm")
     x, ids, wts, w = _inputs(block, T, seed=T)
     args = (to_jax(x), to_jax(ids.to(torch.int32)), to_jax(wts), jax_experts(w))
     fn = J.moetune_fn(block, T)  # moetune.jax.experts, jitted: its lowered program names the kernel it runs
     assert worst_error(torch.from_dlpack(fn(*args)), experts_reference(block, x, ids, wts, w)) <= 1
     text = fn.lower(*args).as_text(debug_info=True)
-    assert f"moetune_experts/pallas_gpu.{J.moetune_schedule(block, T).kind}" in text
+    assert f"moetune_experts/pallas_gpu.{J.moetune_schedule(block, T)[0].kind}" in text
 
 
 @pytest.mark.parametrize("T", [1, 12])

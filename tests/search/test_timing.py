@@ -15,9 +15,12 @@ from moetune.search.timing import (
     Case,
     CpuTimer,
     CudaGraphTimer,
+    CuptiUnavailable,
     FakeTimer,
     JaxTimer,
+    KernelSumTimer,
     NotCapturable,
+    kernel_sum,
     routing_mean,
     timer_for,
 )
@@ -72,8 +75,38 @@ def test_fake_timer_runs_the_kernel_once_and_reports_the_cost():
 
 
 def test_timer_for_the_device():
+    from moetune.codegen.backend import get
+
     assert isinstance(timer_for("cpu"), CpuTimer)
     assert isinstance(timer_for("cuda:0"), CudaGraphTimer)
+    assert isinstance(timer_for("cuda:0", get("triton")), CudaGraphTimer)
+    pallas = get("pallas_tpu")  # a backend whose kernels are JAX programs: no torch graph can hold them
+    assert isinstance(timer_for("cuda:0", pallas), KernelSumTimer) and isinstance(timer_for("cpu", pallas), CpuTimer)
+
+
+def test_the_kernel_sum_needs_cupti_and_says_so():
+    if kernel_sum(lambda i: None, 1, lambda _: None) is not None:
+        pytest.skip("CUPTI is reachable here")
+    with pytest.raises(CuptiUnavailable, match="CUPTI is not reachable"):
+        KernelSumTimer(reps=50, flush_bytes=1 << 10)(lambda *a: a[0], cases(1))
+    with pytest.raises(ValueError, match="at least 50"):
+        KernelSumTimer(reps=10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA timing needs a CUDA device")
+def test_the_kernel_sum_agrees_with_the_graph_replay():  # pragma: no cover - GPU only
+    if kernel_sum(lambda i: None, 1, lambda _: None) is None:
+        pytest.skip("CUPTI is not reachable (JAX's CUDA build)")
+    block = tb.BLOCK.replace(weight_dtype="bfloat16", routing_weight_dtype="bfloat16", D=1024, F=512)
+    w = expert_tensors(block, "cuda")
+    cs = make_cases(block, w, 4, 8, torch.Generator().manual_seed(0))
+    from moetune.search.baseline import baseline_fn
+
+    fn, _ = baseline_fn(block, "batched_mm")
+    graph = CudaGraphTimer(reps=100)(fn, cs).median_s
+    t = KernelSumTimer(reps=100)(fn, cs)
+    assert t.reps == 100 and len(t.times_s) == 5 and t.spread_s == t.times_s[-1] - t.times_s[0]
+    assert 0.5 * graph < t.median_s <= 1.1 * graph  # the kernels alone: at most the replay, gaps excluded
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph timing needs a CUDA device")
