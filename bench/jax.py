@@ -9,8 +9,8 @@ uniform routings), shared by JAX and torch through DLPack (no copy):
     `moetune-jax` the pallas_gpu backend (Pallas kernels through Pallas' Triton lowering, `build_jax`) running the
     table's (`--table`) pallas_gpu entry for T, else its runtime default; `moetune-jax:triton-xla` moetune's
     Triton kernels at an XLA FFI call (moetune.jax.xla_call) running the table's triton schedule for T, as the
-    PyTorch path does; with `--kinds` also each pallas_gpu schedule kind's default (`backend.default(block, kind, T)`) where
-    it is another schedule;
+    PyTorch path does; with `--kinds` also each pallas_gpu schedule kind's default
+    (`backend.default(block, kind, T)`) where it is another schedule;
   * ragged_dot (JAX): `ragged_fn(block)`, the experts written the usual way with `jax.lax.ragged_dot`: sort the
     pairs by expert, group sizes by bincount, gate/up ragged_dot, silu(gate)·up, down ragged_dot, unsort,
     weighted sum over the k experts. It reads the weights in the [E, D, 2F] / [E, F, D] layout ragged_dot
