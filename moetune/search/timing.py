@@ -324,17 +324,28 @@ def _call(fn: ExpertsFn, c: Case) -> torch.Tensor:
     return fn(c.x, c.ids, c.weights, c.w)
 
 
+def _cupti():
+    """JAX's GPU extension, through which CUPTI is read; None where it is not installed."""
+    try:
+        from jax._src.lib import mosaic_gpu
+
+        return mosaic_gpu._mosaic_gpu_ext
+    except (ImportError, AttributeError):
+        return None
+
+
+def cupti_reachable() -> bool:
+    return _cupti() is not None
+
+
 def kernel_sum(launch: Callable[[int], object], iterations: int, wait: Callable[[list], object]) -> float | None:
     """Device seconds per iteration of `launch(i)` (which launches and returns what `wait` waits for): the
     durations of every kernel the iterations ran, as CUPTI records them (through JAX's GPU extension, which
     sees the kernels of the whole process: JAX's and torch's), summed and divided by `iterations`; gaps
     between kernels are not counted. None where the extension is not installed (no CUDA JAX) or records
     nothing."""
-    try:
-        from jax._src.lib import mosaic_gpu
-
-        ext = mosaic_gpu._mosaic_gpu_ext
-    except (ImportError, AttributeError):
+    ext = _cupti()
+    if ext is None:
         return None
     wait([launch(0)])
     ext._cupti_init()

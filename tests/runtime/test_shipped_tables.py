@@ -204,15 +204,14 @@ def test_h200_table_serves_its_own_versions_and_the_package_pins():
 
 COVERED = {  # bench preset: the T_max up to which the shipped H200 table has an entry for every token count
     "qwen3-30b-a3b": 4096, "deepseek-v3": 4096, "qwen3.5-397b-a17b": 4096, "mixtral-8x7b": 4096,
-    "qwen3-30b-a3b-fp8": 1024, "deepseek-v3-fp8": 1024, "qwen3.5-397b-a17b-fp8": 1024, "mixtral-8x7b-fp8": 1024,
+    "qwen3-30b-a3b-fp8": 4096, "deepseek-v3-fp8": 4096, "qwen3.5-397b-a17b-fp8": 4096, "mixtral-8x7b-fp8": 4096,
 }
 
 
 @pytest.mark.parametrize("name", COVERED)
 def test_a_compiled_bench_preset_finds_an_entry_for_every_token_count(name):
-    """The shipped H200 table covers T = 1 … T_max for the bench's presets (4096, a compiled model's default, for
-    the bf16 ones; 1024 for the FP8 ones, tuned that far): the dispatcher an H200 builds from it routes every
-    bucket to a table entry and warns of nothing."""
+    """The shipped H200 table covers T = 1 … T_max for the bench's presets (4096, a compiled model's default, bf16
+    and FP8): the dispatcher an H200 builds from it routes every bucket to a table entry and warns of nothing."""
     import warnings
 
     pytest.importorskip("triton")
