@@ -29,7 +29,7 @@ and compile). Per record: time, the floor (`moetune.passes.targets.floor`, h200,
 the timed routings), % of floor and, for the moetune JAX rows, like-for-like ratios: `vs_ragged_dot`
 (host-timed both), `vs_torch_host` (PyTorch host-launched / JAX host-timed) and `vs_torch_graph` (PyTorch graph
 replay / JAX pipelined). Where JAX's CUDA build reaches CUPTI, `device_us` is every row's kernels' own device time
-per call (`JaxTimer.device_time`, `CudaGraphTimer.kernel_time`: kernel durations summed, no gaps) and
+per call (`JaxTimer.device_time`, `KernelSumTimer`: kernel durations summed, no gaps) and
 `vs_torch_device` the PyTorch path's over the JAX row's.
 
     python -m bench jax --out DIR [--shapes a,b] [--tokens 1,8,64,256] [--kinds] [--reps 100] [--budget-s 240]
@@ -255,6 +255,7 @@ def time_torch(block, T: int, w, cases, ref, timer, table_path: str) -> dict:
 
     from moetune.codegen.torch.tolerance import worst_error
     from moetune.codegen.triton import BACKEND as TRITON
+    from moetune.search.timing import KernelSumTimer, cupti_reachable
 
     sched, source = torch_schedule(block, T, table_path)
     fields = dict(schedule=f"{source}: {sched.describe()}")
@@ -271,9 +272,8 @@ def time_torch(block, T: int, w, cases, ref, timer, table_path: str) -> dict:
     t = timer(fn, cases)
     fields.update(time_us=t.median_s * 1e6, host_us=t.host_median_s * 1e6, spread_us=t.spread_s * 1e6,
                   reps=t.reps, method=t.method)
-    dev = timer.kernel_time(fn, cases)
-    if dev is not None:
-        fields["device_us"] = dev * 1e6
+    if cupti_reachable():
+        fields["device_us"] = KernelSumTimer(reps=timer.reps)(fn, cases).median_s * 1e6
     return fields
 
 
@@ -357,14 +357,13 @@ def run(args) -> int:
     from moetune.search.objective import expert_tensors
     from moetune.search.timing import CudaGraphTimer, JaxTimer
 
-    from .kernels import bench_block
+    from .kernels import bench_block, device_stem
 
     t_start = time.time()
     dev = torch.device("cuda")
-    name = torch.cuda.get_device_name().replace(" ", "-").lower()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}-jax.json"
+    path = out / f"{device_stem()}-jax.json"
     print(f"device {torch.cuda.get_device_name()} jax {jax.__version__} torch {torch.__version__}", flush=True)
     timers = dict(jax=JaxTimer(reps=args.reps), torch=CudaGraphTimer(reps=args.reps))
     records: list[dict] = []

@@ -413,6 +413,11 @@ def cell(shape: str, T: int, w, args, timer: CudaGraphTimer, name: str) -> list[
     return records
 
 
+def device_stem() -> str:
+    """This GPU's name as the results files begin with it (`nvidia-h200`)."""
+    return torch.cuda.get_device_name().replace(" ", "-").lower()
+
+
 def run(args) -> int:
     if args.render:
         print(render(args.render))
@@ -425,7 +430,7 @@ def run(args) -> int:
 
     t_start = time.time()
     dev = torch.device("cuda")
-    name = torch.cuda.get_device_name().replace(" ", "-").lower()
+    name = device_stem()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{name}-kernels" + ("-fp8" if args.weights == "fp8" else "")

@@ -26,8 +26,6 @@ from ..codegen.pallas._common import JaxExperts
 from ..ir import MoEBlock, Schedule, UnsupportedSchedule
 
 FIELDS = JaxExperts._fields
-
-
 _DL_CUDA = 2  # DLPack's device type of a CUDA buffer
 _NO_SYNC = -1  # DLPack's stream argument asking the producer not to synchronise: the kernels run on its stream
 _VIEWS: dict[tuple, torch.Tensor] = {}  # (address, shape, dtype) of a GPU buffer → its torch view
@@ -36,8 +34,8 @@ _STREAMS: dict[tuple[int, int], torch.cuda.ExternalStream] = {}
 
 def _tensor(buf) -> torch.Tensor:
     """A torch view of an XLA FFI buffer (DLPack, no copy). On a GPU the view of an address seen before with
-    the same shape and dtype is reused: XLA hands the same weights, and mostly the same buffers, every call,
-    and making a view is a host cost paid on every call otherwise."""
+    the same shape and dtype is reused: the weights are the same buffers at every call, and making a view
+    is a host cost."""
     cai = getattr(buf, "__cuda_array_interface__", None) if buf.__dlpack_device__()[0] == _DL_CUDA else None
     key = None if cai is None else (cai["data"][0], tuple(buf.shape), str(buf.dtype))
     hit = _VIEWS.get(key) if key is not None else None
@@ -107,9 +105,11 @@ class XlaBridged:
             return why
         import jax
 
-        if self._backend.name == "triton" and torch.cuda.is_available():
-            if not any(d.platform == "gpu" for d in jax.devices()):
-                return "the triton kernels run on the GPU and JAX sees none (install jax[cuda])"
+        from ..runtime.default import backend_device
+
+        gpu_kernels = backend_device(self._backend.name) == "cuda" and torch.cuda.is_available()
+        if gpu_kernels and not any(d.platform == "gpu" for d in jax.devices()):
+            return f"the {self._backend.name} kernels run on the GPU and JAX sees none (install jax[cuda])"
         return None
 
 

@@ -200,20 +200,6 @@ class CudaGraphTimer:
                 fn(c.x, c.ids, c.weights, c.w)
         return self._host_launched(fn, cases, self._flush_buffer(device), torch.zeros((), device=device))
 
-    def kernel_time(self, fn: ExpertsFn, cases: Sequence[Case]) -> float | None:
-        """Device seconds per call as `kernel_sum` counts them (the kernels alone, no gaps), each call after
-        the flush read, less the flush reads' own: beside a JAX function's `JaxTimer.device_time`, like for
-        like. None where CUPTI is not reachable."""
-        buf = self._flush_buffer(cases[0].x.device)
-
-        def wait(_):
-            torch.cuda.synchronize()
-
-        with torch.inference_mode():
-            both = kernel_sum(lambda i: (buf.sum(), _call(fn, cases[i % len(cases)])), self.reps, wait)
-            alone = kernel_sum(lambda i: buf.sum(), self.reps, wait)
-        return None if both is None or alone is None else max(0.0, both - alone)
-
     def _host_launched(self, fn: ExpertsFn, cases: Sequence[Case], buf: torch.Tensor,
                        sink: torch.Tensor) -> float:
         times = []
@@ -305,9 +291,8 @@ class JaxTimer:
         import jax
 
         read, flush = self._reader(cases)
-        both = kernel_sum(lambda i: (read(flush), fn(*cases[i % len(cases)])), self.reps, jax.block_until_ready)
-        alone = kernel_sum(lambda i: read(flush), self.reps, jax.block_until_ready)
-        return None if both is None or alone is None else max(0.0, both - alone)
+        return after_flush(lambda i: fn(*cases[i % len(cases)]), lambda: read(flush), self.reps,
+                           jax.block_until_ready)
 
     def _reader(self, cases: Sequence[tuple]):
         """(jitted sum, the flush buffer on the device of the cases' first array)."""
@@ -393,14 +378,22 @@ class KernelSumTimer:
         with torch.inference_mode():
             for i in range(self.warmup):
                 _call(fn, cases[i % len(cases)])
-            alone = kernel_sum(lambda i: buf.sum(), n, wait)
-            rounds = [kernel_sum(lambda i, r=r: (buf.sum(), _call(fn, cases[(r * n + i) % len(cases)])), n, wait)
+            rounds = [after_flush(lambda i, r=r: _call(fn, cases[(r * n + i) % len(cases)]), buf.sum, n, wait)
                       for r in range(self.rounds)]
-        if alone is None or any(t is None for t in rounds):
+        if any(t is None for t in rounds):
             raise CuptiUnavailable("KernelSumTimer: CUPTI is not reachable here (it is read through JAX's CUDA "
                                    "build: pip install 'jax[cuda]')")
-        per = sorted(max(0.0, t - alone) for t in rounds)
+        per = sorted(rounds)
         return Timing(statistics.median(per), per[-1] - per[0], n * self.rounds, self.name, None, tuple(per))
+
+
+def after_flush(call: Callable[[int], object], read: Callable[[], object], iterations: int,
+                wait: Callable[[list], object]) -> float | None:
+    """Device seconds per `call(i)`, each launched after `read()` (the flush): the `kernel_sum` of both less
+    that of the reads alone; None where CUPTI is not reachable."""
+    both = kernel_sum(lambda i: (read(), call(i)), iterations, wait)
+    alone = kernel_sum(lambda i: read(), iterations, wait)
+    return None if both is None or alone is None else max(0.0, both - alone)
 
 
 def timer_for(device: str | torch.device, backend=None) -> Timer:
