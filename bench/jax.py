@@ -22,7 +22,11 @@ Each is checked against the float32 reference (`moetune.search.objective.referen
 `worst_error` ≤ 1) before it is timed; a failing or crashing one is recorded with its error and the sweep
 goes on. JAX functions are timed by `moetune.search.timing.JaxTimer`: `time_us` host-timed to
 block_until_ready (a 256 MB read before every rep, ≥ 50 reps: JAX dispatch and the wait included) and
-`pipelined_us`, the per-call cost of calls issued back to back (`JaxTimer.pipelined`: the steady state). The
+`pipelined_us`, the per-call cost of calls issued back to back (`JaxTimer.pipelined`). The suite runs with
+XLA_FLAGS `RECORD_FLAG` (unless XLA_FLAGS sets it), so that XLA records even these one-call programs into CUDA
+graphs as it records a model's: a recorded triton-xla call replays without entering Python while its buffers'
+addresses repeat (`time_us`: one call at a time), and is recorded again, through Python, for each call whose
+addresses are new (`pipelined_us`: every call's output is another buffer). The
 PyTorch path is timed by the package's CudaGraphTimer: `time_us` graph replays (device time), `host_us` its
 host-launched median (launch and wait included). `compile_s` is the first call's wall time (trace, lowering
 and compile). Per record: time, the floor (`moetune.passes.targets.floor`, h200, with the distinct experts of
@@ -51,6 +55,9 @@ TOKENS = (1, 8, 64, 256)
 N_ROUT = 8
 SLOW_CALL_S = 0.02
 BACKEND = "pallas_gpu"
+# XLA records a program's runs of kernels into CUDA graphs only from a few in a row; a model's programs have
+# many, the bench's one-call programs not: this makes XLA record them too, as in a model
+RECORD_FLAG = "--xla_gpu_graph_min_graph_size=1"
 
 
 # ------------------------------------------------------------------------------------------ the functions
@@ -346,6 +353,8 @@ def run(args) -> int:
         print(f"python -m bench jax: {e}", file=sys.stderr)
         return 2
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch holds the weights; JAX shares them
+    if "xla_gpu_graph_min_graph_size" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {RECORD_FLAG}".strip()
     why = gpu_missing()
     if why:
         print(f"python -m bench jax: {why} (the suite times GPU kernels)", file=sys.stderr)
@@ -364,7 +373,8 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{device_stem()}-jax.json"
-    print(f"device {torch.cuda.get_device_name()} jax {jax.__version__} torch {torch.__version__}", flush=True)
+    print(f"device {torch.cuda.get_device_name()} jax {jax.__version__} torch {torch.__version__} "
+          f"XLA_FLAGS={os.environ['XLA_FLAGS']}", flush=True)
     timers = dict(jax=JaxTimer(reps=args.reps), torch=CudaGraphTimer(reps=args.reps))
     records: list[dict] = []
     for shape in shapes:
@@ -384,7 +394,7 @@ def run(args) -> int:
                       + (f"{r['time_us']:9.1f} µs ({r['pct_floor']:.0f}% of floor)" if r.get("time_us")
                          else r.get("error", "")) + f"  [{time.time() - t_start:.0f}s]", flush=True)
             path.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), jax=jax.__version__,
-                                            records=records), indent=1))
+                                            xla_flags=os.environ["XLA_FLAGS"], records=records), indent=1))
         del w, rw
         torch.cuda.empty_cache()
     print(table(records))

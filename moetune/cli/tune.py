@@ -12,7 +12,8 @@ default heuristic, the spread of the final timings, vs transformers' baseline; t
 Winners go to `--cache` (default cache/<target>.sqlite; cache/<target>-tiny.sqlite for --tiny), replacing
 only slower entries; a winner that does not beat the default by more than the spread of the final round's
 timings is not written (the bucket keeps the default, and its line says so with the numbers); where no usable
-entry covers such a bucket, the default is written as its entry.
+entry covers such a bucket, or where the bucket's own entry was timed beside the default and lost, the default
+is written as its entry.
 `--exhaustive` times every point of each bucket's space (to check the TPE winner against a grid).
 `--space-cap N` tunes each bucket over a deterministic sub-grid of at most N points around the default
 heuristic (search.space.cap_space), the same for TPE and `--exhaustive`, so that a grid stays in reach.
@@ -296,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{written} of {len(results)} bucket winners written to {cache} "
           f"(an entry is replaced by a faster one, or by a winner chosen against it here; a winner within the "
           f"spread of the default is not written: the default serves its bucket, and is written as its entry where "
-          f"no usable entry covered it); "
+          f"no usable entry covered it or where it beat the bucket's entry here); "
           f"total {time.monotonic() - t0:.0f} s")
     left = [r for r in results if r.stopped.startswith("not tuned: time limit")]
     if left:

@@ -9,15 +9,29 @@ its own dispatch-table entries: the table tuned for the torch runtime applies un
 hands the callback its device buffers and, on a GPU, the stream it runs the program on; the torch kernels
 are launched on that stream (torch.cuda.ExternalStream), so they are ordered with the program's other work
 and the host waits for nothing. Buffers cross by DLPack: the weights are read in place and the result is
-copied once into the callback's output buffer. The callback is not recorded into XLA's command buffers: it
-runs, and launches its kernels from the host, every time the program runs.
+copied once into the callback's output buffer.
 
-Ids reach the torch kernels as int64, the dtype the torch runtime passes them in.
+On a GPU the call is traceable into XLA's command buffers (`command_buffer_compatible`): where XLA records the
+program, or the part of it around the call, as a CUDA graph, it runs the callback once with the stream
+capturing, and afterwards replays the kernels the callback launched without entering Python; it runs the
+callback again only when the buffers' addresses change. Two things make the torch kernels safe to record:
+  - memory: what the kernels allocate while the stream captures (scratch, partial sums) comes from a
+    memory pool of the call site's own (torch.cuda.MemPool), kept as long as the call site, so the replays'
+    scratch is never handed to anyone else; a call site's recordings share it (they run one at a time);
+  - compilation: a kernel's first launch compiles and loads it, which a capturing thread may not do; a
+    call whose first run is a capture first runs once on zeros in another thread, on another stream.
+Where XLA makes no command buffer (a program too small for one, or the flag off), the callback runs, and
+launches its kernels from the host, every time the program runs.
+
+Ids reach the torch kernels as int64, the dtype the torch runtime passes them in. One-byte floats (e4m3
+weights, ue8m0 scales) cross as their bytes (a bitcast to uint8 in the program, a view back in torch):
+XLA's GPU buffers do not export 8-bit float types through DLPack.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
@@ -52,6 +66,30 @@ def _tensor(buf) -> torch.Tensor:
     return t
 
 
+def _byte_float(dtype) -> torch.dtype | None:
+    """The torch dtype of a one-byte float JAX dtype (it crosses as uint8), else None."""
+    import numpy as np
+
+    dt = np.dtype(dtype)
+    if dt.itemsize != 1 or dt.kind in "iub":
+        return None
+    t = getattr(torch, dt.name, None)
+    if not isinstance(t, torch.dtype):
+        raise UnsupportedSchedule(f"moetune.jax: no torch dtype for the one-byte float {dt.name}")
+    return t
+
+
+def _bytes(a):
+    import jax
+    import jax.numpy as jnp
+
+    return jax.lax.bitcast_convert_type(a, jnp.uint8)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None else t.view(dtype)
+
+
 def _stream(ctx, buf):
     """Within it, torch's current stream is the one XLA runs the program on (a buffer on a GPU); nothing to do
     on a CPU."""
@@ -65,23 +103,74 @@ def _stream(ctx, buf):
     return torch.cuda.stream(s)
 
 
+def _recordable(device: torch.device) -> bool:
+    """Whether a call on `device` may be traced into XLA's command buffers: a GPU, with torch's memory pools."""
+    return device.type == "cuda" and hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")
+
+
+class _CallSite:
+    """The torch side of one FFI call site: the torch ExpertsFn, whether it has run (its kernels compiled and
+    loaded), and on a GPU the memory pool its recorded kernels allocate from (module doc)."""
+
+    def __init__(self, fn: ExpertsFn) -> None:
+        self.fn = fn
+        self.warm = False
+        self.pool = None
+
+    def __call__(self, ctx, out, x_b, ids_b, weights_b, arrays, present) -> None:
+        with _stream(ctx, out):
+            o = _tensor(out)
+            x, ids, wts = _tensor(x_b), _tensor(ids_b), _tensor(weights_b)
+            tw = ExpertTensors(**{f: _as(_tensor(a), dt) for (f, dt), a in zip(present, arrays, strict=True)})
+            if not _recordable(o.device):
+                o.copy_(self.fn(x, ids.to(torch.int64), wts, tw))
+                return
+            capturing = torch.cuda.is_current_stream_capturing()
+            if capturing and not self.warm:
+                self._warm_up(x, ids, wts, tw)
+            if self.pool is None:
+                self.pool = torch.cuda.MemPool()
+            with torch.cuda.use_mem_pool(self.pool, o.device):
+                o.copy_(self.fn(x, ids.to(torch.int64), wts, tw))
+            self.warm = True
+
+    def _warm_up(self, x, ids, wts, tw) -> None:
+        """One run on zeros (expert 0 for every pair) in another thread, on another stream, so that the
+        kernels compile and load outside the capture; the weights are only read."""
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                s = torch.cuda.Stream(x.device)
+                with torch.cuda.stream(s):
+                    self.fn(torch.zeros_like(x), torch.zeros(ids.shape, dtype=torch.int64, device=x.device),
+                            torch.zeros_like(wts), tw)
+                s.synchronize()
+            except BaseException as e:  # re-raised in the calling thread
+                failed.append(e)
+
+        t = threading.Thread(target=run, name="moetune-xla-warm-up")
+        t.start()
+        t.join()
+        if failed:
+            raise failed[0]
+
+
 def via_xla(block: MoEBlock, fn: ExpertsFn):
     """The JaxExpertsFn running the torch ExpertsFn `fn` of `block` at an XLA FFI call (module doc)."""
     import jax
     from jax.experimental.buffer_callback import buffer_callback
 
     def call(x, ids, weights, w: JaxExperts):
-        present = tuple(f for f in FIELDS if getattr(w, f) is not None)
+        present = tuple((f, _byte_float(getattr(w, f).dtype)) for f in FIELDS if getattr(w, f) is not None)
+        site = _CallSite(fn)
 
         def run(ctx, out, x_b, ids_b, weights_b, *arrays) -> None:
-            with _stream(ctx, out):
-                o = _tensor(out)
-                tw = ExpertTensors(**{f: _tensor(a) for f, a in zip(present, arrays, strict=True)})
-                y = fn(_tensor(x_b), _tensor(ids_b).to(torch.int64), _tensor(weights_b), tw)
-                o.copy_(y)
+            site(ctx, out, x_b, ids_b, weights_b, arrays, present)
 
         result = jax.ShapeDtypeStruct((x.shape[0], block.D), x.dtype)
-        return buffer_callback(run, result)(x, ids, weights, *(getattr(w, f) for f in present))
+        return buffer_callback(run, result, command_buffer_compatible=True)(
+            x, ids, weights, *(_bytes(getattr(w, f)) if dt else getattr(w, f) for f, dt in present))
 
     return call
 

@@ -13,7 +13,8 @@ A bucket's tuning:
    holds best wins, or the bucket is split into parts (finalists.py). A winner that does not beat the
    default by more than the spread of those re-timings is not written: the bucket keeps the default, and
    its result says why; where no usable entry of the table covers the bucket, the default itself is written
-   as its entry (the table then covers every bucket tuned, and a resumed run skips it). Else the winner is
+   as its entry (the table then covers every bucket tuned, and a resumed run skips it), and so it is where the
+   bucket's own entry was timed here (a seed) and lost to the default: it replaces that entry. Else the winner is
    written to the table with its time at the representative count, floor, default time, baseline time
    and that spread; a written entry replaces the older entries it overlaps.
 
@@ -140,12 +141,17 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
         if table is not None and fr.winner is not None and fr.default_time_s is not None:
             versions = versions or Versions.current(backend.name, objective.device)
             holes = _holes(table, block, target, backend.name, bucket, versions, objective.device)
+            beaten = _beaten_here(table, block, target, backend.name, bucket, outcomes, default)
+            if beaten:  # the bucket's own entry lost to the default here: the default replaces it
+                holes = [(bucket.lo, bucket.hi)]
             if holes:
                 whole = holes == [(bucket.lo, bucket.hi)]
                 held = dataclasses.replace(result, parts=() if whole else tuple(
                     (lo, hi, fr.winner, fr.time_s, inputs.tokens) for lo, hi in holes))
                 written = _write(table, held, block, target, versions, timer, fr, outcomes, space, default)
-                said = ("the default written as the bucket's entry (no usable entry covered it)" if whole else
+                said = ("the default written as the bucket's entry, replacing the stored entry it beat here"
+                        if beaten else
+                        "the default written as the bucket's entry (no usable entry covered it)" if whole else
                         "the default written where no usable entry covered the bucket: "
                         + ", ".join(f"[{lo},{hi}]" for lo, hi in holes))
                 result = dataclasses.replace(result, written=written, elapsed_s=share.spent(), stopped="; ".join(
@@ -222,6 +228,21 @@ def _holes(table: DispatchTable, block: MoEBlock, target: str, backend: str, buc
     if nxt <= bucket.hi:
         out.append((nxt, bucket.hi))
     return out
+
+
+def _beaten_here(table: DispatchTable, block: MoEBlock, target: str, backend: str, bucket: Bucket,
+                 outcomes: dict[str, Outcome], default: Schedule | None) -> bool:
+    """Whether the table's entry of exactly this bucket is another schedule than the default and this study
+    timed it (it is a seed): the bucket keeping its default then means the default beat it, and it is replaced,
+    not left to serve the bucket."""
+    old = table.get(target, backend, block.signature_hash(), bucket.lo, bucket.hi)
+    if old is None or default is None:
+        return False
+    try:
+        k = key(old.schedule(block))
+    except CacheError:
+        return False
+    return k != key(default) and k in outcomes
 
 
 def _floor_us(block: MoEBlock, target: str, tokens: int) -> float | None:

@@ -5,6 +5,7 @@ path unchanged; the lowered program holds the FFI call inside moetune's scope.""
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 
 import pytest
@@ -118,3 +119,30 @@ def test_the_tables_triton_entries_serve_the_jax_path_unchanged(tmp_path):
         text = _jitted(block, "triton", table=str(path), target="cpu").lower(
             *_args(_case(block, 3, "random"), w)).as_text(debug_info=True)
     assert f"{mj.SCOPE}/triton.stream_gemv" in text and "buffer" in text.lower()
+
+
+@pytest.mark.skipif(not os.environ.get("MOETUNE_TEST_GPU") or not torch.cuda.is_available(),
+                    reason="XLA records the call into a CUDA graph on a GPU: MOETUNE_TEST_GPU=1 on a GPU machine")
+@pytest.mark.parametrize("name", ["f32", "fp8_block"])
+def test_the_recorded_call_replays_each_calls_inputs(name):  # pragma: no cover - GPU only
+    """A program in which the call's output is a temporary (x + experts(x), widened), so that XLA records it into a
+    CUDA graph and replays it at the same addresses, run over several routings in turn and again: each result is
+    that routing's, never a replay of another's; GEMV and grouped GEMM."""
+    block = BLOCKS[name]
+    w = expert_tensors(block, "cuda", seed=1)
+    wj = [None if a is None else to_jax(a) for a in (w.gate_up, w.down, w.gate_up_scale, w.down_scale)]
+
+    @jax.jit
+    def f(x, i, t, gu, dn, gus, dns):
+        y = mj.experts(x, i, t, gu, dn, block=block, backend="triton", gate_up_scale=gus, down_scale=dns)
+        return x.astype(jnp.float32) + y.astype(jnp.float32)
+
+    for T in (1, 24):
+        cases = [tuple(a.cuda() for a in _case(block, T, "random", seed=s)) for s in range(4)]
+        sch = mj.route(block, T, backend="triton").schedule
+        for _ in range(3):
+            for x, ids, wts in cases:
+                got = torch.from_dlpack(f(to_jax(x), to_jax(ids), to_jax(wts), *wj)) - x.float()
+                ref = experts_reference(block, x, ids.long(), wts, w)
+                err = worst_error(got.to(x.dtype), ref, tf32=True, a8=quantizes_activations(sch.params))
+                assert err <= 1.0, (T, err)

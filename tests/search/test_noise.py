@@ -105,3 +105,21 @@ def test_a_kept_default_fills_only_what_no_usable_entry_covers(tmp_path):
     assert [(e.bucket_lo, e.bucket_hi) for e in rows] == [(1, 3), (4, 8)]
     assert rows[0].schedule(tb.BLOCK) == held and rows[1].schedule(tb.BLOCK) == default
     assert r.stopped.endswith("the default written where no usable entry covered the bucket: [4,8]")
+
+
+def test_a_kept_default_replaces_the_buckets_entry_it_beat(tmp_path):
+    """The table's entry of the bucket itself is a slower schedule; the study times it (a seed) and keeps the
+    default: the default replaces that entry, which would else go on serving the bucket."""
+    from moetune.runtime.table import DispatchEntry
+
+    slow = Schedule("grouped_gemm", backend="toy-noise-beaten", params=tb.ToyParams(tile=16, stages=3))
+
+    def before(t, b):
+        t.put(DispatchEntry.of(target="toy-target", block=tb.BLOCK, bucket=(b.lo, b.hi), schedule=slow,
+                               time_us=90.0, versions=VERSIONS))
+
+    r, rows, default, _, calls = _tune(tmp_path, "toy-noise-beaten", 98e-6, before)
+    assert key(slow) in calls and r.winner == default and r.written
+    (e,) = rows
+    assert e.schedule(tb.BLOCK) == default and e.time_us == pytest.approx(DEFAULT_S * 1e6)
+    assert r.stopped.endswith("the default written as the bucket's entry, replacing the stored entry it beat here")
