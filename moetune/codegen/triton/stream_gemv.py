@@ -145,6 +145,32 @@ def _fused_slot(ids_ptr, P, E, slot, BP: tl.constexpr):
 
 
 @triton.jit
+def _slot_work(ids_ptr, counts_ptr, P, E, slot, FUSED: tl.constexpr, BP: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The slot-th active expert's work, from the ids themselves (FUSED: `_fused_slot`) or from routing.py's
+    counts (`_find_slot`): (expert as an int64 index, 0 for an empty slot; its first sorted row; m_e; and with
+    FUSED the match and rank vectors that `_slot_pairs` reads, else 0)."""
+    if FUSED:
+        e, m, match, mrank = _fused_slot(ids_ptr, P, E, slot, BP)
+        st = 0
+    else:
+        e, st, m = _find_slot(counts_ptr, E, slot, 0, False, BLOCK_E)
+        match = 0
+        mrank = 0
+    return tl.where(m > 0, e, 0).to(tl.int64), st, m, match, mrank
+
+
+@triton.jit
+def _slot_pairs(sorted_ptr, st, match, mrank, c, rmask, FUSED: tl.constexpr, ROWS: tl.constexpr,
+                BP: tl.constexpr):
+    """Pair indices [ROWS] of the slot's rows c .. c+ROWS-1 (0 past its last; `_slot_work`)."""
+    if FUSED:
+        pairs = _fused_pairs(match, mrank, c, ROWS, BP)
+    else:
+        pairs = tl.load(sorted_ptr + st + c + tl.arange(0, ROWS), mask=rmask, other=0)
+    return pairs
+
+
+@triton.jit
 def _fused_pairs(match, mrank, c, ROWS: tl.constexpr, BP: tl.constexpr):
     """Pair indices [ROWS] of matches c .. c+ROWS-1 (0 where past the end)."""
     offs = tl.arange(0, BP)
@@ -261,12 +287,7 @@ def stream_gemv_kernel(
     else:
         slot = tl.program_id(0)
         ks = tl.program_id(2)
-        if FUSED:
-            e, m, match, mrank = _fused_slot(ids_ptr, P, E, slot, BP)
-            st = 0
-        else:
-            e, st, m = _find_slot(counts_ptr, E, slot, 0, False, BLOCK_E)
-        ec = tl.where(m > 0, e, 0).to(tl.int64)
+        ec, st, m, match, mrank = _slot_work(ids_ptr, counts_ptr, P, E, slot, FUSED, BP, BLOCK_E)
         w_e = w_ptr + ec * se
         b_e = b_ptr + ec * sbe
         k_lo = ks * k_split
@@ -274,10 +295,7 @@ def stream_gemv_kernel(
         r = tl.arange(0, ROWS)
         for c in range(0, m, ROWS):
             rmask = c + r < m
-            if FUSED:
-                pairs = _fused_pairs(match, mrank, c, ROWS, BP)
-            else:
-                pairs = tl.load(sorted_ptr + st + c + r, mask=rmask, other=0)
+            pairs = _slot_pairs(sorted_ptr, st, match, mrank, c, rmask, FUSED, ROWS, BP)
             wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)  # [ROWS]
             if ROWS == 1:
                 pair = tl.sum(pairs, axis=0)

@@ -55,10 +55,10 @@ from ..common import ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
 from . import combine as _combine
 from . import routing
-from ._common import _act, _find_slot, _store_h, _store_y
+from ._common import _act, _store_h, _store_y
 from .launch import launch
 from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, next_pow2
-from .stream_gemv import FUSED_ROUTE_MAX_PAIRS, _fused_pairs, _fused_slot, _token_pairs
+from .stream_gemv import FUSED_ROUTE_MAX_PAIRS, _slot_pairs, _slot_work, _token_pairs
 
 SOURCES = ("stream_gemv_fp8.py", "stream_gemv.py", "_common.py", "layout.py", "routing.py", "combine.py",
            "launch.py")
@@ -458,12 +458,7 @@ def stream_gemv_fp8_kernel(
         J: tl.constexpr = BK // CW
         slot = tl.program_id(0)
         ks = tl.program_id(2)
-        if FUSED:
-            e, m, match, mrank = _fused_slot(ids_ptr, P, E, slot, BP)
-            st = 0
-        else:
-            e, st, m = _find_slot(counts_ptr, E, slot, 0, False, BLOCK_E)
-        ec = tl.where(m > 0, e, 0).to(tl.int64)
+        ec, st, m, match, mrank = _slot_work(ids_ptr, counts_ptr, P, E, slot, FUSED, BP, BLOCK_E)
         w_e = w_ptr + ec * se
         b_e = b_ptr + ec * sbe
         sc = s_ptr + ec * sse + (n0 // RB) * ssn  # this row block's scales
@@ -472,10 +467,7 @@ def stream_gemv_fp8_kernel(
         r = tl.arange(0, ROWS)
         for c in range(0, m, ROWS):
             rmask = c + r < m
-            if FUSED:
-                pairs = _fused_pairs(match, mrank, c, ROWS, BP)
-            else:
-                pairs = tl.load(sorted_ptr + st + c + r, mask=rmask, other=0)
+            pairs = _slot_pairs(sorted_ptr, st, match, mrank, c, rmask, FUSED, ROWS, BP)
             wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)  # [ROWS]
             if ROWS == 1:
                 pair = tl.sum(pairs, axis=0)
@@ -519,22 +511,14 @@ def stream_gemv_fp8_fused_kernel(
     f0 = tl.program_id(1) * BN
     CW: tl.constexpr = BK if BK < CB else CB
     J: tl.constexpr = BK // CW
-    if FUSED:
-        e, m, match, mrank = _fused_slot(ids_ptr, P, E, slot, BP)
-        st = 0
-    else:
-        e, st, m = _find_slot(counts_ptr, E, slot, 0, False, BLOCK_E)
-    ec = tl.where(m > 0, e, 0).to(tl.int64)
+    ec, st, m, match, mrank = _slot_work(ids_ptr, counts_ptr, P, E, slot, FUSED, BP, BLOCK_E)
     w_e = w_ptr + ec * se
     sc = s_ptr + ec * sse + (f0 // RB) * ssn
     dw_e = d_ptr + ec * dse
     ds_e = ds_ptr + ec * dsse + (f0 // CB) * dssk
     offs_f = f0 + tl.arange(0, BN)
     for c in range(0, m):
-        if FUSED:
-            pair = tl.sum(_fused_pairs(match, mrank, c, 1, BP), axis=0)
-        else:
-            pair = tl.load(sorted_ptr + st + c)
+        pair = tl.sum(_slot_pairs(sorted_ptr, st, match, mrank, c, c < m, FUSED, 1, BP), axis=0)
         tok = pair // K_TOP
         wt = tl.load(wts_ptr + pair).to(tl.float32)
         g, u = _row_gate_up8(x_ptr, s_xt, tok, w_e, sn, up, sc, ssk, sup, f0, D, BN, J, CW, CB, STAGES, UE8M0)
