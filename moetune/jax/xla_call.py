@@ -108,14 +108,35 @@ def _recordable(device: torch.device) -> bool:
     return device.type == "cuda" and hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")
 
 
+RERECORD_WARN = 32  # recordings of one call site past which it says that XLA keeps recording it anew
+
+
 class _CallSite:
     """The torch side of one FFI call site: the torch ExpertsFn, whether it has run (its kernels compiled and
-    loaded), and on a GPU the memory pool its recorded kernels allocate from (module doc)."""
+    loaded), on a GPU the memory pool its recorded kernels allocate from (module doc), and how often XLA has
+    recorded it: XLA keeps a few recordings per call, keyed by its buffers' addresses, so a site recorded
+    again and again is one whose buffers move at every call (many calls in flight), each recording a Python
+    call and a capture; past RERECORD_WARN it says so, once."""
 
-    def __init__(self, fn: ExpertsFn) -> None:
+    def __init__(self, fn: ExpertsFn, name: str = "") -> None:
         self.fn = fn
+        self.name = name
         self.warm = False
         self.pool = None
+        self.recordings = 0
+
+    def recorded(self) -> None:
+        self.recordings += 1
+        if self.recordings == RERECORD_WARN:
+            import warnings
+
+            from ..runtime.dispatch import DispatchWarning
+
+            warnings.warn(
+                f"moetune.jax: XLA has recorded the {self.name or 'torch'} call into its CUDA graphs "
+                f"{RERECORD_WARN} times: its buffers move from call to call (many calls of the program in "
+                "flight), and each recording costs a Python call and a capture; the pallas_gpu backend has no "
+                "such cost", DispatchWarning, stacklevel=2)
 
     def __call__(self, ctx, out, x_b, ids_b, weights_b, arrays, present) -> None:
         with _stream(ctx, out):
@@ -126,8 +147,10 @@ class _CallSite:
                 o.copy_(self.fn(x, ids.to(torch.int64), wts, tw))
                 return
             capturing = torch.cuda.is_current_stream_capturing()
-            if capturing and not self.warm:
-                self._warm_up(x, ids, wts, tw)
+            if capturing:
+                self.recorded()
+                if not self.warm:
+                    self._warm_up(x, ids, wts, tw)
             if self.pool is None:
                 self.pool = torch.cuda.MemPool()
             with torch.cuda.use_mem_pool(self.pool, o.device):
@@ -163,7 +186,7 @@ def via_xla(block: MoEBlock, fn: ExpertsFn):
 
     def call(x, ids, weights, w: JaxExperts):
         present = tuple((f, _byte_float(getattr(w, f).dtype)) for f in FIELDS if getattr(w, f) is not None)
-        site = _CallSite(fn)
+        site = _CallSite(fn, block.name or block.signature_hash())
 
         def run(ctx, out, x_b, ids_b, weights_b, *arrays) -> None:
             site(ctx, out, x_b, ids_b, weights_b, arrays, present)

@@ -27,12 +27,14 @@ ALIGNED_INTS = {"s_xt", "se", "sn", "up", "sbe", "bup", "s_hp", "s_yt", "N", "K"
 UNIT_STRIDES = {"ssk", "dssk"}  # consecutive column blocks: the scale tensors' unit stride
 
 
-def compile_fp8_sm90(constexprs: dict, *, ue8m0: bool = False, fp32_out: bool = False, fused: bool = False,
+def compile_fp8_sm90(constexprs: dict, *, ue8m0: bool = False, fp32_out: bool = False, kernel: str = "gemv",
                      **options):
-    """The two-launch kernel (`fused`: the one-launch fused-down kernel) compiled for sm_90 with `constexprs`."""
+    """A kernel compiled for sm_90 with `constexprs`: "gemv" the two-launch GEMV, "fused" its one-launch form,
+    "hybrid" the FP8 hybrid's."""
+    from moetune.codegen.triton.hybrid_fp8 import hybrid_fp8_kernel
     from moetune.codegen.triton.stream_gemv_fp8 import stream_gemv_fp8_fused_kernel, stream_gemv_fp8_kernel
 
-    kernel = stream_gemv_fp8_fused_kernel if fused else stream_gemv_fp8_kernel
+    kernel = dict(gemv=stream_gemv_fp8_kernel, fused=stream_gemv_fp8_fused_kernel, hybrid=hybrid_fp8_kernel)[kernel]
     constexprs = dict(constexprs, UE8M0=ue8m0)
     sig, cx, attrs = {}, {}, {}
     for i, n in enumerate(kernel.arg_names):
@@ -58,11 +60,22 @@ def compile_fp8_sm90(constexprs: dict, *, ue8m0: bool = False, fp32_out: bool = 
 
 
 def configs(block, tokens: int, p) -> list[tuple[str, dict, dict]]:
-    """(projection, constexprs, options) of the two launches of Fp8GemvParams `p` on `block` at `tokens`."""
+    """(projection, constexprs, options) of the launches of Fp8GemvParams or Fp8HybridParams `p` on `block` at
+    `tokens`."""
+    from moetune.codegen.triton import Fp8HybridParams
     from moetune.codegen.triton.stream_gemv_fp8 import FUSED_ROUTE_MAX_PAIRS
 
     k = block.k
     rb, cb = block.weight_format.block
+    if isinstance(p, Fp8HybridParams):
+        m = dict(ACT=0, HAS_BIAS=False, W_IN=False, UPCAST=False, K_TOP=k,
+                 BLOCK_E=max(16, 1 << (block.E - 1).bit_length()), BM=p.block_m, RB=rb, CB=cb)
+        return [("hybrid_gate_up", dict(m, PROJ=0, BN=p.block_n, BK=p.block_k, BNV=p.gemv_block_n,
+                                        BKV=p.gemv_block_k, STAGES=p.num_stages),
+                 dict(num_warps=p.num_warps, num_stages=p.num_stages)),
+                ("hybrid_down", dict(m, PROJ=1, BN=p.down_block_n, BK=p.down_block_k, BNV=p.down_gemv_block_n,
+                                     BKV=p.down_gemv_block_k, STAGES=p.down_stages),
+                 dict(num_warps=p.down_warps, num_stages=p.down_stages))]
     fused = p.fused_route and tokens * k <= FUSED_ROUTE_MAX_PAIRS
     m = dict(ACT=0, HAS_BIAS=False, W_IN=False, UPCAST=False, K_TOP=k, KP=1 << (k - 1).bit_length(),
              BLOCK_E=max(16, 1 << (block.E - 1).bit_length()),
@@ -132,7 +145,14 @@ def sample() -> list[tuple[str, object, object, int]]:
     space = BACKEND.space(block, "stream_gemv")
     for i, g in enumerate(grid):
         out.append((f"qwen3-30b-a3b/grid{i}", block, space.make(**g), 8))
-    assert isinstance(out[-1][2], Fp8GemvParams)
+    hy = BACKEND.space(block, "hybrid")
+    out += [(f"qwen3-30b-a3b/T{T}/hybrid-default", block, BACKEND.default(block, "hybrid", T).params, T)
+            for T in (8, 256)]
+    out += [(f"qwen3-30b-a3b/hybrid{i}", block, hy.make(**g), 64) for i, g in enumerate((
+        dict(block_m=32, block_n=128, block_k=128, num_warps=8, gemv_block_n=32, down_block_n=128, down_gemv_block_n=8),
+        dict(block_m=64, block_n=64, block_k=64, num_stages=3, gemv_block_k=512, num_warps=8, down_block_k=64,
+             down_stages=3)))]
+    assert isinstance(out[-5][2], Fp8GemvParams)
     return out
 
 
@@ -145,9 +165,10 @@ def main() -> None:
             if key in seen:
                 continue
             seen.add(key)
-            k = compile_fp8_sm90(cx, ue8m0=ue8, fp32_out=cx.get("PROJ") == 1, fused=proj == "fused", **opts)
+            kind = "fused" if proj == "fused" else "hybrid" if proj.startswith("hybrid") else "gemv"
+            k = compile_fp8_sm90(cx, ue8m0=ue8, fp32_out=cx.get("PROJ") == 1, kernel=kind, **opts)
             print(json.dumps(dict(label=f"{label}/{proj}", default="default" in label, proj=cx.get("PROJ", 3),
-                                  rows=cx.get("ROWS", 1), **resources(k))),
+                                  rows=cx.get("ROWS", cx.get("BM", 1)), **resources(k))),
                   flush=True)
 
 

@@ -146,3 +146,18 @@ def test_the_recorded_call_replays_each_calls_inputs(name):  # pragma: no cover 
                 ref = experts_reference(block, x, ids.long(), wts, w)
                 err = worst_error(got.to(x.dtype), ref, tf32=True, a8=quantizes_activations(sch.params))
                 assert err <= 1.0, (T, err)
+
+
+def test_a_call_site_recorded_again_and_again_says_so_once():
+    """XLA records a call anew whenever its buffers move (many calls in flight): past RERECORD_WARN recordings the
+    site says so, once, naming the block."""
+    from moetune.jax import xla_call
+
+    site = xla_call._CallSite(lambda *a: None, "qwen3-30b-a3b")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3 * xla_call.RERECORD_WARN):
+            site.recorded()
+    said = [w for w in seen if issubclass(w.category, DispatchWarning)]
+    assert len(said) == 1 and "qwen3-30b-a3b" in str(said[0].message) \
+        and f"{xla_call.RERECORD_WARN} times" in str(said[0].message)

@@ -7,6 +7,7 @@ Kernel files, one per schedule kind, each with its kernel, launcher, parameters,
     grouped_gemm.py  grouped GEMM over expert-sorted rows (grouped_gemm)
     grouped_gemm_fp8.py  the grouped GEMM on FP8 block-quantised weights, w8a16 and w8a8 (grouped_gemm, fp8_block)
     hybrid.py        GEMM tiles for heavy experts + GEMV for light ones in one launch (hybrid)
+    hybrid_fp8.py    the hybrid on FP8 block-quantised weights, w8a16 (hybrid, fp8_block)
 What they share:
     routing.py       device-side counts [E] and expert-sorted pair order [P]
     combine.py       sum of the per-pair rows back to token order
@@ -24,9 +25,10 @@ import os
 
 from ..backend import register
 from ..contract import KernelBackend
-from . import grouped_gemm, grouped_gemm_fp8, hybrid, stream_gemv, stream_gemv_fp8
+from . import grouped_gemm, grouped_gemm_fp8, hybrid, hybrid_fp8, stream_gemv, stream_gemv_fp8
 from .grouped_gemm import GemmParams
 from .hybrid import HybridParams
+from .hybrid_fp8 import Fp8HybridParams
 from .stream_gemv import GemvParams
 from .stream_gemv_fp8 import Fp8GemvParams
 
@@ -34,7 +36,8 @@ from .stream_gemv_fp8 import Fp8GemvParams
 class TritonBackend(KernelBackend):
     name = "triton"
     library = "triton"
-    KINDS = (stream_gemv.KIND, grouped_gemm.KIND, hybrid.KIND, stream_gemv_fp8.KIND, grouped_gemm_fp8.KIND)
+    KINDS = (stream_gemv.KIND, grouped_gemm.KIND, hybrid.KIND, stream_gemv_fp8.KIND, grouped_gemm_fp8.KIND,
+             hybrid_fp8.KIND)
     TARGET = "h200"
 
     def available(self) -> str | None:
@@ -47,4 +50,5 @@ class TritonBackend(KernelBackend):
 
 BACKEND = register(TritonBackend())
 
-__all__ = ["BACKEND", "Fp8GemvParams", "GemmParams", "GemvParams", "HybridParams", "TritonBackend"]
+__all__ = ["BACKEND", "Fp8GemvParams", "Fp8HybridParams", "GemmParams", "GemvParams", "HybridParams",
+           "TritonBackend"]

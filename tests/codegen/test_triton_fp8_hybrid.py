@@ -1,0 +1,81 @@
+"""Triton hybrid on FP8 block-quantised weights against the float32 reference on the dequantised weights (CPU:
+interpreted, 32 × 32 scale blocks to keep it quick): heavy experts through the GEMM tiles, light ones through
+the GEMV rows, in every routing case; its space, default and refusals. Its sm_90 compile is
+test_triton_fp8_stream_gemv's (`fp8_gemv_sm90.py` lists the hybrid's configurations too)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_triton_fp8_stream_gemv import CASES, check, fp8_block, fp8_preset, make_problem
+
+from moetune.codegen.triton import BACKEND, Fp8HybridParams
+from moetune.codegen.triton.hybrid_fp8 import KIND
+from moetune.ir import MoEBlock, Schedule, UnsupportedSchedule
+
+
+def sched(R: int, **kw) -> Schedule:
+    return Schedule("hybrid", backend="triton", params=Fp8HybridParams(**kw), row_threshold=R)
+
+
+SCHEDULES = {  # for 32 × 32 scale blocks: 16-row tiles with two-block GEMV chunks; 32-row tiles, half-block chunks
+    "m16": dict(block_m=16, block_n=32, block_k=32, gemv_block_n=16, gemv_block_k=64, down_block_n=32,
+                down_block_k=32, down_gemv_block_n=8, down_gemv_block_k=32),
+    "m32": dict(block_m=32, block_n=16, block_k=16, gemv_block_n=32, gemv_block_k=16, down_block_n=16,
+                down_block_k=16, down_gemv_block_n=32, down_gemv_block_k=64, num_stages=2, down_stages=2),
+}
+PAIRS = [(c, s, R) for c in CASES for s in SCHEDULES for R in (2, 4)
+         if s == "m16" or R == 2 and c[0] in ("uniform", "one_expert_every_row", "ue8m0", "fp16_weight_on_input")]
+
+
+@pytest.mark.parametrize("case, name, R", PAIRS, ids=[f"{c[0]}-{s}-R{R}" for c, s, R in PAIRS])
+def test_against_reference(case, name, R, poisoned):
+    """Every output element written (torch.empty poisoned) and within the dtype's bound of the float32 reference;
+    at R = 2 every expert with two rows or more takes GEMM tiles, at R = 4 only the busier ones."""
+    label, E, k, D, F, T, routing, fb, sd, compute, over = case
+    block, x, ids, weights, w = make_problem(E, k, D, F, T, routing, fb, sd, compute, over)
+    check(block, x, ids, weights, w, sched(R, **SCHEDULES[name]), f"{label}/{name}/R={R}")
+
+
+def test_both_halves_run_in_one_call():
+    """A hot expert (every token) beside one-row experts at R = 4: the tiles serve the hot one, the GEMV rows the
+    rest; each half alone is also right (R = 2: all tiles but the one-row experts; R above T: all GEMV)."""
+    block, x, ids, weights, w = make_problem(8, 2, 64, 64, 6, "one_hot_expert", (32, 32), "float32", "bfloat16", {})
+    counts = torch.bincount(ids.flatten(), minlength=8)
+    assert counts.max() >= 4 and ((counts >= 1) & (counts < 4)).any()
+    for R in (2, 4, 7):
+        check(block, x, ids, weights, w, sched(R, **SCHEDULES["m16"]), f"hot expert R={R}")
+
+
+@pytest.mark.parametrize("bad, why", [
+    (dict(block_n=64), "block_n = 64 must divide the block rows 32"),
+    (dict(block_k=64), "block_k = 64 must divide the block columns 32"),
+    (dict(gemv_block_k=48), "power of two"),
+    (dict(block_m=8), "tl.dot tiles need ≥ 16, got block_m = 8"),
+    (dict(gemv_block_n=32, gemv_block_k=512), "registers"),
+])
+def test_params_refused_with_reason(bad, why):
+    space = BACKEND.space(fp8_block(8, 2, 64, 64, (32, 32)), "hybrid")
+    with pytest.raises(UnsupportedSchedule, match=why):
+        space.make(**{**SCHEDULES["m16"], **bad})
+
+
+def test_refusals_and_the_kind_it_is():
+    q = fp8_block(8, 2, 200, 128, (128, 128))
+    why = BACKEND.kinds(q)["hybrid"]
+    assert why and "hybrid" in why and "D = 200" in why, why
+    assert BACKEND.kind("hybrid", fp8_block(8, 2, 256, 128)) is KIND
+    assert KIND.refusal(MoEBlock(E=8, k=2, D=256, F=128)), "unquantised weights are the bf16 hybrid's"
+    with pytest.raises(UnsupportedSchedule, match="not a multiple"):
+        BACKEND.build(q, sched(4))
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3.5-397b-a17b", "deepseek-v3", "mixtral-8x7b"])
+def test_defaults_are_points_of_the_space(name):
+    block = fp8_preset(name)
+    space = BACKEND.space(block, "hybrid")
+    for T in (1, 16, 256):
+        p = BACKEND.default(block, "hybrid", T).params
+        space.admit(p)
+        flops, nbytes = BACKEND.cost(block, Schedule("hybrid", backend="triton", params=p, row_threshold=4), T)
+        assert flops > 0 and nbytes > block.weight_bytes_per_expert
