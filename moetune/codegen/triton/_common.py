@@ -70,6 +70,18 @@ def _find_tile(counts_ptr, E, tile, BM: tl.constexpr, R, HEAVY_ONLY: tl.constexp
 
 
 @triton.jit
+def _heavy_tile(counts_ptr, sorted_ptr, E, tile, BM: tl.constexpr, R, K, BLOCK_E: tl.constexpr):
+    """A hybrid GEMM program's tile over the experts with m_e ≥ R (`_find_tile`): (its pairs [BM], their row
+    mask, the expert as an int64 index, the K loop's end), expert 0 and end 0 past the last tile (it reads
+    nothing)."""
+    e, row0, left = _find_tile(counts_ptr, E, tile, BM, R, True, BLOCK_E)
+    r = tl.arange(0, BM)
+    rmask = r < left
+    pairs = tl.load(sorted_ptr + row0 + r, mask=rmask, other=0)  # [BM]
+    return pairs, rmask, tl.where(left > 0, e, 0).to(tl.int64), tl.where(left > 0, K, 0)
+
+
+@triton.jit
 def _row_gate_up(x_ptr, s_xt, tok, w_e, sn, sk, up, n0, N, K,
                  BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
     """One row: (gate [BN], up [BN]) = W[n0:n0+BN] · x[tok], fp32; FMA into [BN, BK], one final sum.

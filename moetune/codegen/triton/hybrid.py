@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...ir import MoEBlock, Schedule, UnsupportedSchedule
+from ...ir import DTYPE_BYTES, MoEBlock, Schedule, UnsupportedSchedule
 from ...passes.policy import rows_per_active
 from ...passes.stats import uniform_distinct
 from ...passes.targets import Target
@@ -27,7 +27,7 @@ from . import combine as _combine
 from . import routing
 from ._common import (
     _find_slot,
-    _find_tile,
+    _heavy_tile,
     _row_down,
     _row_gate_up,
     _rows_down,
@@ -41,6 +41,11 @@ from .launch import launch
 from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, interpreting, next_pow2
 
 SOURCES = ("hybrid.py", "_common.py", "layout.py", "routing.py", "combine.py", "launch.py")
+
+
+# the tile sizes and warps of a hybrid's parameters (here and hybrid_fp8.py's): powers of two
+POW2_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "gemv_block_n", "gemv_block_k", "down_block_n",
+               "down_block_k", "down_gemv_block_n", "down_gemv_block_k", "down_warps")
 
 
 @dataclass(frozen=True)
@@ -60,9 +65,7 @@ class HybridParams:
     down_stages: int = 3
 
     def __post_init__(self) -> None:
-        check_pow2("HybridParams", **{f: getattr(self, f) for f in (
-            "block_m", "block_n", "block_k", "num_warps", "gemv_block_n", "gemv_block_k", "down_block_n",
-            "down_block_k", "down_gemv_block_n", "down_gemv_block_k", "down_warps")})
+        check_pow2("HybridParams", **{f: getattr(self, f) for f in POW2_FIELDS})
         if not interpreting() and min(self.block_m, self.block_n, self.block_k,
                                       self.down_block_n, self.down_block_k) < 16:
             raise UnsupportedSchedule(f"HybridParams {self}: tl.dot needs every GEMM block ≥ 16")
@@ -129,12 +132,7 @@ def hybrid_kernel(
     if pid < n_gemm:
         tile = pid % g_tiles
         n0 = (pid // g_tiles) * BN
-        e, row0, left = _find_tile(counts_ptr, E, tile, BM, R, True, BLOCK_E)
-        r = tl.arange(0, BM)
-        rmask = r < left
-        pairs = tl.load(sorted_ptr + row0 + r, mask=rmask, other=0)  # [BM]
-        ec = tl.where(left > 0, e, 0).to(tl.int64)
-        k_end = tl.where(left > 0, K, 0)
+        pairs, rmask, ec, k_end = _heavy_tile(counts_ptr, sorted_ptr, E, tile, BM, R, K, BLOCK_E)
         wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)
         if PROJ == 0:
             g, u = _tile_gate_up(x_ptr, s_xt, pairs // K_TOP, rmask, w_ptr + ec * se, sn, sk, up, n0, N,
@@ -223,9 +221,10 @@ def build(block: MoEBlock, schedule: Schedule):
 
 
 def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
-    """(flops, bytes): like grouped_gemm for the bytes (each distinct expert's weights once)."""
+    """(flops, bytes): like grouped_gemm for the bytes (each distinct expert's weights once, in their format,
+    block scales included), activations in the block's compute dtype; hybrid_fp8.py's too."""
     distinct = uniform_distinct(block.E, block.k, tokens)
-    wb = 2 if block.weight_dtype != "float32" else 4
+    wb = DTYPE_BYTES[block.weight_format.compute_dtype]
     P = tokens * block.k
     flops = 2.0 * 3 * P * block.D * block.F
     by = (distinct * block.weight_bytes_per_expert + tokens * block.D * wb + 2 * P * block.F * wb

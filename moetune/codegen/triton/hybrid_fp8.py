@@ -20,19 +20,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ...ir import DTYPE_BYTES, MoEBlock, Schedule, UnsupportedSchedule
+from ...ir import MoEBlock, Schedule, UnsupportedSchedule
 from ...passes.policy import rows_per_active
-from ...passes.stats import uniform_distinct
 from ...passes.targets import Target
 from ..common import ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
 from . import combine as _combine
 from . import routing
-from ._common import _find_slot, _find_tile, _store_h, _store_y
-from .hybrid import grid_parts
+from ._common import _find_slot, _heavy_tile, _store_h, _store_y
+from .hybrid import POW2_FIELDS, cost, grid_parts
 from .launch import launch
-from .layout import act_args, call_args, check_pow2, check_smem, dot_smem_bytes, next_pow2
-from .stream_gemv_fp8 import _aligned, _row_down8, _row_gate_up8, _scales, _tile_down8, _tile_gate_up8, refusal
+from .layout import act_args, check_pow2, check_smem, dot_smem_bytes, next_pow2
+from .stream_gemv_fp8 import _aligned, _row_down8, _row_gate_up8, _tile_down8, _tile_gate_up8, fp8_call_args, refusal
 
 SOURCES = ("hybrid_fp8.py", "hybrid.py", "stream_gemv_fp8.py", "stream_gemv.py", "_common.py", "layout.py",
            "routing.py", "combine.py", "launch.py")
@@ -55,9 +54,7 @@ class Fp8HybridParams:
     down_stages: int = 4
 
     def __post_init__(self) -> None:
-        check_pow2("Fp8HybridParams", **{f: getattr(self, f) for f in (
-            "block_m", "block_n", "block_k", "num_warps", "gemv_block_n", "gemv_block_k", "down_block_n",
-            "down_block_k", "down_gemv_block_n", "down_gemv_block_k", "down_warps")})
+        check_pow2("Fp8HybridParams", **{f: getattr(self, f) for f in POW2_FIELDS})
         small = [f"{n} = {getattr(self, n)}" for n in ("block_m", "block_n", "block_k", "down_block_n",
                                                        "down_block_k") if getattr(self, n) < 16]
         if small:
@@ -139,12 +136,7 @@ def hybrid_fp8_kernel(
     if pid < n_gemm:
         tile = pid % g_tiles
         n0 = (pid // g_tiles) * BN
-        e, row0, left = _find_tile(counts_ptr, E, tile, BM, R, True, BLOCK_E)
-        r = tl.arange(0, BM)
-        rmask = r < left
-        pairs = tl.load(sorted_ptr + row0 + r, mask=rmask, other=0)  # [BM]
-        ec = tl.where(left > 0, e, 0).to(tl.int64)
-        k_end = tl.where(left > 0, K, 0)  # a tile past the last reads nothing
+        pairs, rmask, ec, k_end = _heavy_tile(counts_ptr, sorted_ptr, E, tile, BM, R, K, BLOCK_E)
         w_e = w_ptr + ec * se
         sc = s_ptr + ec * sse + (n0 // RB) * ssn
         wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)
@@ -196,13 +188,8 @@ def build(block: MoEBlock, schedule: Schedule):
     memo: dict = {}  # call_args' per-weights host work
 
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
-        a = call_args(block, x, ids, weights, w, memo)
+        a, gsc, dsc, ue8 = fp8_call_args(block, x, ids, weights, w, memo)
         T, P, gs, ds, gb, db, wts_f = a.T, a.P, a.gs, a.ds, a.gate_up_bias, a.down_bias, a.weights
-        if gs.sk != 1 or ds.sk != 1:
-            raise UnsupportedSchedule(f"fp8 gate_up strides {w.gate_up.stride()}, down {w.down.stride()}: the "
-                                      "reduction dimension (the last) must be contiguous")
-        gsc, ue8 = _scales(w.gate_up_scale)
-        dsc, _ = _scales(w.down_scale)
         counts, sorted_pairs = routing.route(ids, E)
         meta = dict(a.meta, BM=p.block_m, RB=RB, CB=CB, UE8M0=ue8)
         g_tiles, v_slots = grid_parts(P, E, p.block_m, R)
@@ -227,18 +214,6 @@ def build(block: MoEBlock, schedule: Schedule):
         return _combine.combine(y, ids, out, E)
 
     return run
-
-
-def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
-    """(flops, bytes): each distinct expert's 1-byte weights and their scales once, x, h and the fp32 rows,
-    combine and routing."""
-    distinct = uniform_distinct(block.E, block.k, tokens)
-    ab = DTYPE_BYTES[block.weight_format.compute_dtype]
-    P = tokens * block.k
-    flops = 2.0 * 3 * P * block.D * block.F
-    by = (distinct * block.weight_bytes_per_expert + tokens * block.D * ab + 2 * P * block.F * ab
-          + _combine.cost(1, P, tokens, block.D, ab)[1] + P * block.D * 4 + routing.cost(P, block.E)[1])
-    return flops, by
 
 
 def hybrid_refusal(block: MoEBlock) -> str | None:

@@ -560,6 +560,19 @@ def _scales(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     raise UnsupportedSchedule(f"block scales of dtype {t.dtype}: float32 or float8_e8m0fnu (ue8m0)")
 
 
+def fp8_call_args(block: MoEBlock, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors,
+                  memo: dict):
+    """`call_args` of a call on fp8_block weights, the reduction dimension checked contiguous: (the args, the
+    gate/up and down scales as the kernels read them, whether they are ue8m0)."""
+    a = call_args(block, x, ids, weights, w, memo)
+    if a.gs.sk != 1 or a.ds.sk != 1:
+        raise UnsupportedSchedule(f"fp8 gate_up strides {w.gate_up.stride()}, down {w.down.stride()}: the "
+                                  "reduction dimension (the last) must be contiguous")
+    gsc, ue8 = _scales(w.gate_up_scale)
+    dsc, _ = _scales(w.down_scale)
+    return a, gsc, dsc, ue8
+
+
 def build(block: MoEBlock, schedule: Schedule):
     """ExpertsFn of a stream_gemv schedule on fp8_block weights (params: Fp8GemvParams)."""
     why = refusal(block)
@@ -590,13 +603,8 @@ def build(block: MoEBlock, schedule: Schedule):
         return out
 
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
-        a = call_args(block, x, ids, weights, w, memo)
+        a, gsc, dsc, ue8 = fp8_call_args(block, x, ids, weights, w, memo)
         T, P, gs, ds, gb, db, wts_f = a.T, a.P, a.gs, a.ds, a.gate_up_bias, a.down_bias, a.weights
-        if gs.sk != 1 or ds.sk != 1:
-            raise UnsupportedSchedule(f"fp8 gate_up strides {w.gate_up.stride()}, down {w.down.stride()}: the "
-                                      "reduction dimension (the last) must be contiguous")
-        gsc, ue8 = _scales(w.gate_up_scale)
-        dsc, _ = _scales(w.down_scale)
         ids_f = ids.reshape(-1)  # [P]
         fused = p.fused_route and P <= FUSED_ROUTE_MAX_PAIRS
         if fused:
