@@ -8,7 +8,7 @@ dtype, each K step within one scale block column and its product times that bloc
 (`_tile_gate_up8` / `_tile_down8`, w8a16: activations stay in the model's dtype); a light expert's rows go
 one at a time through the FMA GEMV, dequantising in registers (`_row_gate_up8` / `_row_down8`). Down writes
 fp32 rows y [1, P, D] with the routing weight applied; combine.py sums them per token. R is the Schedule's
-`row_threshold`. Sizes are whole scale blocks (`refusal`): no row mask on the weights.
+`row_threshold`. Sizes are whole scale blocks (`hybrid_refusal`): no row mask on the weights.
 """
 
 from __future__ import annotations
@@ -31,7 +31,15 @@ from ._common import _find_slot, _heavy_tile, _store_h, _store_y
 from .hybrid import POW2_FIELDS, cost, grid_parts
 from .launch import launch
 from .layout import act_args, check_pow2, check_smem, dot_smem_bytes, next_pow2
-from .stream_gemv_fp8 import _aligned, _row_down8, _row_gate_up8, _tile_down8, _tile_gate_up8, fp8_call_args, refusal
+from .stream_gemv_fp8 import (
+    _aligned,
+    _row_down8,
+    _row_gate_up8,
+    _tile_down8,
+    _tile_gate_up8,
+    fp8_call_args,
+    whole_blocks_refusal,
+)
 
 SOURCES = ("hybrid_fp8.py", "hybrid.py", "stream_gemv_fp8.py", "stream_gemv.py", "_common.py", "layout.py",
            "routing.py", "combine.py", "launch.py")
@@ -217,9 +225,7 @@ def build(block: MoEBlock, schedule: Schedule):
 
 
 def hybrid_refusal(block: MoEBlock) -> str | None:
-    """stream_gemv_fp8's refusal (the same weights, the same whole scale blocks), in the hybrid's name."""
-    why = refusal(block)
-    return None if why is None else why.replace("stream_gemv", "hybrid")
+    return whole_blocks_refusal(block, "hybrid")
 
 
 KIND = KernelKind("hybrid", Fp8HybridParams, space, default_params, build, cost, sources(__file__, SOURCES),

@@ -163,16 +163,21 @@ def check(p: Fp8GemvParams, block: MoEBlock, target: Target) -> None:
                    target, "lower block_k or num_stages")  # activation tiles, and the gate and up 1-byte tiles
 
 
-def refusal(block: MoEBlock) -> str | None:
+def whole_blocks_refusal(block: MoEBlock, kind: str = "stream_gemv") -> str | None:
+    """Why the Triton FP8 kernel of `kind` cannot take `block`: weights not fp8_block, or D or F not whole scale
+    blocks (the kernels index weights without row masks)."""
     fmt = block.weight_format
     if not fmt.quantized:
-        return f"triton stream_gemv (fp8) reads fp8_block weights, not {fmt}"
+        return f"triton {kind} (fp8) reads fp8_block weights, not {fmt}"
     r, c = fmt.block
     for name, v in (("D", block.D), ("F", block.F)):
         if v % r or v % c:
-            return (f"triton stream_gemv (fp8): {name} = {v} is not a multiple of the {r}x{c} scale blocks "
+            return (f"triton {kind} (fp8): {name} = {v} is not a multiple of the {r}x{c} scale blocks "
                     "(a partial last block)")
     return None
+
+
+refusal = whole_blocks_refusal
 
 
 # the values of the scale blocks decide which are points of a block's space (`space`); these are the
