@@ -103,17 +103,13 @@ def _stream(ctx, buf):
     return torch.cuda.stream(s)
 
 
-def _recordable(device: torch.device) -> bool:
-    """Whether a call on `device` may be traced into XLA's command buffers: a GPU, with torch's memory pools."""
-    return device.type == "cuda" and hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")
-
-
 RERECORD_WARN = 32  # recordings of one call site past which it says that XLA keeps recording it anew
 
 
 class _CallSite:
     """The torch side of one FFI call site: the torch ExpertsFn, whether it has run (its kernels compiled and
-    loaded), on a GPU the memory pool its recorded kernels allocate from (module doc), and how often XLA has
+    loaded), the memory pool its recorded kernels allocate from (made at the first recording; a call that is run,
+    not recorded, allocates as torch does), and how often XLA has
     recorded it: XLA keeps a few recordings per call, keyed by its buffers' addresses, so a site recorded
     again and again is one whose buffers move at every call (many calls in flight), each recording a Python
     call and a capture; past RERECORD_WARN it says so, once."""
@@ -143,14 +139,16 @@ class _CallSite:
             o = _tensor(out)
             x, ids, wts = _tensor(x_b), _tensor(ids_b), _tensor(weights_b)
             tw = ExpertTensors(**{f: _as(_tensor(a), dt) for (f, dt), a in zip(present, arrays, strict=True)})
-            if not _recordable(o.device):
+            if o.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():  # run, not recorded
                 o.copy_(self.fn(x, ids.to(torch.int64), wts, tw))
+                self.warm = True
                 return
-            capturing = torch.cuda.is_current_stream_capturing()
-            if capturing:
-                self.recorded()
-                if not self.warm:
-                    self._warm_up(x, ids, wts, tw)
+            if not hasattr(torch.cuda, "MemPool"):
+                raise UnsupportedSchedule("moetune.jax: XLA records this call into a CUDA graph, and this torch has "
+                                          "no torch.cuda.MemPool to keep the recorded kernels' scratch")
+            self.recorded()
+            if not self.warm:
+                self._warm_up(x, ids, wts, tw)
             if self.pool is None:
                 self.pool = torch.cuda.MemPool()
             with torch.cuda.use_mem_pool(self.pool, o.device):
