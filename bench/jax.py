@@ -22,11 +22,15 @@ Each is checked against the float32 reference (`moetune.search.objective.referen
 `worst_error` ≤ 1) before it is timed; a failing or crashing one is recorded with its error and the sweep
 goes on. JAX functions are timed by `moetune.search.timing.JaxTimer`: `time_us` host-timed to
 block_until_ready (a 256 MB read before every rep, ≥ 50 reps: JAX dispatch and the wait included) and
-`pipelined_us`, the per-call cost of calls issued back to back (`JaxTimer.pipelined`). The suite runs with
-XLA_FLAGS `RECORD_FLAG` (unless XLA_FLAGS sets it), so that XLA records even these one-call programs into CUDA
+`pipelined_us`, the per-call cost of calls issued back to back (`JaxTimer.pipelined`), and `stepped_us`, the
+same with at most STEPPED_DEPTH calls in flight (a decode loop that reads an earlier step's result before it
+issues the next). The suite runs with
+XLA_FLAGS `RECORD_FLAGS` (each unless XLA_FLAGS sets it), so that XLA records even these one-call programs into CUDA
 graphs as it records a model's: a recorded triton-xla call replays without entering Python while its buffers'
-addresses repeat (`time_us`: one call at a time), and is recorded again, through Python, for each call whose
-addresses are new (`pipelined_us`: every call's output is another buffer). The
+addresses repeat (`time_us`: one call at a time; `stepped_us`: a few buffers in turn), and is recorded again,
+through Python, for each call whose addresses are new (`pipelined_us`: every call's output is another live
+buffer). `recorded_per_call` gives, for each of the three, the recordings per call that were made
+(`moetune.jax.xla_call.recordings`; only where there were any). The
 PyTorch path is timed by the package's CudaGraphTimer: `time_us` graph replays (device time), `host_us` its
 host-launched median (launch and wait included). `compile_s` is the first call's wall time (trace, lowering
 and compile). Per record: time, the floor (`moetune.passes.targets.floor`, h200, with the distinct experts of
@@ -54,10 +58,14 @@ SHAPES = ("qwen3-30b-a3b", "qwen3.5-397b-a17b")
 TOKENS = (1, 8, 64, 256)
 N_ROUT = 8
 SLOW_CALL_S = 0.02
+PIPE_ROUNDS = 3  # rounds of JaxTimer.pipelined, the median taken
+STEPPED_DEPTH = 2  # calls in flight in `stepped_us` (a decode loop reading step i - 2's result to issue step i)
 BACKEND = "pallas_gpu"
 # XLA records a program's runs of kernels into CUDA graphs only from a few in a row; a model's programs have
-# many, the bench's one-call programs not: this makes XLA record them too, as in a model
-RECORD_FLAG = "--xla_gpu_graph_min_graph_size=1"
+# many, the bench's one-call programs not: the first flag makes XLA record them too, as in a model. XLA keeps
+# a few recordings of a traced call (an LRU keyed by its buffers' addresses); the cells' routings in turn,
+# times the output buffers of the calls in flight, outnumber its default 16: the second keeps them all
+RECORD_FLAGS = ("--xla_gpu_graph_min_graph_size=1", "--xla_cmd_buffer_trace_cache_size=64")
 
 
 # ------------------------------------------------------------------------------------------ the functions
@@ -176,9 +184,9 @@ def add_ratios(records: list[dict]) -> None:
 
 def table(records: list[dict]) -> str:
     """The short text table: one line per record."""
-    head = (f"{'shape':18s} {'T':>4s} {'impl':24s} {'time µs':>9s} {'pipe µs':>8s} {'dev µs':>8s} {'floor':>7s} "
-            f"{'%floor':>6s} {'/ragged':>7s} {'/t-host':>7s} {'/t-graph':>8s} {'/t-dev':>6s} {'compile s':>9s}  "
-            f"schedule / error")
+    head = (f"{'shape':18s} {'T':>4s} {'impl':24s} {'time µs':>9s} {'pipe µs':>8s} {'step µs':>8s} {'dev µs':>8s} "
+            f"{'floor':>7s} {'%floor':>6s} {'/ragged':>7s} {'/t-host':>7s} {'/t-graph':>8s} {'/t-dev':>6s} "
+            f"{'compile s':>9s}  schedule / error")
     lines = [head, "-" * len(head)]
 
     def num(v, f):
@@ -187,7 +195,8 @@ def table(records: list[dict]) -> str:
     for r in records:
         tail = r.get("error") or r.get("schedule") or ""
         lines.append(f"{r['shape']:18s} {r['tokens']:4d} {r['impl']:24s} {num(r.get('time_us'), '9.1f')} "
-                     f"{num(r.get('pipelined_us'), '8.1f')} {num(r.get('device_us'), '8.1f')} "
+                     f"{num(r.get('pipelined_us'), '8.1f')} {num(r.get('stepped_us'), '8.1f')} "
+                     f"{num(r.get('device_us'), '8.1f')} "
                      f"{num(r['floor_us'], '7.1f')} {num(r.get('pct_floor'), '6.1f')} "
                      f"{num(r.get('vs_ragged_dot'), '7.2f')} {num(r.get('vs_torch_host'), '7.2f')} "
                      f"{num(r.get('vs_torch_graph'), '8.2f')} {num(r.get('vs_torch_device'), '6.2f')} "
@@ -238,6 +247,7 @@ def time_jax(fn, cases: list[tuple], ref, timer) -> dict:
     50 reps and one warm-up (the suite stays within its few minutes)."""
     import jax
 
+    from moetune.jax.xla_call import recordings
     from moetune.search.timing import JaxTimer
 
     t0 = time.perf_counter()
@@ -247,10 +257,21 @@ def time_jax(fn, cases: list[tuple], ref, timer) -> dict:
         jax.block_until_ready(fn(*cases[-1]))
         if time.perf_counter() - t1 > SLOW_CALL_S:
             timer = JaxTimer(reps=50, warmup=1)
-        t = timer(fn, cases)
+        streamed = 1 + PIPE_ROUNDS * timer.reps  # a warm call, then each round's stream of calls
+        calls = {"host": (lambda: timer(fn, cases), timer.warmup + timer.reps),
+                 "pipelined": (lambda: timer.pipelined(fn, cases, rounds=PIPE_ROUNDS), streamed),
+                 "stepped": (lambda: timer.pipelined(fn, cases, rounds=PIPE_ROUNDS, depth=STEPPED_DEPTH), streamed)}
+        got, per_call = {}, {}
+        for how, (run, n_calls) in calls.items():
+            n0 = recordings()
+            got[how] = run()
+            per_call[how] = round((recordings() - n0) / n_calls, 3)
+        t = got["host"]
         fields.update(time_us=t.median_s * 1e6, median_us=statistics.median(t.times_s) * 1e6,
                       spread_us=t.spread_s * 1e6, reps=t.reps, method=t.method,
-                      pipelined_us=timer.pipelined(fn, cases) * 1e6)
+                      pipelined_us=got["pipelined"] * 1e6, stepped_us=got["stepped"] * 1e6)
+        if any(per_call.values()):
+            fields["recorded_per_call"] = per_call
         dev = timer.device_time(fn, cases)
         if dev is not None:
             fields["device_us"] = dev * 1e6
@@ -353,8 +374,9 @@ def run(args) -> int:
         print(f"python -m bench jax: {e}", file=sys.stderr)
         return 2
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch holds the weights; JAX shares them
-    if "xla_gpu_graph_min_graph_size" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {RECORD_FLAG}".strip()
+    for flag in RECORD_FLAGS:
+        if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
     why = gpu_missing()
     if why:
         print(f"python -m bench jax: {why} (the suite times GPU kernels)", file=sys.stderr)

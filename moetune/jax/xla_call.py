@@ -112,7 +112,10 @@ class _CallSite:
     not recorded, allocates as torch does), and how often XLA has
     recorded it: XLA keeps a few recordings per call, keyed by its buffers' addresses, so a site recorded
     again and again is one whose buffers move at every call (many calls in flight), each recording a Python
-    call and a capture; past RERECORD_WARN it says so, once."""
+    call and a capture; past RERECORD_WARN it says so, once. `total` counts every site's recordings
+    (`recordings()`)."""
+
+    total = 0
 
     def __init__(self, fn: ExpertsFn, name: str = "") -> None:
         self.fn = fn
@@ -123,6 +126,7 @@ class _CallSite:
 
     def recorded(self) -> None:
         self.recordings += 1
+        _CallSite.total += 1
         if self.recordings == RERECORD_WARN:
             import warnings
 
@@ -175,6 +179,12 @@ class _CallSite:
         t.join()
         if failed:
             raise failed[0]
+
+
+def recordings() -> int:
+    """How many times XLA has recorded a moetune FFI call into its CUDA graphs in this process, all call sites
+    together: each one a Python call and a capture (a bench reads it around a timing)."""
+    return _CallSite.total
 
 
 def via_xla(block: MoEBlock, fn: ExpertsFn):

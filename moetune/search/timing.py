@@ -262,25 +262,32 @@ class JaxTimer:
             times.append((time.perf_counter_ns() - t0) * 1e-9)
         return Timing(routing_mean(times, len(cases)), _iqr(times), len(times), self.name, times_s=tuple(times))
 
-    def pipelined(self, fn: Callable, cases: Sequence[tuple], rounds: int = 3) -> float:
-        """Seconds per call of `fn` issued back to back, each after the flush read, nothing waited for until
-        the last, less the same stream of flush reads alone; the median of `rounds`. The steady cost of a
-        call while the host keeps ahead of the device: device time, or the host's own cost where that is
-        the larger."""
+    def pipelined(self, fn: Callable, cases: Sequence[tuple], rounds: int = 3, depth: int | None = None) -> float:
+        """Seconds per call of `fn` issued back to back, each after the flush read, less the same stream of
+        flush reads alone; the median of `rounds`. With `depth` None nothing is waited for until the last
+        call: the steady cost of a call while the host keeps ahead of the device (device time, or the host's
+        own cost where that is the larger), every call's result another live buffer. With `depth` = d, call i
+        is issued only once call i - d has finished, as a decode loop that reads step i - d's result before
+        it issues step i: at most d calls in flight, their buffers recycled."""
+        import collections
+
         import jax
 
+        if depth is not None and depth < 1:
+            raise ValueError(f"JaxTimer.pipelined depth = {depth}: at least 1, or None")
         read, flush = self._reader(cases)
         jax.block_until_ready(fn(*cases[0]))
 
         def stream(with_fn: bool) -> float:
             jax.block_until_ready(read(flush))
-            outs = []
+            live: collections.deque = collections.deque()
             t0 = time.perf_counter_ns()
             for i in range(self.reps):
                 r = read(flush)
-                if with_fn:
-                    outs.append(fn(*cases[i % len(cases)]))
-            jax.block_until_ready((r, outs))
+                live.append(fn(*cases[i % len(cases)]) if with_fn else r)
+                if depth is not None and len(live) > depth:
+                    jax.block_until_ready(live.popleft())
+            jax.block_until_ready((r, list(live)))
             return (time.perf_counter_ns() - t0) * 1e-9 / self.reps
 
         return statistics.median(max(0.0, stream(True) - stream(False)) for _ in range(rounds))

@@ -242,5 +242,10 @@ def test_jax_timer_waits_for_each_result_and_rotates_the_routings():
     per_call = JaxTimer(reps=50, warmup=2, flush_bytes=1 << 20).pipelined(fn, cs, rounds=1)
     assert seen == [0.0] + [float(i % 3) for i in range(50)]  # one warm call, then every rep in rotation
     assert 0.0015 <= per_call < 0.05  # the callback's 2 ms sleep is the call's steady cost
+    seen.clear()
+    stepped = JaxTimer(reps=50, warmup=2, flush_bytes=1 << 20).pipelined(fn, cs, rounds=1, depth=2)
+    assert seen == [0.0] + [float(i % 3) for i in range(50)] and 0.0015 <= stepped < 0.05
+    with pytest.raises(ValueError, match="depth = 0"):
+        JaxTimer(reps=50).pipelined(fn, cs, depth=0)
     with pytest.raises(ValueError, match="at least 50"):
         JaxTimer(reps=10)
