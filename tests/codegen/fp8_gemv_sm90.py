@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 INT64_PTRS = {"ids_ptr"}
-INT32_PTRS = {"counts_ptr", "sorted_ptr", "done_ptr"}
+INT32_PTRS = {"counts_ptr", "sorted_ptr"}
 FP8_PTRS = {"w_ptr", "d_ptr"}
 SCALE_PTRS = {"s_ptr", "ds_ptr"}
 ALIGNED_INTS = {"s_xt", "se", "sn", "up", "sbe", "bup", "s_hp", "s_yt", "N", "K", "k_split", "sse", "ssn", "sup",
@@ -29,12 +29,11 @@ UNIT_STRIDES = {"ssk", "dssk"}  # consecutive column blocks: the scale tensors' 
 
 def compile_fp8_sm90(constexprs: dict, *, ue8m0: bool = False, fp32_out: bool = False, kernel: str = "gemv",
                      **options):
-    """A kernel compiled for sm_90 with `constexprs`: "gemv" the two-launch GEMV, "fused" its one-launch form,
-    "hybrid" the FP8 hybrid's."""
+    """A kernel compiled for sm_90 with `constexprs`: "gemv" the GEMV's, "hybrid" the FP8 hybrid's."""
     from moetune.codegen.triton.hybrid_fp8 import hybrid_fp8_kernel
-    from moetune.codegen.triton.stream_gemv_fp8 import stream_gemv_fp8_fused_kernel, stream_gemv_fp8_kernel
+    from moetune.codegen.triton.stream_gemv_fp8 import stream_gemv_fp8_kernel
 
-    kernel = dict(gemv=stream_gemv_fp8_kernel, fused=stream_gemv_fp8_fused_kernel, hybrid=hybrid_fp8_kernel)[kernel]
+    kernel = dict(gemv=stream_gemv_fp8_kernel, hybrid=hybrid_fp8_kernel)[kernel]
     constexprs = dict(constexprs, UE8M0=ue8m0)
     sig, cx, attrs = {}, {}, {}
     for i, n in enumerate(kernel.arg_names):
@@ -44,7 +43,7 @@ def compile_fp8_sm90(constexprs: dict, *, ue8m0: bool = False, fp32_out: bool = 
         elif n.endswith("_ptr"):
             sig[n] = ("*i64" if n in INT64_PTRS else "*i32" if n in INT32_PTRS else "*fp8e4nv" if n in FP8_PTRS
                       else ("*u8" if ue8m0 else "*fp32") if n in SCALE_PTRS
-                      else "*fp32" if n == "y32_ptr" or (n == "y_ptr" and fp32_out) else "*bf16")
+                      else "*fp32" if n == "y_ptr" and fp32_out else "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif n in ("alpha", "limit"):
             sig[n] = "fp32"
@@ -83,10 +82,6 @@ def configs(block, tokens: int, p) -> list[tuple[str, dict, dict]]:
              FUSED=fused, ROWS=p.rows, RB=rb, CB=cb, STAGES=p.num_stages)
     if p.f16_dot:
         m["F16"] = True
-    if p.down_mode == "fused":
-        keep = ("ACT", "HAS_BIAS", "W_IN", "K_TOP", "BLOCK_E", "BP", "FUSED", "RB", "CB", "STAGES")
-        return [("fused", dict({n: m[n] for n in keep}, BN=p.block_n, BK=p.block_k, DBN=p.down_block_n, CONV=1024),
-                 dict(num_warps=p.num_warps, num_stages=p.num_stages))]
     return [("gate_up", dict(m, PROJ=0, BN=p.block_n, BK=p.block_k),
              dict(num_warps=p.num_warps, num_stages=p.num_stages)),
             ("down", dict(m, PROJ=2 if p.down_mode == "token" else 1, BN=p.down_block_n, BK=p.down_block_k,
@@ -138,9 +133,6 @@ def sample() -> list[tuple[str, object, object, int]]:
     ] + [
         dict(down_mode="expert", split_k=s, down_block_n=dbn, down_block_k=dbk, down_warps=dw)
         for s, dbn, dbk, dw in ((1, 16, 512, 4), (2, 32, 256, 8), (4, 8, 128, 4))
-    ] + [
-        dict(down_mode="fused", block_n=bn, block_k=bk, down_block_n=dbn, num_warps=nw, fused_route=fr)
-        for bn, bk, dbn, nw, fr in ((16, 256, 32, 4, True), (32, 256, 64, 8, True), (64, 128, 16, 4, False))
     ]
     space = BACKEND.space(block, "stream_gemv")
     for i, g in enumerate(grid):
@@ -165,7 +157,7 @@ def main() -> None:
             if key in seen:
                 continue
             seen.add(key)
-            kind = "fused" if proj == "fused" else "hybrid" if proj.startswith("hybrid") else "gemv"
+            kind = "hybrid" if proj.startswith("hybrid") else "gemv"
             k = compile_fp8_sm90(cx, ue8m0=ue8, fp32_out=cx.get("PROJ") == 1, kernel=kind, **opts)
             print(json.dumps(dict(label=f"{label}/{proj}", default="default" in label, proj=cx.get("PROJ", 3),
                                   rows=cx.get("ROWS", cx.get("BM", 1)), **resources(k))),

@@ -24,14 +24,8 @@ range and back.
   PROJ 2 down      grid (token, D-block): the token's k experts in one [KP, BN, BK] tile per chunk (BK ≤ CB:
                    one scale per expert and chunk), out [T, D] written directly, no combine; with down_nb > 1
                    a program walks that many D-blocks in one flattened pipelined loop.
-  fused            `down_mode="fused"`, one launch (stream_gemv_fp8_fused_kernel), grid (slot, F-block): a
-                   program's BN gate/up rows give h [BN] in registers (rounded to x's dtype, as h is
-                   elsewhere), which times the down columns [D, BN] of its F-block are added, · routing
-                   weight, to fp32 sums [T, D] with atomics; the program that finishes last (a counter)
-                   writes out [T, D] in x's dtype from them. The sums' order varies from run to run (fp32
-                   atomics): within the same bound, not bit-identical between runs. FMA rows only.
 Work comes from routing.py's counts / sorted pairs, or with `fused_route` and P ≤ 64 from the ids
-themselves (stream_gemv's `_fused_slot`): then the block is two launches (one with the fused down).
+themselves (stream_gemv's `_fused_slot`): then the block is two launches.
 
 Sizes: D and F are multiples of the block's rows and columns (`refusal`), so the grids cover the output
 exactly and no row mask is needed.
@@ -55,7 +49,7 @@ from ..common import ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
 from . import combine as _combine
 from . import routing
-from ._common import _act, _store_h, _store_y
+from ._common import _store_h, _store_y
 from .launch import launch
 from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, next_pow2
 from .stream_gemv import FUSED_ROUTE_MAX_PAIRS, _slot_pairs, _slot_work, _token_pairs
@@ -74,7 +68,7 @@ class Fp8GemvParams:
     down_block_n: int = 4  # down output rows (of D) per program (token mode: × next_pow2(k) streams)
     down_block_k: int = 128  # reduction chunk along F (token mode and the dot pass: ≤ the block's columns)
     down_warps: int = 4
-    down_mode: Literal["token", "expert", "fused"] = "token"
+    down_mode: Literal["token", "expert"] = "token"
     split_k: int = 1  # down, expert mode: F split in this many fp32 partials
     fused_route: bool = True  # P ≤ 64: each program groups the ids itself (no routing kernel)
     # token-mode down: D-blocks per program, walked in one flattened pipelined loop (as stream_gemv's)
@@ -89,21 +83,8 @@ class Fp8GemvParams:
                    num_warps=self.num_warps, down_warps=self.down_warps)
         if self.rows not in (1, 16, 32):
             raise UnsupportedSchedule(f"Fp8GemvParams.rows = {self.rows}: 1 (FMA) or 16 / 32 (tl.dot)")
-        if self.down_mode not in ("token", "expert", "fused"):
-            raise UnsupportedSchedule(f"Fp8GemvParams.down_mode = {self.down_mode!r}: 'token', 'expert' or 'fused'")
-        if self.down_mode == "fused":
-            unused = [f"{n} = {getattr(self, n)}" for n in ("down_block_k", "down_warps", "f16_dot")
-                      if getattr(self, n) != getattr(Fp8GemvParams, n)]
-            if self.rows != 1 or unused:
-                raise UnsupportedSchedule(
-                    "Fp8GemvParams down_mode='fused': one launch of FMA rows (rows = 1), its down chunk "
-                    f"down_block_n × block_n; {', '.join(unused) or f'rows = {self.rows}'} has no part in it "
-                    "(keep the default)")
-            regs = self.down_block_n * self.block_n // (32 * self.num_warps)
-            if regs > 128:
-                raise UnsupportedSchedule(
-                    f"Fp8GemvParams down_mode='fused' down_block_n={self.down_block_n} block_n={self.block_n} "
-                    f"num_warps={self.num_warps}: {regs} fp32 registers per thread for the down chunk, limit 128")
+        if self.down_mode not in ("token", "expert"):
+            raise UnsupportedSchedule(f"Fp8GemvParams.down_mode = {self.down_mode!r}: 'token' or 'expert'")
         if self.down_nb not in (1, 2, 4, 8) or (self.down_nb > 1 and self.down_mode != "token"):
             raise UnsupportedSchedule(f"Fp8GemvParams.down_nb = {self.down_nb}: 1, 2, 4 or 8, and > 1 only with "
                                       "down_mode='token'")
@@ -142,16 +123,13 @@ def check(p: Fp8GemvParams, block: MoEBlock, target: Target) -> None:
     if not _aligned(p.block_k, c) or (p.rows >= 16 and c % p.block_k):
         raise UnsupportedSchedule(f"{what}: block_k = {p.block_k} must divide the block columns {c} "
                                   f"(or, for rows = 1, be a multiple of them)")
-    if p.down_mode == "fused" and c % p.block_n:
-        raise UnsupportedSchedule(f"{what}: down_mode='fused' reads the down columns of one block_n-wide F-block "
-                                  f"under one scale: block_n = {p.block_n} must divide the block columns {c}")
     dot_down = p.rows >= 16 and p.down_mode == "expert"
     if c % p.down_block_k and (p.down_mode == "token" or dot_down or not _aligned(p.down_block_k, c)):
         raise UnsupportedSchedule(f"{what}: down_block_k = {p.down_block_k} must divide the block columns {c} "
                                   f"(a multiple of them only for the expert mode's FMA rows)")
     streams = next_pow2(block.k) if p.down_mode == "token" else 1
     regs = streams * p.down_block_n * p.down_block_k // (32 * p.down_warps)
-    if not dot_down and p.down_mode != "fused" and regs > 128:
+    if not dot_down and regs > 128:
         raise UnsupportedSchedule(
             f"Fp8GemvParams down_block_n={p.down_block_n} down_block_k={p.down_block_k} down_warps={p.down_warps}"
             f" ({p.down_mode} mode, k = {block.k}): {regs} fp32 accumulator registers per thread, limit 128; lower "
@@ -191,7 +169,7 @@ CHOICES = (
     ("down_block_n", (2, 4, 8, 16, 32, 64)),
     ("down_block_k", (64, 128, 256, 512)),
     ("down_warps", (4, 8)),
-    ("down_mode", ("token", "expert", "fused")),
+    ("down_mode", ("token", "expert")),
     ("split_k", (1, 2, 4)),
     ("fused_route", (True, False)),
     ("down_nb", (1, 2, 4)),
@@ -499,63 +477,6 @@ def stream_gemv_fp8_kernel(
                          (ks == 0).to(tl.float32), n0, N, BN, HAS_BIAS, W_IN)
 
 
-@triton.jit(do_not_specialize=["P", "T"])
-def stream_gemv_fp8_fused_kernel(
-    x_ptr, s_xt, ids_ptr, wts_ptr, counts_ptr, sorted_ptr,
-    w_ptr, se, sn, up, s_ptr, sse, ssn, ssk, sup, b_ptr, sbe, sbn, bup,
-    d_ptr, dse, dsn, ds_ptr, dsse, dssn, dssk, db_ptr, dbe, dbn,
-    y32_ptr, done_ptr, out_ptr, s_ot, T, P, E, D, F, alpha, limit,
-    K_TOP: tl.constexpr, BLOCK_E: tl.constexpr, BP: tl.constexpr, FUSED: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, DBN: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
-    UE8M0: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr,
-    STAGES: tl.constexpr, CONV: tl.constexpr,
-):
-    """down_mode="fused" (module doc): gate/up rows [f0, f0+BN) of the slot's expert, then their share of the
-    down projection added into y32 [T, D] (fp32, zeroed by the caller); the last program to finish writes out."""
-    slot = tl.program_id(0)
-    f0 = tl.program_id(1) * BN
-    CW: tl.constexpr = BK if BK < CB else CB
-    J: tl.constexpr = BK // CW
-    ec, st, m, match, mrank = _slot_work(ids_ptr, counts_ptr, P, E, slot, FUSED, BP, BLOCK_E)
-    w_e = w_ptr + ec * se
-    sc = s_ptr + ec * sse + (f0 // RB) * ssn
-    dw_e = d_ptr + ec * dse
-    ds_e = ds_ptr + ec * dsse + (f0 // CB) * dssk
-    offs_f = f0 + tl.arange(0, BN)
-    for c in range(0, m):
-        pair = tl.sum(_slot_pairs(sorted_ptr, st, match, mrank, c, c < m, FUSED, 1, BP), axis=0)
-        tok = pair // K_TOP
-        wt = tl.load(wts_ptr + pair).to(tl.float32)
-        g, u = _row_gate_up8(x_ptr, s_xt, tok, w_e, sn, up, sc, ssk, sup, f0, D, BN, J, CW, CB, STAGES, UE8M0)
-        if W_IN:
-            g = g * wt
-            u = u * wt
-        if HAS_BIAS:
-            g += tl.load(b_ptr + ec * sbe + offs_f * sbn).to(tl.float32)
-            u += tl.load(b_ptr + ec * sbe + offs_f * sbn + bup).to(tl.float32)
-        h = _act(g, u, ACT, alpha, limit).to(x_ptr.dtype.element_ty).to(tl.float32)  # [BN]
-        y_row = y32_ptr + tok.to(tl.int64) * D
-        for d0 in tl.range(0, D, DBN, num_stages=STAGES):
-            offs_d = d0 + tl.arange(0, DBN)
-            wv = tl.load(dw_e + offs_d[:, None] * dsn + offs_f[None, :], eviction_policy="evict_first")  # [DBN, BN]
-            part = tl.sum(wv.to(tl.float32) * h[None, :], axis=1) * _scale(ds_e + (d0 // RB) * dssn, UE8M0)
-            if HAS_BIAS:
-                part += tl.load(db_ptr + ec * dbe + offs_d * dbn).to(tl.float32) * (f0 == 0).to(tl.float32)
-            if not W_IN:
-                part = part * wt
-            tl.atomic_add(y_row + offs_d, part, sem="relaxed")
-    tl.debug_barrier()  # every thread's sums issued before the count below releases them
-    last = tl.atomic_add(done_ptr, 1, sem="acq_rel") == tl.num_programs(0) * tl.num_programs(1) - 1
-    if last:
-        n = T * D
-        for i in range(0, n, CONV):
-            o = i + tl.arange(0, CONV)
-            om = o < n
-            v = tl.load(y32_ptr + o, mask=om, other=0.0, cache_modifier=".cg")
-            t = o // D
-            tl.store(out_ptr + t.to(tl.int64) * s_ot + (o - t * D), v.to(out_ptr.dtype.element_ty), mask=om)
-
-
 def _scales(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """A scale tensor as the kernel reads it: float32 as it is, ue8m0 (float8_e8m0fnu) as its bytes."""
     if t.dtype == torch.float32:
@@ -592,21 +513,6 @@ def build(block: MoEBlock, schedule: Schedule):
     alpha, limit = act_args(block)
     memo: dict = {}  # call_args' per-weights host work
 
-    def _fused(x, ids_f, wts_f, counts, sorted_pairs, w, gs, ds, gsc, dsc, gb, db, meta, T, P, slots):
-        """down_mode="fused": the block in one launch, onto zeroed fp32 sums and their finish count."""
-        sums = torch.zeros(T * D + 1, dtype=torch.float32, device=x.device)  # [T·D] sums, then the count
-        out = torch.empty(T, D, dtype=x.dtype, device=x.device)
-        keep = ("K_TOP", "BLOCK_E", "BP", "FUSED", "RB", "CB", "UE8M0", "ACT", "HAS_BIAS", "W_IN")
-        launch(stream_gemv_fp8_fused_kernel, (slots, F // p.block_n, 1),
-            x, x.stride(0), ids_f, wts_f, counts, sorted_pairs,
-            w.gate_up, gs.se, gs.sn, gs.up, gsc, gsc.stride(0), gsc.stride(1), gsc.stride(2),
-            (F // RB) * gsc.stride(1), gb, gs.sbe, gs.sbn, gs.bup,
-            w.down, ds.se, ds.sn, dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), db, ds.sbe, ds.sbn,
-            sums, sums[T * D:].view(torch.int32), out, out.stride(0), T, P, E, D, F, alpha, limit,
-            BN=p.block_n, BK=p.block_k, DBN=p.down_block_n, STAGES=p.num_stages, CONV=1024,
-            num_warps=p.num_warps, num_stages=p.num_stages, **{n: meta[n] for n in keep})
-        return out
-
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
         a, gsc, dsc, ue8 = fp8_call_args(block, x, ids, weights, w, memo)
         T, P, gs, ds, gb, db, wts_f = a.T, a.P, a.gs, a.ds, a.gate_up_bias, a.down_bias, a.weights
@@ -620,8 +526,6 @@ def build(block: MoEBlock, schedule: Schedule):
         meta = dict(a.meta, KP=next_pow2(k), BP=max(16, next_pow2(P)) if fused else 16, FUSED=fused, ROWS=p.rows,
                     RB=RB, CB=CB, UE8M0=ue8, F16=p.f16_dot)
         slots = min(P, E)
-        if p.down_mode == "fused":
-            return _fused(x, ids_f, wts_f, counts, sorted_pairs, w, gs, ds, gsc, dsc, gb, db, meta, T, P, slots)
         h = torch.empty(P, F, dtype=x.dtype, device=x.device)  # [P, F]
         launch(stream_gemv_fp8_kernel, (slots, F // p.block_n, 1),
             x, x.stride(0), ids_f, wts_f, counts, sorted_pairs,
@@ -663,8 +567,6 @@ def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float
     by = distinct * block.weight_bytes_per_expert + tokens * block.D * ab * 2 + 2 * P * block.F * ab
     if params.down_mode == "expert":
         by += _combine.cost(params.split_k, P, tokens, block.D, ab)[1] + params.split_k * P * block.D * 4
-    elif params.down_mode == "fused":  # no h round trip; the fp32 sums zeroed and read once (their atomics hit L2)
-        by += tokens * block.D * 4 * 2 - 2 * P * block.F * ab
     if not (params.fused_route and P <= FUSED_ROUTE_MAX_PAIRS):
         by += routing.cost(P, block.E)[1]
     return flops, by
