@@ -134,9 +134,10 @@ class _CallSite:
 
             warnings.warn(
                 f"moetune.jax: XLA has recorded the {self.name or 'torch'} call into its CUDA graphs "
-                f"{RERECORD_WARN} times: its buffers move from call to call (many calls of the program in "
-                "flight), and each recording costs a Python call and a capture; the pallas_gpu backend has no "
-                "such cost", DispatchWarning, stacklevel=2)
+                f"{RERECORD_WARN} times: its buffers move from call to call, and each recording costs a Python "
+                "call and a capture; XLA keeps --xla_cmd_buffer_trace_cache_size recordings of a call (raise it "
+                "in XLA_FLAGS above the buffer sets the call sees), and the pallas_gpu backend has no such cost",
+                DispatchWarning, stacklevel=2)
 
     def __call__(self, ctx, out, x_b, ids_b, weights_b, arrays, present) -> None:
         with _stream(ctx, out):

@@ -62,6 +62,7 @@ def configs(block, tokens: int, p) -> list[tuple[str, dict, dict]]:
     """(projection, constexprs, options) of the launches of Fp8GemvParams or Fp8HybridParams `p` on `block` at
     `tokens`."""
     from moetune.codegen.triton import Fp8HybridParams
+    from moetune.codegen.triton.layout import cdiv, next_pow2
     from moetune.codegen.triton.stream_gemv_fp8 import FUSED_ROUTE_MAX_PAIRS
 
     k = block.k
@@ -82,11 +83,12 @@ def configs(block, tokens: int, p) -> list[tuple[str, dict, dict]]:
              FUSED=fused, ROWS=p.rows, RB=rb, CB=cb, STAGES=p.num_stages)
     if p.f16_dot:
         m["F16"] = True
+    m.update(PDL=p.pdl, KL=next_pow2(cdiv(block.F, 128)) if p.pdl else 1)
     return [("gate_up", dict(m, PROJ=0, BN=p.block_n, BK=p.block_k),
              dict(num_warps=p.num_warps, num_stages=p.num_stages)),
             ("down", dict(m, PROJ=2 if p.down_mode == "token" else 1, BN=p.down_block_n, BK=p.down_block_k,
                           NB=p.down_nb),
-             dict(num_warps=p.down_warps, num_stages=p.num_stages))]
+             dict(num_warps=p.down_warps, num_stages=p.num_stages, **({"launch_pdl": True} if p.pdl else {})))]
 
 
 def resources(k) -> dict:
@@ -97,7 +99,10 @@ def resources(k) -> dict:
     regs, spill = ptxas_usage(k)
     return dict(shared=k.metadata.shared, regs=regs, spill_bytes=spill,
                 cp_async=len(re.findall(r"cp\.async\.c[ag]", ptx)), local=len(re.findall(r"(ld|st)\.local", ptx)),
-                mma=len(re.findall(r"\bmma\.|wgmma", ptx)), cvt_fp8=len(re.findall(r"cvt\.\S*e4m3", ptx)))
+                mma=len(re.findall(r"\bmma\.|wgmma", ptx)), cvt_fp8=len(re.findall(r"cvt\.\S*e4m3", ptx)),
+                grid_wait=len(re.findall(r"griddepcontrol\.wait", ptx)),
+                grid_release=len(re.findall(r"griddepcontrol\.launch_dependents", ptx)),
+                prefetch=len(re.findall(r"prefetch\.global\.L2", ptx)))
 
 
 def sample() -> list[tuple[str, object, object, int]]:
@@ -131,6 +136,9 @@ def sample() -> list[tuple[str, object, object, int]]:
         dict(down_block_n=dbn, down_block_k=dbk, down_warps=dw, down_nb=nb)
         for dbn, dbk, dw, nb in ((2, 128, 4, 1), (8, 128, 4, 2), (16, 64, 8, 1), (4, 64, 4, 4), (4, 128, 4, 2))
     ] + [
+        dict(down_block_n=dbn, down_nb=nb, pdl=True, fused_route=fr)
+        for dbn, nb, fr in ((4, 1, True), (8, 2, False))
+    ] + [
         dict(down_mode="expert", split_k=s, down_block_n=dbn, down_block_k=dbk, down_warps=dw)
         for s, dbn, dbk, dw in ((1, 16, 512, 4), (2, 32, 256, 8), (4, 8, 128, 4))
     ]
@@ -160,6 +168,7 @@ def main() -> None:
             kind = "hybrid" if proj.startswith("hybrid") else "gemv"
             k = compile_fp8_sm90(cx, ue8m0=ue8, fp32_out=cx.get("PROJ") == 1, kernel=kind, **opts)
             print(json.dumps(dict(label=f"{label}/{proj}", default="default" in label, proj=cx.get("PROJ", 3),
+                                  pdl=bool(cx.get("PDL")),
                                   rows=cx.get("ROWS", cx.get("BM", 1)), **resources(k))),
                   flush=True)
 

@@ -56,6 +56,8 @@ SCHEDULES = {
     # the token down walking 4 D-blocks per program: at D = 160 (10 blocks of 16) and 96 the last program's
     # blocks partly past D
     "fma_token_nb4": sched(block_n=32, block_k=32, down_block_n=16, down_block_k=16, down_nb=4),
+    # the down launched programmatically (interpreted, the launches run in turn: the same dataflow)
+    "fma_token_pdl": sched(block_n=16, block_k=64, down_block_n=16, down_block_k=32, down_nb=2, pdl=True),
 }
 
 CASES = [  # name, E, k, D, F, T, routing, scale block, scale dtype, compute dtype, block overrides
@@ -109,7 +111,8 @@ PAIRS = [(c, s) for c in CASES for s in SCHEDULES
          or s in ("fma_token", "dot_expert")
          or (s == "dot_f16_token" and c[0] in ("one_row_per_expert", "ue8m0", "sentinel_ids"))
          or (s == "fma_token_nb4" and c[0] in ("odd_block_counts", "ue8m0", "k1"))
-         or (s == "dot_f16_expert" and c[0] in ("uniform", "one_expert_every_row", "fp16_weight_on_input"))]
+         or (s == "dot_f16_expert" and c[0] in ("uniform", "one_expert_every_row", "fp16_weight_on_input"))
+         or (s == "fma_token_pdl" and c[0] in ("odd_block_counts", "sentinel_ids", "k1"))]
 
 
 @pytest.mark.parametrize("case, name", PAIRS, ids=[f"{c[0]}-{s}" for c, s in PAIRS])
@@ -234,6 +237,7 @@ def test_partial_blocks_are_refused_with_the_reason():
     (dict(f16_dot=True), "only with the tl.dot pass"),
     (dict(block_n=32, block_k=1024, num_warps=4), "registers"),
     (dict(down_mode="fused"), "'token' or 'expert'"),
+    (dict(pdl=True, down_mode="expert"), "pdl: only with down_mode='token'"),
 ])
 def test_params_refused_with_reason(bad, why):
     space = BACKEND.space(fp8_block(8, 2, 64, 64, (32, 32)), "stream_gemv")
@@ -332,9 +336,17 @@ def _compile(args: list[str]) -> list[dict]:
 def test_sampled_configs_compile_for_sm_90_and_fit_h200():
     """FP8 presets' defaults (float32 and ue8m0 scales, T = 1 and 64) and a grid of the space compile for
     sm_90: within the H200's shared memory, weight loads through the cp.async pipeline, e4m3 converted in
-    registers, tensor-core instructions on the dot path; the defaults without register spills."""
+    registers, tensor-core instructions on the dot path; the defaults without register spills. With pdl the
+    gate/up kernel releases the down kernel, which asks L2 for its lines and waits; without, neither."""
     rows = _compile([])
     assert len(rows) >= 20
+    pdl = [r for r in rows if r["pdl"]]
+    assert len(pdl) == 4, [r["label"] for r in pdl]
+    for r in rows:
+        down = r["label"].endswith("/down")
+        want = (int(down and r["pdl"]), int(down and r["pdl"]), int(not down and r["pdl"]))
+        assert (min(r["grid_wait"], 1), min(r["prefetch"], 1), min(r["grid_release"], 1)) == want, r
+        assert r["grid_wait"] <= 1 and r["grid_release"] <= 1, r
     limit = TARGETS["h200"].smem_per_block
     for r in rows:
         assert r["shared"] <= limit, f"{r['label']}: {r['shared']} B shared > {limit}"
@@ -363,7 +375,9 @@ class TestOnGPU:
                    down_mode="expert", fused_route=False),
               dict(block_n=8, down_mode="expert", split_k=2, down_block_n=16, down_block_k=256),
               dict(rows=16, block_n=64, block_k=128, down_block_n=64, down_block_k=128, down_mode="expert",
-                   fused_route=False, f16_dot=True))
+                   fused_route=False, f16_dot=True),
+              dict(block_n=16, block_k=256, down_block_n=8, pdl=True),
+              dict(block_n=32, block_k=256, down_block_n=4, down_nb=2, pdl=True, fused_route=False))
 
     weights: dict = {}  # one preset's weights at a time, drawn once for its token counts
 

@@ -153,11 +153,15 @@ def test_a_call_site_recorded_again_and_again_says_so_once():
     site says so, once, naming the block."""
     from moetune.jax import xla_call
 
-    site = xla_call._CallSite(lambda *a: None, "qwen3-30b-a3b")
+    site, other = (xla_call._CallSite(lambda *a: None, n) for n in ("qwen3-30b-a3b", "mixtral-8x7b"))
+    before = xla_call.recordings()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for _ in range(3 * xla_call.RERECORD_WARN):
             site.recorded()
+        other.recorded()
     said = [w for w in seen if issubclass(w.category, DispatchWarning)]
     assert len(said) == 1 and "qwen3-30b-a3b" in str(said[0].message) \
-        and f"{xla_call.RERECORD_WARN} times" in str(said[0].message)
+        and f"{xla_call.RERECORD_WARN} times" in str(said[0].message) \
+        and "xla_cmd_buffer_trace_cache_size" in str(said[0].message)
+    assert xla_call.recordings() - before == 3 * xla_call.RERECORD_WARN + 1  # every site's, counted together

@@ -11,12 +11,38 @@ the routing and every launch has a static grid: programs past the real work exit
 
 Row helpers: `_row_*` one row per weight read (FMA), `_rows_*` RP rows of one expert per weight read (FMA),
 `_tile_*` BM rows through tl.dot; `_store_h` / `_store_y` the gate/up and down epilogues.
+
+Programmatic dependent launch (sm_90; a kernel launched with Triton's `launch_pdl`): such a kernel may start
+while the one before it on the stream is still running. `_grid_wait` holds it until that kernel has finished
+and its writes are visible, so nothing it reads from the kernel before may be read ahead of it; what it
+reads of the block's inputs (ids, weights) may be. `_grid_release` lets the kernel after this one start
+(else it starts when this one ends); `_prefetch_l2` asks L2 for lines it will read after the wait.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _grid_wait():
+    """PTX griddepcontrol.wait (module doc); a no-op in a launch that is not programmatic."""
+    tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _grid_release():
+    """PTX griddepcontrol.launch_dependents (module doc)."""
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """PTX prefetch.global.L2 of the line at each pointer of `ptrs`; nothing is loaded into registers."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
+                              pack=1)
 
 
 @triton.jit

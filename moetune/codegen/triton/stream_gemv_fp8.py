@@ -25,7 +25,11 @@ range and back.
                    one scale per expert and chunk), out [T, D] written directly, no combine; with down_nb > 1
                    a program walks that many D-blocks in one flattened pipelined loop.
 Work comes from routing.py's counts / sorted pairs, or with `fused_route` and P ≤ 64 from the ids
-themselves (stream_gemv's `_fused_slot`): then the block is two launches.
+themselves (stream_gemv's `_fused_slot`): then the block is two launches. With `pdl` (token mode, sm_90) the
+second is a programmatic dependent launch (_common's module doc): every gate/up program releases it as it
+starts, so the down programs take the SMs the gate/up programs leave, ask L2 for their k experts' weight
+lines (the ids are the block's input), and wait for h only then; the gap between the launches and the ramp
+of the down's read overlap the gate/up kernel's last wave.
 
 Sizes: D and F are multiples of the block's rows and columns (`refusal`), so the grids cover the output
 exactly and no row mask is needed.
@@ -49,9 +53,9 @@ from ..common import ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
 from . import combine as _combine
 from . import routing
-from ._common import _store_h, _store_y
+from ._common import _grid_release, _grid_wait, _prefetch_l2, _store_h, _store_y
 from .launch import launch
-from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, next_pow2
+from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, interpreting, next_pow2
 from .stream_gemv import FUSED_ROUTE_MAX_PAIRS, _slot_pairs, _slot_work, _token_pairs
 
 SOURCES = ("stream_gemv_fp8.py", "stream_gemv.py", "_common.py", "layout.py", "routing.py", "combine.py",
@@ -76,6 +80,9 @@ class Fp8GemvParams:
     # the tl.dot pass in float16: each chunk's activation rows scaled by a power of two into f16 (their max to
     # [0.5, 1)), so the tile needs e4m3 → f16 only (one conversion per two weights), not → bf16
     f16_dot: bool = False
+    # token-mode down launched programmatically (sm_90, _common's module doc): it starts while the gate/up
+    # kernel ends, asks L2 for its weight lines, then waits for h
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         check_pow2("Fp8GemvParams", block_n=self.block_n, block_k=self.block_k, rows=self.rows,
@@ -91,6 +98,9 @@ class Fp8GemvParams:
         if self.split_k < 1 or (self.split_k > 1 and self.down_mode != "expert"):
             raise UnsupportedSchedule(f"Fp8GemvParams.split_k = {self.split_k}: ≥ 1, and > 1 only with "
                                       "down_mode='expert' (the token mode has no partials to combine)")
+        if self.pdl and self.down_mode != "token":
+            raise UnsupportedSchedule("Fp8GemvParams.pdl: only with down_mode='token' (the down kernel that follows "
+                                      "the gate/up kernel directly)")
         if self.f16_dot and self.rows < 16:
             raise UnsupportedSchedule("Fp8GemvParams.f16_dot: only with the tl.dot pass (rows 16 or 32)")
         dots = [("block_n", self.block_n), ("block_k", self.block_k)]
@@ -174,6 +184,7 @@ CHOICES = (
     ("fused_route", (True, False)),
     ("down_nb", (1, 2, 4)),
     ("f16_dot", (False, True)),
+    ("pdl", (False, True)),
 )
 
 
@@ -412,6 +423,20 @@ def _token_down8_nb(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, s_ptr, s
             acc = tl.zeros([KP, BN, BK], dtype=tl.float32)
 
 
+@triton.jit
+def _prefetch_token_down(ids_ptr, wts_ptr, t, E, w_ptr, se, sn, n_first, N, K,
+                         K_TOP: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+                         KL: tl.constexpr):
+    """Ask L2 for the down weight lines token t's program reads: its k experts' rows [n_first, n_first + BN·NB)
+    (clamped to N), K columns in KL lines of 128 bytes (clamped to K); an unused lane asks for a used one's."""
+    RN: tl.constexpr = BN * NB
+    _, ok, ec, _ = _token_pairs(ids_ptr, wts_ptr, t, E, K_TOP, KP)
+    ec = tl.where(ok, ec, tl.max(ec, axis=0))
+    rows = tl.minimum(n_first + tl.arange(0, RN), N - 1)
+    cols = tl.minimum(tl.arange(0, KL) * 128, K - 1)
+    _prefetch_l2(w_ptr + ec[:, None, None] * se + rows[None, :, None] * sn + cols[None, None, :])
+
+
 @triton.jit(do_not_specialize=["P"])
 def stream_gemv_fp8_kernel(
     x_ptr, s_xt, ids_ptr, wts_ptr, counts_ptr, sorted_ptr,
@@ -422,10 +447,17 @@ def stream_gemv_fp8_kernel(
     FUSED: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     RB: tl.constexpr, CB: tl.constexpr, UE8M0: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr, UPCAST: tl.constexpr,
-    STAGES: tl.constexpr, NB: tl.constexpr = 1, F16: tl.constexpr = False,
+    STAGES: tl.constexpr, NB: tl.constexpr = 1, F16: tl.constexpr = False, PDL: tl.constexpr = False,
+    KL: tl.constexpr = 1,
 ):
     n0 = tl.program_id(1) * BN
     offs_n = n0 + tl.arange(0, BN)
+    if PDL and PROJ == 0:  # the down kernel may start now (it waits for h)
+        _grid_release()
+    if PDL and PROJ == 2:  # launched programmatically: the weights' lines while the gate/up kernel ends
+        _prefetch_token_down(ids_ptr, wts_ptr, tl.program_id(0), E, w_ptr, se, sn, n0 * NB, N, K, K_TOP, KP,
+                             BN, NB, KL)
+        _grid_wait()
     if PROJ == 2 and NB > 1:
         t = tl.program_id(0)
         _token_down8_nb(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, s_ptr, sse, ssn, ssk, b_ptr, sbe, sbn,
@@ -512,6 +544,8 @@ def build(block: MoEBlock, schedule: Schedule):
     RB, CB = block.weight_format.block
     alpha, limit = act_args(block)
     memo: dict = {}  # call_args' per-weights host work
+    pdl = p.pdl and not interpreting()  # (interpreted, the launches run one after the other anyway)
+    pdl_down = dict(launch_pdl=True, KL=next_pow2(cdiv(F, 128))) if pdl else {}
 
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
         a, gsc, dsc, ue8 = fp8_call_args(block, x, ids, weights, w, memo)
@@ -524,7 +558,7 @@ def build(block: MoEBlock, schedule: Schedule):
             counts, sorted_pairs = routing.route(ids, E)
         # BP only matters to the fused routing: one compiled kernel for every P otherwise
         meta = dict(a.meta, KP=next_pow2(k), BP=max(16, next_pow2(P)) if fused else 16, FUSED=fused, ROWS=p.rows,
-                    RB=RB, CB=CB, UE8M0=ue8, F16=p.f16_dot)
+                    RB=RB, CB=CB, UE8M0=ue8, F16=p.f16_dot, PDL=pdl)
         slots = min(P, E)
         h = torch.empty(P, F, dtype=x.dtype, device=x.device)  # [P, F]
         launch(stream_gemv_fp8_kernel, (slots, F // p.block_n, 1),
@@ -542,7 +576,7 @@ def build(block: MoEBlock, schedule: Schedule):
                 x, x.stride(0), ids_f, wts_f, counts, sorted_pairs, *down,
                 h, h.stride(0), out, out.stride(0), P, E, D, F, F, alpha, limit,
                 PROJ=2, BN=p.down_block_n, BK=p.down_block_k, NB=p.down_nb, num_warps=p.down_warps,
-                num_stages=p.num_stages, STAGES=p.num_stages, **meta)
+                num_stages=p.num_stages, STAGES=p.num_stages, **meta, **pdl_down)
             return out
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
