@@ -2,6 +2,10 @@
 # What the H200 runs, from the repository root with the wheels of .whl/ carried (bench/README.md, "Reproduce"):
 #   bash bench/h200.sh                # the 48-cell kernels table into $OUT/bench
 #   bash bench/h200.sh tests          # the GPU kernel tests, log in $OUT/gputests.log
+#   bash bench/h200.sh tests-fp8      # the FP8 kernels' and moetune.jax's FFI call's GPU tests, $OUT/gputests-fp8.log
+#   bash bench/h200.sh tune-at BUDGET_S T[,T...] PRESET...
+#                                     # targeted re-tunes (--at-tokens) into $OUT/t/h200.sqlite, a copy of the
+#                                     # shipped table (join it back with moetune merge), a log per preset
 #   bash bench/h200.sh SUITE ARGS...  # python -m bench SUITE ARGS...
 set -u
 export PYTHONUNBUFFERED=1
@@ -15,6 +19,20 @@ case "${1:-}" in
       tests/codegen/test_triton_{stream_gemv,grouped_gemm,hybrid,routing,backend,launch}.py \
       tests/runtime/test_cuda_graph.py > "$OUT/gputests.log" 2>&1
     rc=$?; tail -n 2 "$OUT/gputests.log"; exit $rc ;;
+  tests-fp8)
+    MOETUNE_TEST_GPU=1 python3 -m pytest -q -x -p no:cacheprovider \
+      tests/codegen/test_triton_fp8_{stream_gemv,grouped_gemm,hybrid}.py tests/jax/test_jax_xla_call.py \
+      > "$OUT/gputests-fp8.log" 2>&1
+    rc=$?; tail -n 2 "$OUT/gputests-fp8.log"; exit $rc ;;
+  tune-at)
+    budget=$2; at=$3; shift 3
+    mkdir -p "$OUT/t" && cp cache/h200.sqlite "$OUT/t/h200.sqlite"
+    for p in "$@"; do
+      log="$OUT/t/h200-$p-tune-at${at//,/_}.log"
+      python3 -m moetune.cli tune --preset "$p" --backend triton --target h200 --tokens 1-1024 --at-tokens "$at" \
+        --budget "${budget}s" --cache "$OUT/t/h200.sqlite" > "$log" 2>&1
+      echo "$p at $at: rc=$?"; grep -E '^ +\[[0-9]+,[0-9]+\] +[0-9]+ ' "$log"
+    done ;;
   *)
     python3 -m bench "$@" ;;
 esac
