@@ -139,10 +139,46 @@ def space_samples(block: MoEBlock, backend, T: int, n: int, seed: int = 0) -> li
     return out
 
 
+def parse_with(items: list[str]) -> list[tuple[str, object]]:
+    """`--with KNOB=VALUE` arguments as (knob, value): true/false as bools, digits as ints, else the text."""
+    out = []
+    for item in items:
+        knob, eq, text = item.partition("=")
+        if not eq or not knob.isidentifier():
+            raise ValueError(f"--with {item!r}: KNOB=VALUE, e.g. pdl=true")
+        low = text.lower()
+        out.append((knob, True if low == "true" else False if low == "false" else int(text) if text.isdigit()
+                    else text))
+    return out
+
+
+def with_knobs(block: MoEBlock, named: list[tuple[str, Schedule]],
+               knobs: list[tuple[str, object]]) -> list[tuple[str, Schedule]]:
+    """Each candidate whose parameters have a knob of `knobs`, again with that knob set (tag `TAG+knob=value`),
+    where its kind's space admits the result: one knob A/B-timed against the same schedule."""
+    import dataclasses
+
+    from moetune.codegen.triton import BACKEND
+
+    out = []
+    for knob, value in knobs:
+        for tag, s in named:
+            p = s.params
+            if p is None or not hasattr(p, knob) or getattr(p, knob) == value:
+                continue
+            try:
+                q = BACKEND.space(block, s.kind).admit(dataclasses.replace(p, **{knob: value}))
+            except UnsupportedSchedule as e:
+                print(f"{block.name}: {tag} with {knob}={value} left out: {e}", flush=True)
+                continue
+            out.append((f"{tag}+{knob}={value}", dataclasses.replace(s, params=q)))
+    return out
+
+
 def candidates(block: MoEBlock, T: int, *, table: str = "", samples: int = 0, seed: int = 0,
-               versions=None) -> list[tuple[str, Schedule]]:
-    """The cell's moetune candidates, each (tag, schedule), all from the package (module doc); a schedule
-    met twice keeps its first tag."""
+               versions=None, knobs: list[tuple[str, object]] = ()) -> list[tuple[str, Schedule]]:
+    """The cell's moetune candidates, each (tag, schedule), all from the package (module doc), and with `knobs`
+    each of them again with a knob set (`with_knobs`); a schedule met twice keeps its first tag."""
     from moetune.codegen.triton import BACKEND
     from moetune.runtime.default import default_at
     from moetune.search.space import key
@@ -156,6 +192,7 @@ def candidates(block: MoEBlock, T: int, *, table: str = "", samples: int = 0, se
             except UnsupportedSchedule as e:
                 print(f"{block.name} T={T}: no {kind} default: {e}", flush=True)
     named += space_samples(block, BACKEND, T, samples, seed)
+    named += with_knobs(block, named, list(knobs))
     out, seen = [], set()
     for tag, s in named:
         if key(s) not in seen:
@@ -378,8 +415,9 @@ def cell(shape: str, T: int, w, args, timer: CudaGraphTimer, name: str) -> list[
     fl = floor_us(block, T, distinct)
     ref = reference(block, cases[0])  # the tuner's float32 reference
     bo = best_open(shape, T, args.weights)
-    named = [(tag, s) for tag, s in candidates(block, T, table=args.table, samples=args.space_samples,
-                                               seed=args.seed) if re.fullmatch(args.variants, tag)]
+    named = candidates(block, T, table=args.table, samples=args.space_samples, seed=args.seed,
+                       knobs=getattr(args, "knobs", ()))
+    named = [(tag, s) for tag, s in named if re.fullmatch(args.variants, tag)]
     cands = [(f"moetune:{s.kind}", tag, s) for tag, s in named]
     for b in args.baselines.split(","):
         if not b or (b == "batched_mm" and (T > 64 or T * k * 3 * block.D * block.F * 2 > 24e9)):
@@ -422,6 +460,11 @@ def run(args) -> int:
     if args.render:
         print(render(args.render))
         return 0
+    try:
+        args.knobs = parse_with(args.with_)
+    except ValueError as e:
+        print(f"python -m bench kernels: {e}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench kernels: no CUDA device here (the kernels suite times GPU kernels; --render works on CPU)",
               file=sys.stderr)
@@ -485,6 +528,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--space-samples", type=int, default=0, metavar="N",
                     help="also N points of the tuner's space of the cell's bucket (fixed seed)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the space samples")
+    ap.add_argument("--with", dest="with_", action="append", default=[], metavar="KNOB=VALUE",
+                    help="also each candidate with this knob set, where its space admits it (e.g. pdl=true)")
     ap.add_argument("--render", metavar="JSON", help="rewrite the markdown table of a results JSON, then exit")
 
 

@@ -74,6 +74,32 @@ def test_the_kernels_candidates_of_a_cell_are_in_the_tuners_space(shape, T):
         assert K.in_space(block, s) is None, (tag, K.in_space(block, s))
 
 
+def test_with_a_knob_each_candidate_that_has_it_is_timed_again_with_it_set():
+    """--with pdl=true: the FP8 GEMV candidates again with pdl on (tag TAG+pdl=True), each in the tuner's
+    space; a kind without the knob (the grouped GEMM) and an expert-mode GEMV (refused) add none."""
+    pytest.importorskip("triton")
+    from bench import kernels as K
+
+    block = K.bench_block("qwen3-30b-a3b", "fp8")
+    knobs = K.parse_with(["pdl=true"])
+    assert knobs == [("pdl", True)] and K.parse_with(["down_nb=2", "down_mode=expert"]) == [
+        ("down_nb", 2), ("down_mode", "expert")]
+    for T in (1, 64):
+        named = K.candidates(block, T, table=str(ROOT / "cache" / "h200.sqlite"), knobs=knobs,
+                             versions=_h200_versions())
+        plain = {t: s for t, s in named if "+" not in t}
+        flipped = {t: s for t, s in named if "+" in t}
+        for tag, s in flipped.items():
+            base = plain[tag.removesuffix("+pdl=True")]
+            assert s.params.pdl and s.params == replace(base.params, pdl=True), tag
+            assert K.in_space(block, s) is None, (tag, K.in_space(block, s))
+        gemv = [t for t, s in plain.items() if s.kind == "stream_gemv" and s.params.down_mode == "token"]
+        assert sorted(flipped) == sorted(f"{t}+pdl=True" for t in gemv), (T, sorted(named))
+        assert gemv or T == 64
+    with pytest.raises(ValueError, match="KNOB=VALUE"):
+        K.parse_with(["pdl"])
+
+
 @pytest.mark.parametrize("stem", ["nvidia-h200-kernels", "nvidia-h200-kernels-fp8"])
 def test_each_committed_markdown_is_rendered_from_its_json(tmp_path, stem):
     """bf16 and FP8 runs alike: the committed .md is `--render` of the committed JSON (the FP8 one with its FP8
