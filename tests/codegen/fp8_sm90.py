@@ -81,6 +81,8 @@ def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]
              R=r, C=c, G=g or c, A8=a8, UE8M0=ue8m0, FOLD=p.fold_scale and not a8, EMULATE=False)
     if p.quant_on_load:
         m["QLOAD"] = True
+    if p.pdl:
+        m["PDL"] = True
     out = []
     if a8 and not p.quant_on_load:
         br = max(1, min(16, 4096 // g))
@@ -90,7 +92,7 @@ def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]
     act = "fp8e4nv" if a8 and not p.quant_on_load else "bf16"
     for proj, bn, bk, warps, stages in ((0, p.block_n, p.block_k, p.num_warps, p.num_stages),
                                         (1, p.down_block_n, p.down_block_k, p.down_warps, p.down_stages)):
-        opts = dict(num_warps=warps, num_stages=stages)
+        opts = dict(num_warps=warps, num_stages=stages, **({"launch_pdl": True} if p.pdl and proj == 1 else {}))
         if p.tma:  # A: the sorted rows (x's gathered copy or h), B: the e4m3 weights
             opts["descs"] = dict(a_desc=(act, [p.block_m, bk]), b_desc=("fp8e4nv", [bn, bk]))
         out.append(("gate_up" if proj == 0 else "down", kern, dict(m, PROJ=proj, BN=bn, BK=bk),
@@ -108,7 +110,9 @@ def resources(k) -> dict:
                 mma=len(re.findall(r"\bmma\.|wgmma", ptx)),
                 fp8_mma=len(re.findall(r"wgmma\.mma_async\S*e4m3|mma\S*e4m3", ptx)),
                 cvt_e4m3=len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2", ptx)),
-                tma=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)))
+                tma=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+                grid_wait=len(re.findall(r"griddepcontrol\.wait", ptx)),
+                grid_release=len(re.findall(r"griddepcontrol\.launch_dependents", ptx)))
 
 
 QUICK = [  # (tag, preset, params): one point per path the tests' compile check covers
@@ -132,6 +136,11 @@ QUICK = [  # (tag, preset, params): one point per path the tests' compile check 
                                       act_quant="fp8_1x128", tma=True)),
     ("w8a16_tma", "qwen3-30b-a3b", dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
                                         down_block_n=128, down_block_k=64, down_warps=8, down_stages=4, tma=True)),
+    ("w8a8_pdl", "qwen3-30b-a3b", dict(block_m=16, block_n=128, block_k=128, num_stages=4, down_block_n=128,
+                                       down_block_k=128, act_quant="fp8_1x128", pdl=True)),
+    ("w8a8_tma_pdl", "qwen3.5-397b-a17b", dict(block_m=16, block_n=128, block_k=128, num_stages=4,
+                                               down_block_n=128, down_block_k=128, act_quant="fp8_1x128", tma=True,
+                                               pdl=True)),
 ]
 EXTRA = [  # compiled by the full run only: candidates whose resources are worth knowing
     ("w8a8_qload", "mixtral-8x7b", dict(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3,
@@ -194,7 +203,8 @@ def main(quick: bool = False) -> None:
     for label, block, p in representative(quick):
         for proj, kern, cx, types, opts in schedule_kernels(block, p):
             k = compile_fp8(kern, cx, types, **opts)
-            print(json.dumps(dict(label=f"{label}/{proj}", a8=p.act_quant != "none", **resources(k))), flush=True)
+            print(json.dumps(dict(label=f"{label}/{proj}", a8=p.act_quant != "none", pdl=p.pdl, **resources(k))),
+                  flush=True)
 
 
 if __name__ == "__main__":  # python tests/codegen/fp8_sm90.py [--quick]

@@ -35,6 +35,10 @@ order) and tma (`grouped_gemm_fp8_tma_kernel`, Fp8GemmParams.tma): the token row
 (routing.gather: x in its 16-bit dtype, or the pre-pass's e4m3 rows), h written in that order, and every
 operand one TMA box: A [row0, row0 + BM) of the sorted rows, B the e4m3 weights seen as [E·2F, D] / [E·D, F].
 
+With `pdl` (sm_90) the down GEMM is a programmatic dependent launch (_common's module doc): every gate/up
+program releases it as it starts, and a down program finds its tile (from the routing, written before both)
+and waits for h only then, so the launch between the two GEMMs overlaps the gate/up GEMM's last wave.
+
 Interpreted (TRITON_INTERPRET=1, EMULATE), where Triton's float → e4m3 and float → bf16 casts do not round to
 nearest and its e4m3 → float cast widens the NaN bytes to ±480: e4m3 values are rounded in fp32 arithmetic
 first (`_round_e4m3`, then cast exactly), the fold's bf16 rounding likewise (`_round_bf16`), and every dot
@@ -61,7 +65,7 @@ from ..common import ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
 from . import combine as _combine
 from . import routing
-from ._common import _act, _find_tile, _store_y
+from ._common import _act, _find_tile, _grid_release, _grid_wait, _store_y
 from .grouped_gemm import _desc, _grouped_tile, max_tiles
 from .launch import launch
 from .layout import act_args, call_args, cdiv, check_pow2, check_smem, interpreting
@@ -109,6 +113,9 @@ class Fp8GemmParams:
     # (routing.gather; w8a8 from the pre-pass: its e4m3 rows), h written in that order, the e4m3 weights as
     # [E·2F, D] / [E·D, F] boxes
     tma: bool = False
+    # the down GEMM launched programmatically (sm_90, _common's module doc): every gate/up program releases it
+    # as it starts; its programs find their tiles (the routing's, written before) and wait for h only then
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         g = act_group(self.act_quant)
@@ -216,6 +223,7 @@ CHOICES = (
     ("fold_scale", (True, False)),
     ("quant_on_load", (False, True)),
     ("tma", (False, True)),
+    ("pdl", (False, True)),
 )
 
 
@@ -439,13 +447,17 @@ def grouped_gemm_fp8_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, A8: tl.constexpr, UE8M0: tl.constexpr, FOLD: tl.constexpr,
     ACT: tl.constexpr, W_IN: tl.constexpr, EMULATE: tl.constexpr, QLOAD: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """PROJ 0: A = x [T, D] rows of the tile's tokens (A8: xq e4m3 + scales as_ [T, D / G]; A8 with QLOAD: x,
     quantised per K step); B = gate and up rows n0 + [0, BN) of gate_up [E, 2F, D] (scales [E, 2F / R, D / C],
     up's sup scale rows after gate's); epilogue: activation → h [P, F] (A8: hq e4m3 [P, F] + hs [P, F / G];
     with QLOAD 16-bit h, quantised by the down GEMM's loads).
     PROJ 1: A = h rows of the tile's pairs; B = down rows n0 + [0, BN) of [E, D, F] over the F range of split
-    program_id(1); epilogue: routing weight → y[split] [P, D]."""
+    program_id(1); epilogue: routing weight → y[split] [P, D]. PDL: PROJ 0 releases the down launch, PROJ 1
+    waits for h after its tile's setup."""
+    if PDL and PROJ == 0:
+        _grid_release()
     tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
     e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
     r = tl.arange(0, BM)
@@ -453,6 +465,8 @@ def grouped_gemm_fp8_kernel(
     pairs = tl.load(sorted_ptr + row0 + r, mask=rmask, other=0)  # [BM]
     ec = tl.where(left > 0, e, 0).to(tl.int64)
     wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)  # [BM]
+    if PDL and PROJ == 1:
+        _grid_wait()
     offs_n = n0 + tl.arange(0, BN)
     nm = offs_n < N
     if PROJ == 0:
@@ -505,13 +519,16 @@ def grouped_gemm_fp8_tma_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, A8: tl.constexpr, UE8M0: tl.constexpr, FOLD: tl.constexpr,
     ACT: tl.constexpr, W_IN: tl.constexpr, EMULATE: tl.constexpr, QLOAD: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """The TMA operand path (Fp8GemmParams.tma). a_desc: the sorted rows, box [BM, BK]: xs [P, D] (PROJ 0; the
     token rows gathered in expert order, 16-bit, or e4m3 with A8 from the pre-pass, whose scales stay in token
     order at as_ [T, D / G]) or h [P, F] (PROJ 1, written by PROJ 0 in sorted order, as its scales hs);
     b_desc: gate_up as [E·2F, D] (gate rows e·2F + n, up rows e·2F + F + n) or down as [E·D, F] in e4m3, box
     [BN, BK]. A tile's A is one box [row0, row0 + BM) (rows past its expert belong to the next one: computed and
-    dropped); boxes past a tensor's edge read zeros."""
+    dropped); boxes past a tensor's edge read zeros. PDL as grouped_gemm_fp8_kernel's."""
+    if PDL and PROJ == 0:
+        _grid_release()
     tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
     e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
     if left > 0:
@@ -519,6 +536,8 @@ def grouped_gemm_fp8_tma_kernel(
         rmask = r < left
         pairs = tl.load(sorted_ptr + row0 + r, mask=rmask, other=0)  # [BM]
         wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)  # [BM]
+        if PDL and PROJ == 1:
+            _grid_wait()
         offs_n = n0 + tl.arange(0, BN)
         nm = offs_n < N
         srow = ws_ptr + e.to(tl.int64) * sse + (offs_n // R) * ssn  # [BN]
@@ -631,7 +650,7 @@ def build(block: MoEBlock, schedule: Schedule):
             w.down, ds.se, ds.sn, ds.sk, 0, dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0,
             h, h.stride(0), hs, hs.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
-            **meta)
+            **meta, **_down_launch(meta))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         return _combine.combine(y, ids, out, E)
 
@@ -648,7 +667,14 @@ def _meta(block: MoEBlock, p: Fp8GemmParams, a) -> dict:
                 EMULATE=interpreting())
     if p.quant_on_load:  # (QLOAD left at its default otherwise)
         meta["QLOAD"] = True
+    if p.pdl and not interpreting():  # (interpreted, the launches run one after the other anyway)
+        meta["PDL"] = True
     return meta
+
+
+def _down_launch(meta: dict) -> dict:
+    """The down GEMM's launch options: programmatic with PDL."""
+    return {"launch_pdl": True} if meta.get("PDL") else {}
 
 
 def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
@@ -699,7 +725,7 @@ def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
             dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0, wts_f, counts, sorted_pairs,
             h, hs, hs.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
-            **meta)
+            **meta, **_down_launch(meta))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         return _combine.combine(y, ids, out, E)
 
