@@ -97,6 +97,14 @@ def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]
             opts["descs"] = dict(a_desc=(act, [p.block_m, bk]), b_desc=("fp8e4nv", [bn, bk]))
         out.append(("gate_up" if proj == 0 else "down", kern, dict(m, PROJ=proj, BN=bn, BK=bk),
                     pointer_types(kern.fn.__name__, proj, a8, ue8m0, p.y_half, p.quant_on_load), opts))
+    if p.pdl:  # the combine, launched after the down GEMM
+        from moetune.codegen.triton.combine import block_d, combine_kernel
+
+        bd, warps = block_d(block.D, 2 if p.y_half else 4)
+        out.append(("combine", combine_kernel,
+                    dict(S=p.split_k, K_TOP=block.k, KP=1 << (block.k - 1).bit_length(), BD=bd, PDL=True),
+                    dict(y_ptr="*bf16" if p.y_half else "*fp32", ids_ptr="*i64", out_ptr="*bf16"),
+                    dict(num_warps=warps, launch_pdl=True)))
     return out
 
 

@@ -35,9 +35,10 @@ order) and tma (`grouped_gemm_fp8_tma_kernel`, Fp8GemmParams.tma): the token row
 (routing.gather: x in its 16-bit dtype, or the pre-pass's e4m3 rows), h written in that order, and every
 operand one TMA box: A [row0, row0 + BM) of the sorted rows, B the e4m3 weights seen as [E·2F, D] / [E·D, F].
 
-With `pdl` (sm_90) the down GEMM is a programmatic dependent launch (_common's module doc): every gate/up
-program releases it as it starts, and a down program finds its tile (from the routing, written before both)
-and waits for h only then, so the launch between the two GEMMs overlaps the gate/up GEMM's last wave.
+With `pdl` (sm_90) the down GEMM and the combine are programmatic dependent launches (_common's module doc):
+every program of a GEMM releases the launch after it as it starts; a down program finds its tile (from the
+routing, written before both GEMMs) and waits for h only then, a combine program reads its token's ids and
+waits for y; so the launches between the three kernels overlap the last wave of the one before.
 
 Interpreted (TRITON_INTERPRET=1, EMULATE), where Triton's float → e4m3 and float → bf16 casts do not round to
 nearest and its e4m3 → float cast widens the NaN bytes to ±480: e4m3 values are rounded in fp32 arithmetic
@@ -113,8 +114,8 @@ class Fp8GemmParams:
     # (routing.gather; w8a8 from the pre-pass: its e4m3 rows), h written in that order, the e4m3 weights as
     # [E·2F, D] / [E·D, F] boxes
     tma: bool = False
-    # the down GEMM launched programmatically (sm_90, _common's module doc): every gate/up program releases it
-    # as it starts; its programs find their tiles (the routing's, written before) and wait for h only then
+    # the down GEMM and the combine launched programmatically (sm_90, module doc): each waits for the output
+    # of the kernel before it only after its own setup
     pdl: bool = False
 
     def __post_init__(self) -> None:
@@ -454,9 +455,9 @@ def grouped_gemm_fp8_kernel(
     up's sup scale rows after gate's); epilogue: activation → h [P, F] (A8: hq e4m3 [P, F] + hs [P, F / G];
     with QLOAD 16-bit h, quantised by the down GEMM's loads).
     PROJ 1: A = h rows of the tile's pairs; B = down rows n0 + [0, BN) of [E, D, F] over the F range of split
-    program_id(1); epilogue: routing weight → y[split] [P, D]. PDL: PROJ 0 releases the down launch, PROJ 1
-    waits for h after its tile's setup."""
-    if PDL and PROJ == 0:
+    program_id(1); epilogue: routing weight → y[split] [P, D]. PDL: each projection releases the launch after
+    it; PROJ 1 waits for h after its tile's setup."""
+    if PDL:  # the next launch (down GEMM, then the combine) may start: it waits for this one's output
         _grid_release()
     tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
     e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
@@ -527,7 +528,7 @@ def grouped_gemm_fp8_tma_kernel(
     b_desc: gate_up as [E·2F, D] (gate rows e·2F + n, up rows e·2F + F + n) or down as [E·D, F] in e4m3, box
     [BN, BK]. A tile's A is one box [row0, row0 + BM) (rows past its expert belong to the next one: computed and
     dropped); boxes past a tensor's edge read zeros. PDL as grouped_gemm_fp8_kernel's."""
-    if PDL and PROJ == 0:
+    if PDL:  # the next launch (down GEMM, then the combine) may start: it waits for this one's output
         _grid_release()
     tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
     e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
@@ -652,7 +653,7 @@ def build(block: MoEBlock, schedule: Schedule):
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
             **meta, **_down_launch(meta))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
-        return _combine.combine(y, ids, out, E)
+        return _combine.combine(y, ids, out, E, pdl="PDL" in meta)
 
     return run
 
@@ -727,7 +728,7 @@ def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
             **meta, **_down_launch(meta))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
-        return _combine.combine(y, ids, out, E)
+        return _combine.combine(y, ids, out, E, pdl="PDL" in meta)
 
     return run
 
