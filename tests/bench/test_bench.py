@@ -75,8 +75,8 @@ def test_the_kernels_candidates_of_a_cell_are_in_the_tuners_space(shape, T):
 
 
 def test_with_a_knob_each_candidate_that_has_it_is_timed_again_with_it_set():
-    """--with pdl=true: the FP8 GEMV candidates again with pdl on (tag TAG+pdl=True), each in the tuner's
-    space; a kind without the knob (the grouped GEMM) and an expert-mode GEMV (refused) add none."""
+    """--with pdl=true: the FP8 GEMV and grouped GEMM candidates again with pdl on (tag TAG+pdl=True), each in
+    the tuner's space; a kind without the knob (the hybrid) and an expert-mode GEMV (refused) add none."""
     pytest.importorskip("triton")
     from bench import kernels as K
 
@@ -87,15 +87,18 @@ def test_with_a_knob_each_candidate_that_has_it_is_timed_again_with_it_set():
     for T in (1, 64):
         named = K.candidates(block, T, table=str(ROOT / "cache" / "h200.sqlite"), knobs=knobs,
                              versions=_h200_versions())
-        plain = {t: s for t, s in named if "+" not in t}
-        flipped = {t: s for t, s in named if "+" in t}
-        for tag, s in flipped.items():
-            base = plain[tag.removesuffix("+pdl=True")]
+        plain = {(s.kind, t): s for t, s in named if "+" not in t}  # (a tag such as kind-default: one per kind)
+        flipped = {(s.kind, t): s for t, s in named if "+" in t}
+        for (kind, tag), s in flipped.items():
+            base = plain[kind, tag.removesuffix("+pdl=True")]
             assert s.params.pdl and s.params == replace(base.params, pdl=True), tag
             assert K.in_space(block, s) is None, (tag, K.in_space(block, s))
-        gemv = [t for t, s in plain.items() if s.kind == "stream_gemv" and s.params.down_mode == "token"]
-        assert sorted(flipped) == sorted(f"{t}+pdl=True" for t in gemv), (T, sorted(named))
-        assert gemv or T == 64
+        has = [(k, t) for (k, t), s in plain.items() if hasattr(s.params, "pdl")
+               and not (k == "stream_gemv" and s.params.down_mode != "token")]  # (refused: expert mode)
+        assert sorted(flipped) == sorted((k, f"{t}+pdl=True") for k, t in has), (T, sorted(flipped))
+        table_kind = "stream_gemv" if T == 1 else "grouped_gemm"  # (the GEMV's T = 64 default: expert mode)
+        assert {k for k, _ in flipped} == {"stream_gemv", "grouped_gemm"} - ({"stream_gemv"} if T == 64 else set())
+        assert (table_kind, "table+pdl=True") in flipped, sorted(flipped)
     with pytest.raises(ValueError, match="KNOB=VALUE"):
         K.parse_with(["pdl"])
 

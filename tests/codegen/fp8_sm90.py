@@ -86,19 +86,31 @@ def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]
     out = []
     if a8 and not p.quant_on_load:
         br = max(1, min(16, 4096 // g))
-        out.append(("quant_x", quant_rows_kernel, dict(BR=br, G=g, EMULATE=False),
-                    pointer_types("quant_rows_kernel", 0, a8, ue8m0, False), dict(num_warps=4)))
+        out.append(("quant_x", quant_rows_kernel, dict(BR=br, G=g, EMULATE=False, PDL=p.pdl),
+                    pointer_types("quant_rows_kernel", 0, a8, ue8m0, False),
+                    dict(num_warps=4, **({"launch_pdl": True} if p.pdl else {}))))
     kern = grouped_gemm_fp8_tma_kernel if p.tma else grouped_gemm_fp8_kernel
     act = "fp8e4nv" if a8 and not p.quant_on_load else "bf16"
     for proj, bn, bk, warps, stages in ((0, p.block_n, p.block_k, p.num_warps, p.num_stages),
                                         (1, p.down_block_n, p.down_block_k, p.down_warps, p.down_stages)):
-        opts = dict(num_warps=warps, num_stages=stages, **({"launch_pdl": True} if p.pdl and proj == 1 else {}))
+        opts = dict(num_warps=warps, num_stages=stages, **({"launch_pdl": True} if p.pdl else {}))
         if p.tma:  # A: the sorted rows (x's gathered copy or h), B: the e4m3 weights
             opts["descs"] = dict(a_desc=(act, [p.block_m, bk]), b_desc=("fp8e4nv", [bn, bk]))
         out.append(("gate_up" if proj == 0 else "down", kern, dict(m, PROJ=proj, BN=bn, BK=bk),
                     pointer_types(kern.fn.__name__, proj, a8, ue8m0, p.y_half, p.quant_on_load), opts))
-    if p.pdl:  # the combine, launched after the down GEMM
+    if p.pdl:  # the routing's phases (and the gather) before, the combine after
         from moetune.codegen.triton.combine import block_d, combine_kernel
+        from moetune.codegen.triton.routing import gather_kernel, route_kernel
+
+        ints = dict(ids_ptr="*i64", counts_ptr="*i32", hist_ptr="*i32", sorted_ptr="*i32")
+        for phase in (2, 1):
+            out.insert(0, (f"route{phase}", route_kernel, dict(PHASE=phase, BLOCK_E=be, C=64, GB=1, PDL=True),
+                           ints, dict(num_warps=4, **({"launch_pdl": True} if phase == 1 else {}))))
+        if p.tma:
+            at = next(i for i, o in enumerate(out) if o[0] == "gate_up")
+            out.insert(at, ("gather", gather_kernel, dict(K_TOP=block.k, BLOCK_E=be, BR=16, BD=256, PDL=True),
+                            dict(x_ptr=f"*{act}", counts_ptr="*i32", sorted_ptr="*i32", xs_ptr=f"*{act}"),
+                            dict(num_warps=4, launch_pdl=True)))
 
         bd, warps = block_d(block.D, 2 if p.y_half else 4)
         out.append(("combine", combine_kernel,

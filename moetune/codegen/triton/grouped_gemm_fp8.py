@@ -35,10 +35,11 @@ order) and tma (`grouped_gemm_fp8_tma_kernel`, Fp8GemmParams.tma): the token row
 (routing.gather: x in its 16-bit dtype, or the pre-pass's e4m3 rows), h written in that order, and every
 operand one TMA box: A [row0, row0 + BM) of the sorted rows, B the e4m3 weights seen as [E·2F, D] / [E·D, F].
 
-With `pdl` (sm_90) the down GEMM and the combine are programmatic dependent launches (_common's module doc):
-every program of a GEMM releases the launch after it as it starts; a down program finds its tile (from the
-routing, written before both GEMMs) and waits for h only then, a combine program reads its token's ids and
-waits for y; so the launches between the three kernels overlap the last wave of the one before.
+With `pdl` (sm_90) the block's launches after the routing's first are a chain of programmatic dependent
+launches (_common's module doc): every kernel releases the launch after it as it starts; the x pre-pass
+reads only x, so it runs beside the routing and waits for it at its end; the gather and the gate/up GEMM wait
+first; a down program finds its tile (from the routing) and waits for h only then, a combine program reads
+its token's ids and waits for y. Each launch gap overlaps the end of the kernel before.
 
 Interpreted (TRITON_INTERPRET=1, EMULATE), where Triton's float → e4m3 and float → bf16 casts do not round to
 nearest and its e4m3 → float cast widens the NaN bytes to ±480: e4m3 values are rounded in fp32 arithmetic
@@ -114,8 +115,8 @@ class Fp8GemmParams:
     # (routing.gather; w8a8 from the pre-pass: its e4m3 rows), h written in that order, the e4m3 weights as
     # [E·2F, D] / [E·D, F] boxes
     tma: bool = False
-    # the down GEMM and the combine launched programmatically (sm_90, module doc): each waits for the output
-    # of the kernel before it only after its own setup
+    # the block's kernels a chain of programmatic launches (sm_90, module doc): each starts while the one
+    # before it ends, and waits for its output only where it reads it
     pdl: bool = False
 
     def __post_init__(self) -> None:
@@ -330,8 +331,12 @@ def _quant_groups(v, R: tl.constexpr, W: tl.constexpr, G: tl.constexpr, EMULATE:
 
 @triton.jit(do_not_specialize=["T"])
 def quant_rows_kernel(x_ptr, s_xt, q_ptr, s_ptr, T, D, BR: tl.constexpr, G: tl.constexpr,
-                      EMULATE: tl.constexpr):
-    """x [T, D] → q [T, D] e4m3, s [T, D / G] fp32: one program per BR rows and one group of G channels."""
+                      EMULATE: tl.constexpr, PDL: tl.constexpr = False):
+    """x [T, D] → q [T, D] e4m3, s [T, D / G] fp32: one program per BR rows and one group of G channels. With
+    PDL, launched programmatically after the routing: x is the block's input, so it runs beside the routing
+    and waits for it only at its end (a chain's kernel finishes after the one before it)."""
+    if PDL:
+        _grid_release()
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rm = rows < T
     offs = tl.program_id(1) * G + tl.arange(0, G)
@@ -340,6 +345,8 @@ def quant_rows_kernel(x_ptr, s_xt, q_ptr, s_ptr, T, D, BR: tl.constexpr, G: tl.c
     tl.store(q_ptr + rows.to(tl.int64)[:, None] * D + offs[None, :], q, mask=rm[:, None])
     tl.store(s_ptr + rows.to(tl.int64)[:, None] * (D // G) + tl.program_id(1) + tl.arange(0, 1)[None, :], s,
              mask=rm[:, None])
+    if PDL:
+        _grid_wait()
 
 
 @triton.jit
@@ -457,8 +464,10 @@ def grouped_gemm_fp8_kernel(
     PROJ 1: A = h rows of the tile's pairs; B = down rows n0 + [0, BN) of [E, D, F] over the F range of split
     program_id(1); epilogue: routing weight → y[split] [P, D]. PDL: each projection releases the launch after
     it; PROJ 1 waits for h after its tile's setup."""
-    if PDL:  # the next launch (down GEMM, then the combine) may start: it waits for this one's output
+    if PDL:  # the next launch may start (it waits for this one's output); gate/up waits for the routing
         _grid_release()
+        if PROJ == 0:
+            _grid_wait()
     tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
     e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
     r = tl.arange(0, BM)
@@ -528,8 +537,10 @@ def grouped_gemm_fp8_tma_kernel(
     b_desc: gate_up as [E·2F, D] (gate rows e·2F + n, up rows e·2F + F + n) or down as [E·D, F] in e4m3, box
     [BN, BK]. A tile's A is one box [row0, row0 + BM) (rows past its expert belong to the next one: computed and
     dropped); boxes past a tensor's edge read zeros. PDL as grouped_gemm_fp8_kernel's."""
-    if PDL:  # the next launch (down GEMM, then the combine) may start: it waits for this one's output
+    if PDL:  # the next launch may start (it waits for this one's output); gate/up waits for the routing
         _grid_release()
+        if PROJ == 0:
+            _grid_wait()
     tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
     e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
     if left > 0:
@@ -591,14 +602,15 @@ def grouped_gemm_fp8_tma_kernel(
 # ------------------------------------------------------------------------------------------------ host
 
 
-def quant_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [T, D] e4m3, s [T, D / group] fp32) of x [T, D] by `quant_rows_kernel` (quant.quantize_rows' rule)."""
+def quant_rows(x: torch.Tensor, group: int, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [T, D] e4m3, s [T, D / group] fp32) of x [T, D] by `quant_rows_kernel` (quant.quantize_rows' rule);
+    `pdl`: launched programmatically after the routing (the kernel's doc)."""
     T, D = x.shape
     q = torch.empty(T, D, dtype=torch.float8_e4m3fn, device=x.device)  # [T, D]
     s = torch.empty(T, D // group, dtype=torch.float32, device=x.device)  # [T, D / G]
     br = max(1, min(16, 4096 // group))
     launch(quant_rows_kernel, (cdiv(T, br), D // group), x, x.stride(0), q, s, T, D,
-           BR=br, G=group, EMULATE=interpreting(), num_warps=4)
+           BR=br, G=group, EMULATE=interpreting(), num_warps=4, **({"PDL": True, "launch_pdl": True} if pdl else {}))
     return q, s
 
 
@@ -626,11 +638,12 @@ def build(block: MoEBlock, schedule: Schedule):
         a = call_args(block, x, ids, weights, w, memo)
         T, P, gs, ds, wts_f = a.T, a.P, a.gs, a.ds, a.weights
         gsc, dsc = _scales(w.gate_up_scale), _scales(w.down_scale)
-        counts, sorted_pairs = routing.route(ids, E)
         meta = _meta(block, p, a)
+        chain = "PDL" in meta
+        counts, sorted_pairs = routing.route(ids, E, pdl=chain)
         nt = max_tiles(P, E, p.block_m)
         if a8 and not p.quant_on_load:
-            xa, xs = quant_rows(x, G)  # [T, D] e4m3, [T, D / G]
+            xa, xs = quant_rows(x, G, pdl=chain)  # [T, D] e4m3, [T, D / G]
             h = torch.empty(P, F, dtype=torch.float8_e4m3fn, device=x.device)  # [P, F]
             hs = torch.empty(P, F // G, dtype=torch.float32, device=x.device)  # [P, F / G]
         else:
@@ -642,7 +655,8 @@ def build(block: MoEBlock, schedule: Schedule):
             w.gate_up, gs.se, gs.sn, gs.sk, gs.up, gsc, gsc.stride(0), gsc.stride(1), gsc.stride(2),
             (F // R) * gsc.stride(1),
             h, h.stride(0), hs, hs.stride(0), h, P, E, F, D, nt, D, alpha, limit,
-            PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta)
+            PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta,
+            **_pdl_launch(meta))
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
@@ -651,7 +665,7 @@ def build(block: MoEBlock, schedule: Schedule):
             w.down, ds.se, ds.sn, ds.sk, 0, dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0,
             h, h.stride(0), hs, hs.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
-            **meta, **_down_launch(meta))
+            **meta, **_pdl_launch(meta))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         return _combine.combine(y, ids, out, E, pdl="PDL" in meta)
 
@@ -673,8 +687,8 @@ def _meta(block: MoEBlock, p: Fp8GemmParams, a) -> dict:
     return meta
 
 
-def _down_launch(meta: dict) -> dict:
-    """The down GEMM's launch options: programmatic with PDL."""
+def _pdl_launch(meta: dict) -> dict:
+    """A GEMM's launch options: programmatic with PDL (the module doc)."""
     return {"launch_pdl": True} if meta.get("PDL") else {}
 
 
@@ -700,24 +714,26 @@ def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
                                  _desc(dn, [E * D, F], [ds.sn, 1], [p.down_block_n, p.down_block_k]))
         gu_desc, dn_desc = weight_descs[key]
         gsc, dsc = _scales(w.gate_up_scale), _scales(w.down_scale)
-        counts, sorted_pairs = routing.route(ids, E)
         meta = _meta(block, p, a)
+        chain = "PDL" in meta
+        counts, sorted_pairs = routing.route(ids, E, pdl=chain)
         nt = max_tiles(P, E, p.block_m)
         rows = max(P, 1)
         if prepass:
-            xq, xsc = quant_rows(x, G)  # [T, D] e4m3, [T, D / G] (token order)
-            xs = routing.gather(xq, counts, sorted_pairs, block.k, xq.dtype)  # [P, D] sorted e4m3 rows
+            xq, xsc = quant_rows(x, G, pdl=chain)  # [T, D] e4m3, [T, D / G] (token order)
+            xs = routing.gather(xq, counts, sorted_pairs, block.k, xq.dtype, pdl=chain)  # [P, D] sorted e4m3
             h = torch.empty(rows, F, dtype=torch.float8_e4m3fn, device=x.device)  # [P, F] sorted
             hs = torch.empty(rows, F // G, dtype=torch.float32, device=x.device)  # [P, F / G] sorted
         else:
-            xs = routing.gather(x, counts, sorted_pairs, block.k, x.dtype)  # [P, D] sorted 16-bit rows
+            xs = routing.gather(x, counts, sorted_pairs, block.k, x.dtype, pdl=chain)  # [P, D] sorted 16-bit
             xsc = hs = wts_f
             h = torch.empty(rows, F, dtype=x.dtype, device=x.device)  # [P, F] sorted
         grouped_gemm_fp8_tma_kernel[(nt * cdiv(F, p.block_n),)](  # descriptors: new objects each call
             _desc(xs, [rows, D], [D, 1], [p.block_m, p.block_k]), xsc, xsc.stride(0), gu_desc,
             gsc, gsc.stride(0), gsc.stride(1), gsc.stride(2), (F // R) * gsc.stride(1), wts_f, counts, sorted_pairs,
             h, hs, hs.stride(0), h, P, E, F, D, nt, D, alpha, limit,
-            PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta)
+            PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta,
+            **_pdl_launch(meta))
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
@@ -726,7 +742,7 @@ def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
             dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0, wts_f, counts, sorted_pairs,
             h, hs, hs.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
-            **meta, **_down_launch(meta))
+            **meta, **_pdl_launch(meta))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         return _combine.combine(y, ids, out, E, pdl="PDL" in meta)
 
