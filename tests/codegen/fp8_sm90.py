@@ -100,6 +100,7 @@ def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]
                     pointer_types(kern.fn.__name__, proj, a8, ue8m0, p.y_half, p.quant_on_load), opts))
     if p.pdl:  # the routing's phases (and the gather) before, the combine after
         from moetune.codegen.triton.combine import block_d, combine_kernel
+        from moetune.codegen.triton.layout import next_pow2
         from moetune.codegen.triton.routing import gather_kernel, route_kernel
 
         ints = dict(ids_ptr="*i64", counts_ptr="*i32", hist_ptr="*i32", sorted_ptr="*i32")
@@ -114,7 +115,7 @@ def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]
 
         bd, warps = block_d(block.D, 2 if p.y_half else 4)
         out.append(("combine", combine_kernel,
-                    dict(S=p.split_k, K_TOP=block.k, KP=1 << (block.k - 1).bit_length(), BD=bd, PDL=True),
+                    dict(S=p.split_k, K_TOP=block.k, KP=next_pow2(block.k), BD=bd, PDL=True),
                     dict(y_ptr="*bf16" if p.y_half else "*fp32", ids_ptr="*i64", out_ptr="*bf16"),
                     dict(num_warps=warps, launch_pdl=True)))
     return out

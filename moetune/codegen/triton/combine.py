@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ._common import _grid_wait
-from .launch import launch
+from .launch import launch, pdl_launch
 from .layout import cdiv, next_pow2
 
 
@@ -57,7 +57,7 @@ def combine(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int, pdl: 
     T, k = ids.shape
     bd, warps = block_d(D, y.element_size())
     launch(combine_kernel, (T, cdiv(D, bd)), y, ids, out, out.stride(0), P, E, D,
-           S=S, K_TOP=k, KP=next_pow2(k), BD=bd, num_warps=warps, **({"PDL": True, "launch_pdl": True} if pdl else {}))
+           S=S, K_TOP=k, KP=next_pow2(k), BD=bd, num_warps=warps, PDL=pdl, **pdl_launch(pdl))
     return out
 
 

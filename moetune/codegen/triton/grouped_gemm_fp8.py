@@ -69,7 +69,7 @@ from . import combine as _combine
 from . import routing
 from ._common import _act, _find_tile, _grid_release, _grid_wait, _store_y
 from .grouped_gemm import _desc, _grouped_tile, max_tiles
-from .launch import launch
+from .launch import launch, pdl_launch, programmatic
 from .layout import act_args, call_args, cdiv, check_pow2, check_smem, interpreting
 
 SCRATCH = 4096  # shared memory the compiled kernels take beyond their pipelines (reductions, layout changes)
@@ -610,7 +610,7 @@ def quant_rows(x: torch.Tensor, group: int, pdl: bool = False) -> tuple[torch.Te
     s = torch.empty(T, D // group, dtype=torch.float32, device=x.device)  # [T, D / G]
     br = max(1, min(16, 4096 // group))
     launch(quant_rows_kernel, (cdiv(T, br), D // group), x, x.stride(0), q, s, T, D,
-           BR=br, G=group, EMULATE=interpreting(), num_warps=4, **({"PDL": True, "launch_pdl": True} if pdl else {}))
+           BR=br, G=group, EMULATE=interpreting(), num_warps=4, PDL=pdl, **pdl_launch(pdl))
     return q, s
 
 
@@ -656,7 +656,7 @@ def build(block: MoEBlock, schedule: Schedule):
             (F // R) * gsc.stride(1),
             h, h.stride(0), hs, hs.stride(0), h, P, E, F, D, nt, D, alpha, limit,
             PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta,
-            **_pdl_launch(meta))
+            **pdl_launch(chain))
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
@@ -665,7 +665,7 @@ def build(block: MoEBlock, schedule: Schedule):
             w.down, ds.se, ds.sn, ds.sk, 0, dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0,
             h, h.stride(0), hs, hs.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
-            **meta, **_pdl_launch(meta))
+            **meta, **pdl_launch(chain))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         return _combine.combine(y, ids, out, E, pdl="PDL" in meta)
 
@@ -682,14 +682,10 @@ def _meta(block: MoEBlock, p: Fp8GemmParams, a) -> dict:
                 EMULATE=interpreting())
     if p.quant_on_load:  # (QLOAD left at its default otherwise)
         meta["QLOAD"] = True
-    if p.pdl and not interpreting():  # (interpreted, the launches run one after the other anyway)
+    if programmatic(p.pdl):
         meta["PDL"] = True
     return meta
 
-
-def _pdl_launch(meta: dict) -> dict:
-    """A GEMM's launch options: programmatic with PDL (the module doc)."""
-    return {"launch_pdl": True} if meta.get("PDL") else {}
 
 
 def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
@@ -733,7 +729,7 @@ def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
             gsc, gsc.stride(0), gsc.stride(1), gsc.stride(2), (F // R) * gsc.stride(1), wts_f, counts, sorted_pairs,
             h, hs, hs.stride(0), h, P, E, F, D, nt, D, alpha, limit,
             PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta,
-            **_pdl_launch(meta))
+            **pdl_launch(chain))
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
@@ -742,7 +738,7 @@ def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
             dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0, wts_f, counts, sorted_pairs,
             h, hs, hs.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
-            **meta, **_pdl_launch(meta))
+            **meta, **pdl_launch(chain))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         return _combine.combine(y, ids, out, E, pdl="PDL" in meta)
 

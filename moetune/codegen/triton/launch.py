@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from .layout import interpreting
+
 try:
     from triton import knobs as _knobs
     from triton.runtime.driver import driver as _driver
@@ -98,6 +100,18 @@ class _Site:
 
 
 _SITES: dict[int, _Site] = {}
+
+
+def programmatic(asked: bool) -> bool:
+    """Whether a schedule's `pdl` takes effect (programmatic dependent launches, _common's module doc): on
+    compiled kernels; interpreted, the launches run one after the other anyway, and the kernels' PDL
+    constexpr stays off."""
+    return asked and not interpreting()
+
+
+def pdl_launch(on: bool) -> dict:
+    """The launch option that makes a kernel a programmatic dependent launch (Triton's launch_pdl), when `on`."""
+    return {"launch_pdl": True} if on else {}
 
 
 def launch(fn, grid: tuple[int, ...], *args, **meta) -> None:

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ._common import _grid_release, _grid_wait
-from .launch import launch
+from .launch import launch, pdl_launch
 from .layout import cdiv, next_pow2
 
 
@@ -144,17 +144,16 @@ def route(ids: torch.Tensor, E: int, pdl: bool = False) -> tuple[torch.Tensor, t
     block_e, c, per, g = route_plan(P, E)
     counts = torch.empty(E, dtype=torch.int32, device=ids.device)
     sorted_pairs = torch.empty(max(P, 1), dtype=torch.int32, device=ids.device)
-    first, then = ({"PDL": True}, {"PDL": True, "launch_pdl": True}) if pdl else ({}, {})
     if g == 1:
         launch(route_kernel, (1,), flat, counts, counts, sorted_pairs, P, E, per, 1,
-               PHASE=2, BLOCK_E=block_e, C=c, GB=1, num_warps=4, **first)
+               PHASE=2, BLOCK_E=block_e, C=c, GB=1, num_warps=4, PDL=pdl)
     else:
         hist = torch.empty(g * block_e, dtype=torch.int32, device=ids.device)
         gb = _hist_rows(g, block_e)
         launch(route_kernel, (g,), flat, counts, hist, sorted_pairs, P, E, per, g,
-               PHASE=0, BLOCK_E=block_e, C=c, GB=gb, num_warps=4, **first)
+               PHASE=0, BLOCK_E=block_e, C=c, GB=gb, num_warps=4, PDL=pdl)
         launch(route_kernel, (g,), flat, counts, hist, sorted_pairs, P, E, per, g,
-               PHASE=1, BLOCK_E=block_e, C=c, GB=gb, num_warps=4, **then)
+               PHASE=1, BLOCK_E=block_e, C=c, GB=gb, num_warps=4, PDL=pdl, **pdl_launch(pdl))
     return counts, sorted_pairs
 
 
@@ -167,7 +166,7 @@ def gather(x: torch.Tensor, counts: torch.Tensor, sorted_pairs: torch.Tensor, k:
     br, bd = 16, min(256, next_pow2(D))
     launch(gather_kernel, (cdiv(P, br), cdiv(D, bd)),
         x, x.stride(0), counts, sorted_pairs, xs, P, E, D, K_TOP=k, BLOCK_E=max(16, next_pow2(E)),
-        BR=br, BD=bd, num_warps=4, **({"PDL": True, "launch_pdl": True} if pdl else {}))
+        BR=br, BD=bd, num_warps=4, PDL=pdl, **pdl_launch(pdl))
     return xs
 
 

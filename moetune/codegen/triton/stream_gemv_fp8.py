@@ -54,8 +54,8 @@ from ..contract import KernelKind, sources
 from . import combine as _combine
 from . import routing
 from ._common import _grid_release, _grid_wait, _prefetch_l2, _store_h, _store_y
-from .launch import launch
-from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, interpreting, next_pow2
+from .launch import launch, pdl_launch, programmatic
+from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, next_pow2
 from .stream_gemv import FUSED_ROUTE_MAX_PAIRS, _slot_pairs, _slot_work, _token_pairs
 
 SOURCES = ("stream_gemv_fp8.py", "stream_gemv.py", "_common.py", "layout.py", "routing.py", "combine.py",
@@ -358,13 +358,13 @@ def _tile_down8(h_ptr, s_hp, pairs, rmask, w_e, sn, sc, ssk, n0, k_lo, k_hi,
 
 
 @triton.jit
-def _token_down8(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, s_ptr, sse, ssn, ssk,
-                 b_ptr, sbe, sbn, n0, K, K_TOP: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
+def _token_down8(h_ptr, s_hp, p, ok, ec, wt, w_ptr, se, sn, s_ptr, sse, ssn, ssk,
+                 b_ptr, sbe, sbn, n0, K, KP: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, HAS_BIAS: tl.constexpr,
                  W_IN: tl.constexpr, STAGES: tl.constexpr, UE8M0: tl.constexpr):
-    """out[t, n0:n0+BN] = Σ_j w_tj · dequant(down[e_tj]) · h[t·k + j]: the token's k experts in one
-    [KP, BN, BK] tile per chunk; BK divides CB, so one scale per expert and chunk multiplies its h chunk."""
-    p, ok, ec, wt = _token_pairs(ids_ptr, wts_ptr, t, E, K_TOP, KP)
+    """out[t, n0:n0+BN] = Σ_j w_tj · dequant(down[e_tj]) · h[t·k + j] (token t's pairs: `_token_pairs`): the
+    token's k experts in one [KP, BN, BK] tile per chunk; BK divides CB, so one scale per expert and chunk
+    multiplies its h chunk."""
     offs_n = n0 + tl.arange(0, BN)
     wbase = w_ptr + ec[:, None, None] * se + offs_n[None, :, None] * sn  # [KP, BN, 1]
     sbase = s_ptr + ec * sse + (n0 // RB) * ssn  # [KP]
@@ -387,14 +387,13 @@ def _token_down8(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, s_ptr, sse,
 
 
 @triton.jit
-def _token_down8_nb(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, s_ptr, sse, ssn, ssk,
-                    b_ptr, sbe, sbn, n_first, N, K, y_row, K_TOP: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr,
+def _token_down8_nb(h_ptr, s_hp, p, ok, ec, wt, w_ptr, se, sn, s_ptr, sse, ssn, ssk,
+                    b_ptr, sbe, sbn, n_first, N, K, y_row, KP: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, HAS_BIAS: tl.constexpr,
                     W_IN: tl.constexpr, STAGES: tl.constexpr, UE8M0: tl.constexpr):
     """_token_down8 over NB consecutive D-blocks [n_first + b·BN, +BN) in ONE pipelined loop over (b, chunk)
     flattened (stream_gemv's down_nb): the next block's first chunks load while the current one ends, the
     ids, weights and addresses are set up once. Each block's out[t, n0:n0+BN] is stored when it is complete."""
-    p, ok, ec, wt = _token_pairs(ids_ptr, wts_ptr, t, E, K_TOP, KP)
     wbase = w_ptr + ec[:, None, None] * se  # [KP, 1, 1]
     sbase = s_ptr + ec * sse  # [KP]
     hbase = h_ptr + p.to(tl.int64)[:, None] * s_hp  # [KP, 1]
@@ -424,13 +423,12 @@ def _token_down8_nb(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, s_ptr, s
 
 
 @triton.jit
-def _prefetch_token_down(ids_ptr, wts_ptr, t, E, w_ptr, se, sn, n_first, N, K,
-                         K_TOP: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+def _prefetch_token_down(ok, ec, w_ptr, se, sn, n_first, N, K, BN: tl.constexpr, NB: tl.constexpr,
                          KL: tl.constexpr):
-    """Ask L2 for the down weight lines token t's program reads: its k experts' rows [n_first, n_first + BN·NB)
-    (clamped to N), K columns in KL lines of 128 bytes (clamped to K); an unused lane asks for a used one's."""
+    """Ask L2 for the down weight lines a token's program reads: its k experts' (ec where ok) rows [n_first,
+    n_first + BN·NB) (clamped to N), K columns in KL lines of 128 bytes (clamped to K); an unused lane asks for
+    a used one's."""
     RN: tl.constexpr = BN * NB
-    _, ok, ec, _ = _token_pairs(ids_ptr, wts_ptr, t, E, K_TOP, KP)
     ec = tl.where(ok, ec, tl.max(ec, axis=0))
     rows = tl.minimum(n_first + tl.arange(0, RN), N - 1)
     cols = tl.minimum(tl.arange(0, KL) * 128, K - 1)
@@ -454,20 +452,20 @@ def stream_gemv_fp8_kernel(
     offs_n = n0 + tl.arange(0, BN)
     if PDL and PROJ == 0:  # the down kernel may start now (it waits for h)
         _grid_release()
-    if PDL and PROJ == 2:  # launched programmatically: the weights' lines while the gate/up kernel ends
-        _prefetch_token_down(ids_ptr, wts_ptr, tl.program_id(0), E, w_ptr, se, sn, n0 * NB, N, K, K_TOP, KP,
-                             BN, NB, KL)
-        _grid_wait()
-    if PROJ == 2 and NB > 1:
+    if PROJ == 2:
         t = tl.program_id(0)
-        _token_down8_nb(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, s_ptr, sse, ssn, ssk, b_ptr, sbe, sbn,
-                        n0 * NB, N, K, y_ptr + t.to(tl.int64) * s_yt, K_TOP, KP, BN, BK, NB, RB, CB, HAS_BIAS, W_IN,
-                        STAGES, UE8M0)
-    elif PROJ == 2:
-        t = tl.program_id(0)
-        out = _token_down8(h_ptr, s_hp, ids_ptr, wts_ptr, t, E, w_ptr, se, sn, s_ptr, sse, ssn, ssk,
-                           b_ptr, sbe, sbn, n0, K, K_TOP, KP, BN, BK, RB, CB, HAS_BIAS, W_IN, STAGES, UE8M0)
-        tl.store(y_ptr + t.to(tl.int64) * s_yt + offs_n, out.to(y_ptr.dtype.element_ty))
+        pr, ok, ec, wt = _token_pairs(ids_ptr, wts_ptr, t, E, K_TOP, KP)
+        if PDL:  # launched programmatically: the weights' lines while the gate/up kernel ends, then h
+            _prefetch_token_down(ok, ec, w_ptr, se, sn, n0 * NB, N, K, BN, NB, KL)
+            _grid_wait()
+        if NB > 1:
+            _token_down8_nb(h_ptr, s_hp, pr, ok, ec, wt, w_ptr, se, sn, s_ptr, sse, ssn, ssk, b_ptr, sbe, sbn,
+                            n0 * NB, N, K, y_ptr + t.to(tl.int64) * s_yt, KP, BN, BK, NB, RB, CB, HAS_BIAS, W_IN,
+                            STAGES, UE8M0)
+        else:
+            out = _token_down8(h_ptr, s_hp, pr, ok, ec, wt, w_ptr, se, sn, s_ptr, sse, ssn, ssk,
+                               b_ptr, sbe, sbn, n0, K, KP, BN, BK, RB, CB, HAS_BIAS, W_IN, STAGES, UE8M0)
+            tl.store(y_ptr + t.to(tl.int64) * s_yt + offs_n, out.to(y_ptr.dtype.element_ty))
     else:
         CW: tl.constexpr = BK if BK < CB else CB
         J: tl.constexpr = BK // CW
@@ -544,8 +542,8 @@ def build(block: MoEBlock, schedule: Schedule):
     RB, CB = block.weight_format.block
     alpha, limit = act_args(block)
     memo: dict = {}  # call_args' per-weights host work
-    pdl = p.pdl and not interpreting()  # (interpreted, the launches run one after the other anyway)
-    pdl_down = dict(launch_pdl=True, KL=next_pow2(cdiv(F, 128))) if pdl else {}
+    pdl = programmatic(p.pdl)
+    kl = next_pow2(cdiv(F, 128)) if pdl else 1  # the down's 128-byte lines a weight row, for its L2 requests
 
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
         a, gsc, dsc, ue8 = fp8_call_args(block, x, ids, weights, w, memo)
@@ -576,7 +574,7 @@ def build(block: MoEBlock, schedule: Schedule):
                 x, x.stride(0), ids_f, wts_f, counts, sorted_pairs, *down,
                 h, h.stride(0), out, out.stride(0), P, E, D, F, F, alpha, limit,
                 PROJ=2, BN=p.down_block_n, BK=p.down_block_k, NB=p.down_nb, num_warps=p.down_warps,
-                num_stages=p.num_stages, STAGES=p.num_stages, **meta, **pdl_down)
+                num_stages=p.num_stages, STAGES=p.num_stages, KL=kl, **meta, **pdl_launch(pdl))
             return out
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
