@@ -157,11 +157,6 @@ QUICK = [  # (tag, preset, params): one point per path the tests' compile check 
                                       act_quant="fp8_1x128", tma=True)),
     ("w8a16_tma", "qwen3-30b-a3b", dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
                                         down_block_n=128, down_block_k=64, down_warps=8, down_stages=4, tma=True)),
-    ("w8a8_pdl", "qwen3-30b-a3b", dict(block_m=16, block_n=128, block_k=128, num_stages=4, down_block_n=128,
-                                       down_block_k=128, act_quant="fp8_1x128", pdl=True)),
-    ("w8a8_tma_pdl", "qwen3.5-397b-a17b", dict(block_m=16, block_n=128, block_k=128, num_stages=4,
-                                               down_block_n=128, down_block_k=128, act_quant="fp8_1x128", tma=True,
-                                               pdl=True)),
 ]
 EXTRA = [  # compiled by the full run only: candidates whose resources are worth knowing
     ("w8a8_qload", "mixtral-8x7b", dict(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3,

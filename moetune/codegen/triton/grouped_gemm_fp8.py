@@ -35,11 +35,13 @@ order) and tma (`grouped_gemm_fp8_tma_kernel`, Fp8GemmParams.tma): the token row
 (routing.gather: x in its 16-bit dtype, or the pre-pass's e4m3 rows), h written in that order, and every
 operand one TMA box: A [row0, row0 + BM) of the sorted rows, B the e4m3 weights seen as [E·2F, D] / [E·D, F].
 
-With `pdl` (sm_90) the block's launches after the routing's first are a chain of programmatic dependent
-launches (_common's module doc): every kernel releases the launch after it as it starts; the x pre-pass
-reads only x, so it runs beside the routing and waits for it at its end; the gather and the gate/up GEMM wait
-first; a down program finds its tile (from the routing) and waits for h only then, a combine program reads
-its token's ids and waits for y. Each launch gap overlaps the end of the kernel before.
+With `pdl` (interpreted only: refused on the GPU, Fp8GemmParams) the block's launches after the routing's
+first are a chain of programmatic dependent
+launches (_common's module doc): every kernel releases the launch after it as it starts, but the gate/up GEMM,
+which releases once its wait has passed; the x pre-pass reads only x, so it runs beside the routing and waits
+for it at its end; the gather and the gate/up GEMM wait first; a down program finds its tile (from the
+routing, complete by then: gate/up released it after its wait) and waits for h only then, a combine program
+reads its token's ids and waits for y. Each launch gap overlaps the end of the kernel before.
 
 Interpreted (TRITON_INTERPRET=1, EMULATE), where Triton's float → e4m3 and float → bf16 casts do not round to
 nearest and its e4m3 → float cast widens the NaN bytes to ±480: e4m3 values are rounded in fp32 arithmetic
@@ -115,8 +117,8 @@ class Fp8GemmParams:
     # (routing.gather; w8a8 from the pre-pass: its e4m3 rows), h written in that order, the e4m3 weights as
     # [E·2F, D] / [E·D, F] boxes
     tma: bool = False
-    # the block's kernels a chain of programmatic launches (sm_90, module doc): each starts while the one
-    # before it ends, and waits for its output only where it reads it
+    # the block's kernels a chain of programmatic launches (module doc): each starts while the one before it
+    # ends, and waits for its output only where it reads it; interpreted only (refused compiled, below)
     pdl: bool = False
 
     def __post_init__(self) -> None:
@@ -146,6 +148,10 @@ class Fp8GemmParams:
             raise UnsupportedSchedule(f"Fp8GemmParams.split_k = {self.split_k}: 1, 2, 4 or 8")
         if self.group_m < 1:
             raise UnsupportedSchedule(f"Fp8GemmParams.group_m = {self.group_m}: must be ≥ 1")
+        if self.pdl and not interpreting():
+            raise UnsupportedSchedule("Fp8GemmParams.pdl: refused on the GPU, where this chain of programmatic "
+                                      "launches faults (an illegal address) at larger token counts; not in the "
+                                      "tuner's space (bench/README.md, 'Programmatic launches')")
 
 
 def refusal(block: MoEBlock) -> str | None:
@@ -225,7 +231,6 @@ CHOICES = (
     ("fold_scale", (True, False)),
     ("quant_on_load", (False, True)),
     ("tma", (False, True)),
-    ("pdl", (False, True)),
 )
 
 
@@ -463,11 +468,12 @@ def grouped_gemm_fp8_kernel(
     with QLOAD 16-bit h, quantised by the down GEMM's loads).
     PROJ 1: A = h rows of the tile's pairs; B = down rows n0 + [0, BN) of [E, D, F] over the F range of split
     program_id(1); epilogue: routing weight → y[split] [P, D]. PDL: each projection releases the launch after
-    it; PROJ 1 waits for h after its tile's setup."""
-    if PDL:  # the next launch may start (it waits for this one's output); gate/up waits for the routing
-        _grid_release()
+    it, gate/up only once its wait has passed (so the routing is complete when the down GEMM starts: PROJ 1 reads
+    counts and order in its tile's setup, then waits for h)."""
+    if PDL:
         if PROJ == 0:
             _grid_wait()
+        _grid_release()
     tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
     e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
     r = tl.arange(0, BM)
@@ -537,10 +543,10 @@ def grouped_gemm_fp8_tma_kernel(
     b_desc: gate_up as [E·2F, D] (gate rows e·2F + n, up rows e·2F + F + n) or down as [E·D, F] in e4m3, box
     [BN, BK]. A tile's A is one box [row0, row0 + BM) (rows past its expert belong to the next one: computed and
     dropped); boxes past a tensor's edge read zeros. PDL as grouped_gemm_fp8_kernel's."""
-    if PDL:  # the next launch may start (it waits for this one's output); gate/up waits for the routing
-        _grid_release()
+    if PDL:  # gate/up releases the down GEMM only once the routing is complete (grouped_gemm_fp8_kernel's doc)
         if PROJ == 0:
             _grid_wait()
+        _grid_release()
     tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
     e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
     if left > 0:
