@@ -78,9 +78,6 @@ SCHEDULES = {
                                 split_k=2, act_quant="fp8_1x32", tma=True),
     "w8a8_on_load_m32_tma": dict(block_m=32, block_n=32, block_k=32, group_m=2, down_block_n=64, down_block_k=32,
                                  act_quant="fp8_1x32", quant_on_load=True, tma=True),
-    # the down GEMM launched programmatically (interpreted, the launches run in turn: the same dataflow)
-    "w8a8_m16_pdl": dict(block_m=16, block_n=32, block_k=32, group_m=2, down_block_n=32, down_block_k=32,
-                         act_quant="fp8_1x32", pdl=True),
 }
 
 CASES = [  # name, E, k, D, F, T, routing, block overrides
@@ -125,10 +122,6 @@ def test_case_schedules_are_valid_compiled(monkeypatch):
     on the GPU: the interpreter admits smaller blocks than an sm_90 tl.dot does."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     for (_, E, k, D, F, _, _, over), sched in PAIRS:
-        if SCHEDULES[sched].get("pdl"):
-            with pytest.raises(UnsupportedSchedule, match="pdl"):  # interpreted only
-                schedule(**case_params(fp8_block(E, k, D, F, **over), sched))
-            continue
         schedule(**case_params(fp8_block(E, k, D, F, **over), sched))  # raises UnsupportedSchedule if not
 
 
@@ -334,7 +327,7 @@ def test_representative_fp8_configs_compile_for_sm_90():
             assert r["cvt_e4m3"] > 0, f"{r['label']}: no e4m3 conversion"
         if "_tma" in r["label"] and r["label"].endswith(("gate_up", "down")):
             assert r["tma"] > 0, f"{r['label']}: no TMA load (cp.async.bulk.tensor)"
-        assert r["grid_wait"] == r["grid_release"] == 0, r  # pdl is refused compiled (Fp8GemmParams)
+        assert r["grid_wait"] == r["grid_release"] == 0, r  # no programmatic launches in this chain
 
 
 @pytest.mark.slow
