@@ -299,8 +299,9 @@ def _round_bf16(v):
 
 @triton.jit
 def _to_e4m3(v, EMULATE: tl.constexpr):
-    """fp32 v → e4m3 (values beyond ±448 saturate; NaN stays NaN)."""
-    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    """fp32 v → e4m3 (values beyond ±448 saturate; NaN stays NaN: compiled, min / max return the other operand
+    of a NaN, so the clamp propagates NaN explicitly)."""
+    v = tl.clamp(v, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     if EMULATE:
         q = _round_e4m3(v).to(tl.float8e4nv)
         bits = tl.where(v != v, 0x7F, q.to(tl.uint8, bitcast=True))  # the cast does not keep NaN
@@ -309,13 +310,20 @@ def _to_e4m3(v, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def _max_nan(a, b):
+    """max that keeps NaN (torch.amax's; compiled tl.max drops it)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _quant_groups(v, R: tl.constexpr, W: tl.constexpr, G: tl.constexpr, EMULATE: tl.constexpr):
     """v [R, W] fp32 → (q [R, W] e4m3, s [R, W // G] fp32), per row and G columns: s = amax / 448 (1 for a
-    zero group), q = v / s rounded to e4m3 (quant.quantize_rows)."""
+    zero group), q = v / s rounded to e4m3 (quant.quantize_rows), both quotients correctly rounded (div_rn:
+    Triton's `/` on fp32 is the approximate division)."""
     v3 = tl.reshape(v, [R, W // G, G])
-    amax = tl.max(tl.abs(v3), axis=2)  # [R, W // G]
-    s = tl.where(amax > 0, amax / 448.0, 1.0)
-    q = _to_e4m3(v3 / s[:, :, None], EMULATE)
+    amax = tl.reduce(tl.abs(v3), 2, _max_nan)  # [R, W // G]: NaN in a group makes its scale NaN
+    s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    q = _to_e4m3(tl.math.div_rn(v3, s[:, :, None]), EMULATE)
     return tl.reshape(q, [R, W]), s
 
 
