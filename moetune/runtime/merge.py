@@ -11,7 +11,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
+from ..ir.errors import CacheError
 from .table import PK, DispatchEntry, DispatchTable, _rank
+from .versions import kernel_source_hash, stale_on
 
 
 class Merged(NamedTuple):
@@ -26,24 +28,30 @@ class Merged(NamedTuple):
 
 def merge(inputs: Iterable[str | os.PathLike], output: str | os.PathLike) -> Merged:
     """Merge tables into `output` (with the rows it already holds): the faster entry of each key (a measured
-    one over a cost-model estimate, whatever their times: `DispatchTable.put_all`'s precedence), written
-    oldest first, so that where entries of the same versions overlap the newer one splits the older
-    (`DispatchTable.put_all`): every token count any of them covered stays covered, by the newest entry
-    covering it. The result is written to a file beside `output` and renamed over it once complete: a
-    merge that fails (an unreadable input) leaves `output` as it was."""
+    one over a cost-model estimate, and one timed on this tree's kernel sources over a stale one, whatever
+    their times), written oldest first, so that where entries of the same versions overlap the newer one
+    splits the older (`DispatchTable.put_all`), and the current entries after the stale ones, each splitting
+    the stale rows it overlaps: every token count any of them covered stays covered, by the newest entry
+    covering it, and by a current one wherever one covers it. The result is written to a file beside
+    `output` and renamed over it once complete: a merge that fails (an unreadable input) leaves `output` as
+    it was."""
     output = Path(output)
     held = _rows_of(output) if output.exists() else []
     read = [e for src in inputs for e in _rows_of(src)]
+    stale = _StaleHere()
     best: dict[tuple, DispatchEntry] = {}
-    for e in held + read:  # a measured entry over an estimate, then the time (a tie keeps the first)
+    for e in held + read:  # measured over estimate, current over stale, then the time (a tie keeps the first)
         k = tuple(getattr(e, c) for c in PK)
-        if k not in best or (e.estimated, e.time_us) < (best[k].estimated, best[k].time_us):
+        if k not in best or _order(e, stale) < _order(best[k], stale):
             best[k] = e
+    old = sorted((e for e in best.values() if stale(e)), key=_rank)
+    current = sorted((e for e in best.values() if not stale(e)), key=_rank)
     part = output.with_name(f".{output.name}.merging-{os.getpid()}")
     try:
         with DispatchTable(part) as out:
             out.db.execute("PRAGMA synchronous = OFF")  # a file no one reads yet: synced once, below
-            out.put_all(sorted(best.values(), key=_rank), replace=True)  # a key met again is a remainder's
+            out.put_all(old, replace=True)  # a key met again is a remainder's
+            out.put_all(current, replace=True, split=stale)  # each splits the stale rows it overlaps
         _fsync(part)
         os.replace(part, output)
         _fsync(output.parent)
@@ -53,6 +61,28 @@ def merge(inputs: Iterable[str | os.PathLike], output: str | os.PathLike) -> Mer
     now = _rows_of(output)
     trimmed, replaced = _fates(held + read, now)
     return Merged(len(read), len(held), len(now), trimmed, replaced)
+
+
+class _StaleHere:
+    """Whether an entry was timed on other kernel sources than this tree's (`versions.stale_on`): such a row
+    serves no lookup here, so it never wins a key over a current one, and a current row overlapping it splits
+    it. A backend whose sources cannot be read here judges nothing stale."""
+
+    def __init__(self) -> None:
+        self._hash: dict[str, str | None] = {}
+
+    def __call__(self, e: DispatchEntry) -> bool:
+        if e.backend not in self._hash:
+            try:
+                self._hash[e.backend] = kernel_source_hash(e.backend)
+            except CacheError:
+                self._hash[e.backend] = None
+        now = self._hash[e.backend]
+        return now is not None and stale_on(e, now)
+
+
+def _order(e: DispatchEntry, stale: _StaleHere) -> tuple:
+    return e.estimated, stale(e), e.time_us
 
 
 def _fsync(path: Path) -> None:

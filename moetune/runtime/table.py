@@ -420,7 +420,7 @@ class DispatchTable:
         return self.put_all([entry], replace_stale=replace_stale, replace=replace, supersede=supersede)[0]
 
     def put_all(self, entries: Iterable[DispatchEntry], *, replace_stale: bool = True, replace: bool = False,
-                supersede: bool = False) -> list[bool]:
+                supersede: bool = False, split: Callable[[DispatchEntry], bool] | None = None) -> list[bool]:
         """Write `entries` in order, in one transaction (all of them or none); whether each was written.
 
         An entry replaces the stored one of its key when it is faster (or, with `replace_stale`, when the
@@ -429,10 +429,10 @@ class DispatchTable:
         the same versions around itself (`_split_around`): what lies outside it stays, every field but the
         bucket unchanged, and a row wholly inside it goes, so every token count covered before stays
         covered. With `supersede` (a tuner's write: it re-tuned that range) rows of other versions are
-        split too."""
+        split too; with `split`, the rows of other versions it accepts (a merge's: the stale ones)."""
         self._writable()
         with self._transaction():
-            written = [self._write(e, replace_stale, replace, supersede) for e in entries]
+            written = [self._write(e, replace_stale, replace, supersede, split) for e in entries]
         if any(written):
             self._checkpoint()
         return written
@@ -466,14 +466,15 @@ class DispatchTable:
         except sqlite3.Error as e:
             raise CacheError(f"dispatch table {self.path}: write failed ({e})") from e
 
-    def _write(self, entry: DispatchEntry, replace_stale: bool, replace: bool, supersede: bool) -> bool:
+    def _write(self, entry: DispatchEntry, replace_stale: bool, replace: bool, supersede: bool,
+               split: Callable[[DispatchEntry], bool] | None = None) -> bool:
         """Inside a transaction: the upsert of `put_all`, then the split of what it overlaps."""
         cond = "1" if replace else f"excluded.time_us < {TABLE}.time_us"
         if replace_stale and not replace:
             cond += "".join(f" OR excluded.{c} IS NOT {TABLE}.{c}" for c in _VERSION_COLUMNS)
         if self._upsert(entry, _precedence(entry, cond)) == 0:
             return False
-        self._split_around(entry, lambda old: _gives_way(old, entry, supersede))
+        self._split_around(entry, lambda old: _gives_way(old, entry, supersede or (split is not None and split(old))))
         return True
 
     def _upsert(self, entry: DispatchEntry, cond: str) -> int:

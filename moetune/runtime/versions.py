@@ -156,18 +156,26 @@ def judge(entry: DispatchEntry, current: Versions) -> str | None:
     if not entry.estimated and (v.device, v.capability) != (current.device, current.capability):
         return (f"foreign: tuned on {v.device} ({v.capability}), "
                 f"this is {current.device} ({current.capability})")
-    scheme = signature_scheme(entry.signature_text)
-    was = kernel_hash_part(v.kernel_hash, entry.kind, scheme)
-    now = kernel_hash_part(current.kernel_hash, entry.kind, scheme)
-    if not now:
-        return f"stale: this tree has no {entry.kind} kernel for {scheme} weights"
-    if was != now:
+    if stale_on(entry, current.kernel_hash):
+        scheme = signature_scheme(entry.signature_text)
+        was = kernel_hash_part(v.kernel_hash, entry.kind, scheme)
+        now = kernel_hash_part(current.kernel_hash, entry.kind, scheme)
+        if not now:
+            return f"stale: this tree has no {entry.kind} kernel for {scheme} weights"
         return f"stale: {entry.kind} kernel sources {was} changed to {now}"
     libs = [f"{a} → {b}" for a, b in ((v.backend_version, current.backend_version),
                                         (f"torch {v.torch}", f"torch {current.torch}")) if a != b]
     if libs:
         return f"retime: same kernel sources, timed with other libraries ({'; '.join(dict.fromkeys(libs))})"
     return None
+
+
+def stale_on(entry: DispatchEntry, kernel_hash: str) -> bool:
+    """Whether `entry` was timed on other kernel sources than those `kernel_hash` (a tree's
+    `kernel_source_hash`) names, for its kind and weight scheme: `judge`'s "stale"."""
+    scheme = signature_scheme(entry.signature_text)
+    now = kernel_hash_part(kernel_hash, entry.kind, scheme)
+    return not now or kernel_hash_part(entry.versions.kernel_hash, entry.kind, scheme) != now
 
 
 def serves(why: str | None) -> bool:

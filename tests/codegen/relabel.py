@@ -8,8 +8,9 @@ Compiling needs no GPU, so on any machine with that Triton:
     python -m tests.codegen.relabel cache/h200.sqlite            # after a source edit
     python -m tests.codegen.relabel cache/h200.sqlite --record   # after a re-tune: the new winners' digests
 
-The first compiles the stored winners on the current tree; where every digest equals the recorded one,
-the Triton rows move to the current kernel hash (their timings still hold); where any differs, nothing is
+The first compiles the stored winners on the current tree; where the digest of every stale row (one timed
+on other kernel sources; a row re-timed on this tree is current already) equals the recorded one, the
+Triton rows move to the current kernel hash (their timings still hold); where any differs, nothing is
 written and those kernels are named (re-tune them on the GPU). `--record` writes the digests file, and
 only for a table whose rows are all current.
 """
@@ -47,27 +48,39 @@ def _triton() -> str:
     return backend_version("triton")
 
 
-def _stale_rows(table: str | os.PathLike) -> list[str]:
+def _stale_entries(table: str | os.PathLike) -> list:
+    """The Triton rows of `table` timed on other kernel sources than this tree's."""
     from moetune.runtime.table import DispatchTable
-    from moetune.runtime.versions import kernel_hash_part, kernel_source_hash
+    from moetune.runtime.versions import kernel_source_hash, stale_on
 
     now = kernel_source_hash("triton")
     with DispatchTable(table, create=False) as t:
-        return [f"[{e.bucket_lo},{e.bucket_hi}] {e.kind} of {e.signature_text}" for e in t.entries(backend="triton")
-                if kernel_hash_part(e.versions.kernel_hash, e.kind) != kernel_hash_part(now, e.kind)]
+        return [e for e in t.entries(backend="triton") if stale_on(e, now)]
+
+
+def _stale_rows(table: str | os.PathLike) -> list[str]:
+    return [f"[{e.bucket_lo},{e.bucket_hi}] {e.kind} of {e.signature_text}" for e in _stale_entries(table)]
+
+
+def _row_key(e, names: dict[str, str]) -> str:
+    """The row part of a digest key of entry `e`: "<preset> [lo,hi]" (`names`: preset by signature)."""
+    return f"{names.get(e.signature, e.signature)} [{e.bucket_lo},{e.bucket_hi}]"
+
+
+def _preset_names() -> dict[str, str]:
+    from moetune.ir.presets import PRESETS, preset
+
+    return {b.signature_hash(): b.name for b in map(preset, PRESETS)}
 
 
 def _uncovered_rows(table: str | os.PathLike, digests: dict[str, str]) -> list[str]:
     """The Triton rows of `table` that have no digest (a block that is not a preset)."""
-    from moetune.ir.presets import PRESETS, preset
     from moetune.runtime.table import DispatchTable
 
-    names = {b.signature_hash(): b.name for b in map(preset, PRESETS)}
-    covered = {k.split(" T=")[0] for k in digests}
+    names, covered = _preset_names(), {k.split(" T=")[0] for k in digests}
     with DispatchTable(table, create=False) as t:
         return [f"[{e.bucket_lo},{e.bucket_hi}] of {e.signature_text}: no digests (not a preset's block)"
-                for e in t.entries(backend="triton")
-                if f"{names.get(e.signature, e.signature)} [{e.bucket_lo},{e.bucket_hi}]" not in covered]
+                for e in t.entries(backend="triton") if _row_key(e, names) not in covered]
 
 
 def record(table: str | os.PathLike, path: str | os.PathLike | None = None) -> Path:
@@ -86,7 +99,7 @@ def record(table: str | os.PathLike, path: str | os.PathLike | None = None) -> P
 
 
 def relabel(table: str | os.PathLike, path: str | os.PathLike | None = None) -> list[str]:
-    """Move `table`'s Triton rows to this tree's kernel hash when every stored winner's digest equals the
+    """Move `table`'s Triton rows to this tree's kernel hash when every stale winner's digest equals the
     recorded one. Returns what differs (digest keys, rows without digests); nothing is written then."""
     import dataclasses
 
@@ -101,7 +114,11 @@ def relabel(table: str | os.PathLike, path: str | os.PathLike | None = None) -> 
         raise RelabelError(f"{path}: digests made with {recorded['triton']}, this is {_triton()}: run where "
                            f"{recorded['triton']} is installed")
     old, now = recorded["digests"], tree_digests(table)
-    differ = sorted(k for k in old.keys() | now.keys() if old.get(k) != now.get(k)) + _uncovered_rows(table, now)
+    names = _preset_names()
+    stale = {_row_key(e, names) for e in _stale_entries(table)}  # a row re-timed on this tree is current
+    differ = sorted(k for k in old.keys() | now.keys()
+                    if k.split(" T=")[0] in stale and old.get(k) != now.get(k))
+    differ += _uncovered_rows(table, now)
     if differ:
         return differ
     current = kernel_source_hash("triton")
@@ -133,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.table}: nothing written; {len(differ)} differ from the recorded digests (re-tune those "
               "entries on the GPU):\n  " + "\n  ".join(differ))
         return 1
-    print(f"{args.table}: every stored winner's sm_90 code unchanged; Triton rows on the tree's kernel hash")
+    print(f"{args.table}: every stale winner's sm_90 code unchanged; Triton rows on the tree's kernel hash")
     return 0
 
 

@@ -22,9 +22,18 @@ from pathlib import Path
 import pytest
 
 from moetune import __version__
+from moetune.ir.block import signature_scheme
 from moetune.ir.presets import PRESETS, preset
 from moetune.runtime.table import TABLE, DispatchTable, load_entries
-from moetune.runtime.versions import Versions, backend_version, judge, kernel_hash_part, kernel_source_hash, serves
+from moetune.runtime.versions import (
+    Versions,
+    backend_version,
+    judge,
+    kernel_hash_part,
+    kernel_source_hash,
+    serves,
+    stale_on,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / "cache"
@@ -78,8 +87,8 @@ def test_h200_table_is_current_and_rebuilds(request):
         rows = t.entries(target="h200", backend="triton")
     assert rows
     current = kernel_source_hash("triton")
-    stale = sorted({(e.kind, kernel_hash_part(e.versions.kernel_hash, e.kind)) for e in rows
-                    if kernel_hash_part(e.versions.kernel_hash, e.kind) != kernel_hash_part(current, e.kind)})
+    stale = sorted({(e.kind, s, kernel_hash_part(e.versions.kernel_hash, e.kind, s))
+                    for e in rows if stale_on(e, current) for s in [signature_scheme(e.signature_text)]})
     if stale:
         try:  # the fix depends on whether the winners' code changed
             tree = request.getfixturevalue("tree")

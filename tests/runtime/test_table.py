@@ -432,6 +432,29 @@ def test_merge_keeps_the_faster_of_each_key(tmp_path, capsys):
     assert merge([a], c) == (2, 3, 3, 0, 1)
 
 
+def test_merge_keeps_a_current_entry_over_a_faster_stale_one_and_splits_the_stale_around_it(tmp_path):
+    """A row timed on other kernel sources serves nothing here: it loses its key to a current entry however
+    fast it was, and a current entry over part of a stale row splits it; every T stays covered, by a current
+    entry wherever one covers it, and the lookup serves every T."""
+    import dataclasses
+
+    old, new = (tmp_path / f"{n}.sqlite" for n in ("old", "new"))
+    gone = other(kernel_hash="0ld")
+    with DispatchTable(old) as t:
+        for lo, hi in ((1, 4), (5, 8), (9, 40)):
+            t.put(dataclasses.replace(entry(lo, hi, 1.0, versions=gone), tuned_at=OLD))
+    with DispatchTable(new) as t:
+        t.put(dataclasses.replace(entry(1, 4, 9.0), tuned_at=NEW))
+        t.put(dataclasses.replace(entry(5, 20, 9.0), tuned_at=NEW))
+    merge([new], old)
+    with DispatchTable(old, create=False) as t:
+        got = {e.bucket: (e.time_us, e.versions.kernel_hash == HERE.kernel_hash) for e in t.entries()}
+    assert got == {(1, 4): (9.0, True), (5, 20): (9.0, True), (21, 40): (1.0, False)}
+    with pytest.warns(CacheWarning, match=r"\[21,40\] stale"):  # named to re-tune, not served
+        served = [(lo, hi) for lo, hi, _ in load_entries(old, BLOCK, "cpu", "torch")]
+    assert served == [(1, 4), (5, 20)]
+
+
 def test_show_lists_every_entry_with_floor_default_baseline_and_device(tmp_path, capsys):
     path = tmp_path / "d.sqlite"
     with DispatchTable(path) as t:
@@ -598,8 +621,8 @@ def test_parts_tile_a_bucket_exactly(tmp_path):
 
 def test_merge_splits_what_a_newer_overlapping_entry_of_the_same_versions_overlaps(tmp_path):
     """One table split a bucket that the other holds whole: the merged file keeps the newer tuning where
-    they overlap, as the lookup would; a row of other kernels is kept (it may be the usable one where those
-    kernels run), and so is a row nothing overlaps."""
+    they overlap, as the lookup would; a row of other kernels gives way to the current one over it (it
+    serves nothing on this tree), and a row nothing overlaps is kept."""
     import dataclasses
 
     a, b, c = (tmp_path / f"{n}.sqlite" for n in "abc")
@@ -611,10 +634,10 @@ def test_merge_splits_what_a_newer_overlapping_entry_of_the_same_versions_overla
         t.put(dataclasses.replace(entry(8, 11, 6.0), tuned_at=NEW))
         t.put(dataclasses.replace(entry(12, 17, 6.0), tuned_at=NEW))
         t.put(dataclasses.replace(entry(1, 7, 6.0), tuned_at=NEW))
-    assert merge([a, b], c) == (6, 0, 5, 0, 1)  # [8,17]: wholly under [8,11] and [12,17]
+    assert merge([a, b], c) == (6, 0, 4, 0, 2)  # [8,17]: wholly under [8,11] and [12,17]; [1,3] under [1,7]
     with DispatchTable(c, create=False) as t:
         got = sorted((e.bucket, e.versions.kernel_hash == HERE.kernel_hash) for e in t.entries())
-    assert got == [((1, 3), False), ((1, 7), True), ((8, 11), True), ((12, 17), True), ((18, 40), True)]
+    assert got == [((1, 7), True), ((8, 11), True), ((12, 17), True), ((18, 40), True)]
 
 
 # ------------------------------------------------------------------- the spread column (added to v2)
