@@ -35,6 +35,8 @@ BLOCKS = {
     "fp8_block": MoEBlock(E=4, k=2, D=256, F=128, T_max=64).with_weight_format(WeightFormat.fp8_block((128, 128))),
 }
 ROUTINGS = ("random", "sentinels", "one_hot")
+# interpreted on a CPU; with MOETUNE_TEST_GPU=1 on a GPU machine the same cases run compiled on the GPU
+DEVICE = "cuda" if os.environ.get("MOETUNE_TEST_GPU") and torch.cuda.is_available() else "cpu"
 
 
 def _case(block: MoEBlock, T: int, routing: str, seed: int = 0):
@@ -47,7 +49,7 @@ def _case(block: MoEBlock, T: int, routing: str, seed: int = 0):
     if routing == "one_hot":
         ids[:, 0] = 1  # one expert takes every token; most experts get no row
     wts = torch.softmax(torch.randn(T, block.k, generator=g), 1).to(getattr(torch, block.routing_weight_dtype))
-    return x, ids, wts
+    return x.to(DEVICE), ids.to(DEVICE), wts.to(DEVICE)
 
 
 def _jitted(block, backend, **kw):
@@ -64,7 +66,7 @@ def _args(case, w):
 
 
 def _check(block, backend, T, routing, seed=0, **kw):
-    w = expert_tensors(block, seed=seed + 1)
+    w = expert_tensors(block, DEVICE, seed=seed + 1)
     case = _case(block, T, routing, seed)
     out = _jitted(block, backend, **kw)(*_args(case, w))
     assert out.shape == (T, block.D) and out.dtype == jnp.dtype(block.weight_format.compute_dtype)
@@ -84,7 +86,7 @@ def test_the_torch_backend_runs_under_jit_through_xla(name, routing):
 
 @pytest.mark.parametrize("name", ["f32", "fp8_block"])
 def test_the_triton_kernels_run_under_jit_through_xla(name):
-    """GEMV and grouped GEMM (the defaults at T = 1 and at T = 24 on these blocks), interpreted on a CPU."""
+    """GEMV and grouped GEMM (the defaults at T = 1 and at T = 24 on these blocks)."""
     block = BLOCKS[name]
     kinds = {mj.route(block, T, backend="triton").schedule.kind for T in (1, 24)}
     assert kinds == {"stream_gemv", "grouped_gemm"}
@@ -98,25 +100,25 @@ def test_a_torch_backend_is_bridged_and_keeps_its_own_name_and_target():
     assert mj.jax_backend("triton") is be  # one object per backend: its routes are built once
 
 
-def _triton_entry(block, bucket, schedule):
-    v = Versions.current("triton", "cpu")
-    return DispatchEntry.of(target="cpu", block=block, bucket=bucket, time_us=1.0,
+def _triton_entry(block, bucket, schedule, target):
+    v = Versions.current("triton", DEVICE)
+    return DispatchEntry.of(target=target, block=block, bucket=bucket, time_us=1.0,
                             schedule=dataclasses.replace(schedule, backend="triton"), versions=v)
 
 
 def test_the_tables_triton_entries_serve_the_jax_path_unchanged(tmp_path):
     block = BLOCKS["f32"]
     gemv = Schedule("stream_gemv", backend="triton", params=GemvParams(block_n=16, block_k=32, num_warps=2))
-    path = tmp_path / "t.sqlite"
+    path, target = tmp_path / "t.sqlite", "cpu" if DEVICE == "cpu" else mj.jax_backend("triton").target.name
     with DispatchTable(path) as t:
-        t.put_all([_triton_entry(block, (1, 64), gemv)])
+        t.put_all([_triton_entry(block, (1, 64), gemv, target)])
     with warnings.catch_warnings():
         warnings.simplefilter("error", DispatchWarning)  # the entry covers every T: nothing to say
-        r = mj.route(block, 3, table=str(path), backend="triton", target="cpu")
+        r = mj.route(block, 3, table=str(path), backend="triton", target=target)
         assert (r.source, r.schedule) == ("table", gemv)
-        _check(block, "triton", 3, "random", table=str(path), target="cpu")
-        w = expert_tensors(block, seed=1)
-        text = _jitted(block, "triton", table=str(path), target="cpu").lower(
+        _check(block, "triton", 3, "random", table=str(path), target=target)
+        w = expert_tensors(block, DEVICE, seed=1)
+        text = _jitted(block, "triton", table=str(path), target=target).lower(
             *_args(_case(block, 3, "random"), w)).as_text(debug_info=True)
     assert f"{mj.SCOPE}/triton.stream_gemv" in text and "buffer" in text.lower()
 
