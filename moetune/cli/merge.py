@@ -1,5 +1,6 @@
-"""`moetune merge A B … -o OUT`: the faster entry of each key; where entries overlap, the newer splits the
-older around itself, so every token count covered stays covered (moetune.runtime.merge). OUT is
+"""`moetune merge A B … -o OUT`: the faster entry of each key (one timed on this tree's kernel sources over a
+stale one); where entries overlap, the newer splits the older around itself, and a current one the stale
+ones, so every token count covered stays covered (moetune.runtime.merge). OUT is
 replaced only once the merge is complete. Prints what was read, what OUT holds, and the merged table."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from .show import show
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("merge", help="merge dispatch tables, keeping the faster entry of each key")
+    p = sub.add_parser("merge", help="merge dispatch tables, keeping the faster entry of each key (current over stale)")
     p.add_argument("inputs", nargs="+", help="dispatch tables to read")
     p.add_argument("-o", "--output", required=True, help="dispatch table to write (created if missing)")
     return p
