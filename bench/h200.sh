@@ -6,6 +6,11 @@
 #   bash bench/h200.sh tune-at BUDGET_S T[,T...] PRESET...
 #                                     # targeted re-tunes (--at-tokens) into $OUT/t/h200.sqlite, a copy of the
 #                                     # shipped table (join it back with moetune merge), a log per preset
+#   bash bench/h200.sh revalidate SECONDS PRESET...
+#                                     # after a kernel edit that changed the stored winners' sm_90 code: each preset's
+#                                     # stale winners re-checked and re-timed beside the defaults, no search, within
+#                                     # SECONDS in all, into $OUT/t/h200.sqlite (a copy of the shipped table: join it
+#                                     # back with moetune merge, then record the digests), a log per preset
 #   bash bench/h200.sh SUITE ARGS...  # python -m bench SUITE ARGS...
 set -u
 export PYTHONUNBUFFERED=1
@@ -32,6 +37,16 @@ case "${1:-}" in
       python3 -m moetune.cli tune --preset "$p" --backend triton --target h200 --tokens 1-1024 --at-tokens "$at" \
         --budget "${budget}s" --cache "$OUT/t/h200.sqlite" > "$log" 2>&1
       echo "$p at $at: rc=$?"; grep -E '^ +\[[0-9]+,[0-9]+\] +[0-9]+ ' "$log"
+    done ;;
+  revalidate)
+    total=$2; shift 2; t0=$(date +%s)
+    mkdir -p "$OUT/t" && cp cache/h200.sqlite "$OUT/t/h200.sqlite"
+    for p in "$@"; do
+      left=$(( total - $(date +%s) + t0 )); [ $left -lt 40 ] && { echo "$p: no time left"; continue; }
+      log="$OUT/t/h200-$p-revalidate.log"
+      timeout -k 5 $left python3 -m moetune.cli tune --preset "$p" --backend triton --target h200 --tokens 1-4096 \
+        --revalidate --cache "$OUT/t/h200.sqlite" --time-limit $(( left - 15 ))s > "$log" 2>&1
+      echo "$p revalidate: rc=$?"; tail -n 2 "$log" | cut -c1-200
     done ;;
   *)
     python3 -m bench "$@" ;;
