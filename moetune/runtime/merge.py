@@ -7,7 +7,7 @@ it was; the counts it returns are taken from the file it wrote.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -38,11 +38,15 @@ def merge(inputs: Iterable[str | os.PathLike], output: str | os.PathLike) -> Mer
     output = Path(output)
     held = _rows_of(output) if output.exists() else []
     read = [e for src in inputs for e in _rows_of(src)]
-    stale = _StaleHere()
+    stale = _stale_here(held + read)
+
+    def precedence(e: DispatchEntry) -> tuple:  # measured, then current, then faster (a tie keeps the first)
+        return e.estimated, stale(e), e.time_us
+
     best: dict[tuple, DispatchEntry] = {}
-    for e in held + read:  # measured over estimate, current over stale, then the time (a tie keeps the first)
+    for e in held + read:
         k = tuple(getattr(e, c) for c in PK)
-        if k not in best or _order(e, stale) < _order(best[k], stale):
+        if k not in best or precedence(e) < precedence(best[k]):
             best[k] = e
     old = sorted((e for e in best.values() if stale(e)), key=_rank)
     current = sorted((e for e in best.values() if not stale(e)), key=_rank)
@@ -63,26 +67,18 @@ def merge(inputs: Iterable[str | os.PathLike], output: str | os.PathLike) -> Mer
     return Merged(len(read), len(held), len(now), trimmed, replaced)
 
 
-class _StaleHere:
+def _stale_here(entries: list[DispatchEntry]) -> Callable[[DispatchEntry], bool]:
     """Whether an entry was timed on other kernel sources than this tree's (`versions.stale_on`): such a row
     serves no lookup here, so it never wins a key over a current one, and a current row overlapping it splits
     it. A backend whose sources cannot be read here judges nothing stale."""
+    def source_hash(backend: str) -> str | None:
+        try:
+            return kernel_source_hash(backend)
+        except CacheError:
+            return None
 
-    def __init__(self) -> None:
-        self._hash: dict[str, str | None] = {}
-
-    def __call__(self, e: DispatchEntry) -> bool:
-        if e.backend not in self._hash:
-            try:
-                self._hash[e.backend] = kernel_source_hash(e.backend)
-            except CacheError:
-                self._hash[e.backend] = None
-        now = self._hash[e.backend]
-        return now is not None and stale_on(e, now)
-
-
-def _order(e: DispatchEntry, stale: _StaleHere) -> tuple:
-    return e.estimated, stale(e), e.time_us
+    now = {b: source_hash(b) for b in {e.backend for e in entries}}
+    return lambda e: now[e.backend] is not None and stale_on(e, now[e.backend])
 
 
 def _fsync(path: Path) -> None:

@@ -26,6 +26,7 @@ from moetune.runtime.dispatch import DispatchWarning  # noqa: E402
 from moetune.runtime.table import DispatchEntry, DispatchTable  # noqa: E402
 from moetune.runtime.versions import Versions  # noqa: E402
 from moetune.search.objective import expert_tensors  # noqa: E402
+from tests.codegen.triton_cases import DEV as DEVICE  # noqa: E402  (cpu, interpreted; with MOETUNE_TEST_GPU=1: cuda)
 
 BLOCKS = {
     "f32": MoEBlock(E=6, k=2, D=32, F=16, weight_dtype="float32", routing_weight_dtype="float32", T_max=64),
@@ -35,8 +36,6 @@ BLOCKS = {
     "fp8_block": MoEBlock(E=4, k=2, D=256, F=128, T_max=64).with_weight_format(WeightFormat.fp8_block((128, 128))),
 }
 ROUTINGS = ("random", "sentinels", "one_hot")
-# interpreted on a CPU; with MOETUNE_TEST_GPU=1 on a GPU machine the same cases run compiled on the GPU
-DEVICE = "cuda" if os.environ.get("MOETUNE_TEST_GPU") and torch.cuda.is_available() else "cpu"
 
 
 def _case(block: MoEBlock, T: int, routing: str, seed: int = 0):
