@@ -59,7 +59,10 @@ def expand_scales(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int,
 def scales_from_amax(amax: torch.Tensor, scale_dtype: str = "float32") -> torch.Tensor:
     """The dequantisation multiplier of blocks with max |w| `amax`: amax / 448, 1 for an all-zero block;
     ue8m0 rounds it up to a power of two (so no value overflows ±448) and stores it as float8_e8m0fnu."""
-    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # a tensor divisor: torch on CUDA computes tensor / number as a product with the number's reciprocal, which
+    # differs from the correctly rounded quotient in the last bit (and e4m3 ties of 16-bit inputs then round the
+    # other way); tensor / tensor is correctly rounded on every device
+    s = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     if scale_dtype == "float32":
         return s
     if scale_dtype != "ue8m0":
