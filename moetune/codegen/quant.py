@@ -8,7 +8,8 @@ them): a matrix [out, in] of float8_e4m3fn values `q` and one dequantisation mul
     scale_inv = amax(|w| over the block) / 448          (float32; ue8m0: rounded up to a power of two)
 
 Activations (the w8a8 schedules): each row quantised per group of `group` consecutive channels, the
-same rule with a 1 × group block. A zero block gets scale 1 (its values are zeros).
+same scales with a 1 × group block, the values multiplied by the scale's reciprocal (`quantize_rows`). A
+zero block gets scale 1 (its values are zeros).
 """
 
 from __future__ import annotations
@@ -58,7 +59,10 @@ def expand_scales(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int,
 def scales_from_amax(amax: torch.Tensor, scale_dtype: str = "float32") -> torch.Tensor:
     """The dequantisation multiplier of blocks with max |w| `amax`: amax / 448, 1 for an all-zero block;
     ue8m0 rounds it up to a power of two (so no value overflows ±448) and stores it as float8_e8m0fnu."""
-    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # a tensor divisor: torch on CUDA computes tensor / number as a product with the number's reciprocal, which
+    # differs from the correctly rounded quotient in the last bit (and e4m3 ties of 16-bit inputs then round the
+    # other way); tensor / tensor is correctly rounded on every device
+    s = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     if scale_dtype == "float32":
         return s
     if scale_dtype != "ue8m0":
@@ -104,8 +108,14 @@ def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
 
 def quantize_rows(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row, per-`group`-channel quantisation of activations x [M, K]: (q e4m3 [M, K], scale [M, ⌈K/group⌉]
-    float32), the w8a8 rule: x ≈ q · scale."""
-    return quantize_blocks(x, (1, group))
+    float32), the w8a8 rule: x ≈ q · scale. The scale as the weights' (amax / 448, 1 for a zero group); the
+    values multiplied by its reciprocal, rounded once (1 / scale), then clamped and rounded to e4m3: one
+    division per group and a product per value, which a kernel computes exactly as cheaply as it can."""
+    block = (1, group)
+    scale = scales_from_amax(block_amax(x, block))
+    recip = torch.ones_like(scale) / scale
+    q = (x.float() * expand_scales(recip, tuple(x.shape[-2:]), block)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale
 
 
 def fake_quantize_rows(x: torch.Tensor, group: int = 128) -> torch.Tensor:

@@ -72,7 +72,8 @@ def _check(block, backend, T, routing, seed=0, **kw):
     x, ids, wts = case
     sch = mj.route(block, T, backend=backend, table=kw.get("table"), target=kw.get("target")).schedule
     a8 = sch is not None and quantizes_activations(sch.params)  # a w8a8 schedule: the bound of its rounding
-    err = worst_error(torch.from_dlpack(out), experts_reference(block, x, ids.long(), wts, w), a8=a8)
+    tf32 = backend == "triton" and DEVICE != "cpu"  # compiled, Triton's float32 tl.dot rounds its inputs to TF32
+    err = worst_error(torch.from_dlpack(out), experts_reference(block, x, ids.long(), wts, w), a8=a8, tf32=tf32)
     assert err <= 1.0, (backend, T, routing, err)
 
 

@@ -23,7 +23,7 @@ has one scale per column of the tile (one for the whole tile when its BN columns
         acc += dot(q_a, q) · s_a[row, k0 // G] · s_w[n // R, k0 // C]    e4m3 × e4m3 on the FP8 tensor cores,
                                                               fp32 accumulation per step; BK divides G too
 
-w8a8 activations follow `quant.quantize_rows` (per row, per G channels: s = amax / 448, q = x / s rounded to
+w8a8 activations follow `quant.quantize_rows` (per row, per G channels: s = amax / 448, q = x · (1 / s) rounded to
 e4m3): x by a pre-pass (`quant_rows_kernel`, T rows: every pair of a token reads its token's row), h in the
 gate/up epilogue, which holds whole G-column groups of each row (block_n a multiple of G): hq [P, F] e4m3 and
 hs [P, F / G] fp32 in pair order; or, with quant_on_load, each 16-bit A tile (x, and h stored in the
@@ -318,12 +318,13 @@ def _max_nan(a, b):
 @triton.jit
 def _quant_groups(v, R: tl.constexpr, W: tl.constexpr, G: tl.constexpr, EMULATE: tl.constexpr):
     """v [R, W] fp32 → (q [R, W] e4m3, s [R, W // G] fp32), per row and G columns: s = amax / 448 (1 for a
-    zero group), q = v / s rounded to e4m3 (quant.quantize_rows), both quotients correctly rounded (div_rn:
-    Triton's `/` on fp32 is the approximate division)."""
+    zero group), q = v · (1 / s) rounded to e4m3 (quant.quantize_rows). The two quotients are per group and
+    correctly rounded (div_rn: Triton's `/` on fp32 is the approximate division); a correctly rounded
+    division per value would cost more than the product."""
     v3 = tl.reshape(v, [R, W // G, G])
     amax = tl.reduce(tl.abs(v3), 2, _max_nan)  # [R, W // G]: NaN in a group makes its scale NaN
     s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
-    q = _to_e4m3(tl.math.div_rn(v3, s[:, :, None]), EMULATE)
+    q = _to_e4m3(v3 * tl.math.div_rn(1.0, s)[:, :, None], EMULATE)
     return tl.reshape(q, [R, W]), s
 
 
