@@ -72,6 +72,11 @@ def scales_from_amax(amax: torch.Tensor, scale_dtype: str = "float32") -> torch.
     return torch.exp2(torch.ceil(torch.log2(s))).to(UE8M0)
 
 
+def _to_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """float32 v clamped to ±448 and rounded to nearest e4m3 by the cast."""
+    return v.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
 def quantize_blocks(w: torch.Tensor, block: tuple[int, int],
                     scale_dtype: str = "float32") -> tuple[torch.Tensor, torch.Tensor]:
     """(q float8_e4m3fn [..., out, in], scale_inv [..., nb_out, nb_in]) of w [..., out, in] (any float).
@@ -79,8 +84,7 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int],
     Values are divided by their block's scale, clamped to ±448 and rounded to nearest by the cast."""
     out, cin = w.shape[-2:]
     scale = scales_from_amax(block_amax(w, block), scale_dtype)
-    q = (w.float() / expand_scales(scale, (out, cin), block)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return q, scale
+    return _to_e4m3(w.float() / expand_scales(scale, (out, cin), block)), scale
 
 
 def quantize_gate_up(w: torch.Tensor, block: tuple[int, int],
@@ -109,13 +113,12 @@ def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
 def quantize_rows(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row, per-`group`-channel quantisation of activations x [M, K]: (q e4m3 [M, K], scale [M, ⌈K/group⌉]
     float32), the w8a8 rule: x ≈ q · scale. The scale as the weights' (amax / 448, 1 for a zero group); the
-    values multiplied by its reciprocal, rounded once (1 / scale), then clamped and rounded to e4m3: one
-    division per group and a product per value, which a kernel computes exactly as cheaply as it can."""
+    values multiplied by its reciprocal (1 / scale, rounded once), then clamped and rounded to e4m3: one
+    division per group and a product per value (the kernels' `_quant_groups` computes the same, bit for bit)."""
     block = (1, group)
     scale = scales_from_amax(block_amax(x, block))
     recip = torch.ones_like(scale) / scale
-    q = (x.float() * expand_scales(recip, tuple(x.shape[-2:]), block)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return q, scale
+    return _to_e4m3(x.float() * expand_scales(recip, tuple(x.shape[-2:]), block)), scale
 
 
 def fake_quantize_rows(x: torch.Tensor, group: int = 128) -> torch.Tensor:

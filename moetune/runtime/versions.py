@@ -156,12 +156,10 @@ def judge(entry: DispatchEntry, current: Versions) -> str | None:
     if not entry.estimated and (v.device, v.capability) != (current.device, current.capability):
         return (f"foreign: tuned on {v.device} ({v.capability}), "
                 f"this is {current.device} ({current.capability})")
-    if stale_on(entry, current.kernel_hash):
-        scheme = signature_scheme(entry.signature_text)
-        was = kernel_hash_part(v.kernel_hash, entry.kind, scheme)
-        now = kernel_hash_part(current.kernel_hash, entry.kind, scheme)
-        if not now:
-            return f"stale: this tree has no {entry.kind} kernel for {scheme} weights"
+    scheme, was, now = _hash_parts(entry, current.kernel_hash)
+    if not now:
+        return f"stale: this tree has no {entry.kind} kernel for {scheme} weights"
+    if was != now:
         return f"stale: {entry.kind} kernel sources {was} changed to {now}"
     libs = [f"{a} → {b}" for a, b in ((v.backend_version, current.backend_version),
                                         (f"torch {v.torch}", f"torch {current.torch}")) if a != b]
@@ -170,12 +168,18 @@ def judge(entry: DispatchEntry, current: Versions) -> str | None:
     return None
 
 
+def _hash_parts(entry: DispatchEntry, kernel_hash: str) -> tuple[str, str, str]:
+    """(weight scheme, the part of the entry's kernel hash it depends on, that part of `kernel_hash`)."""
+    scheme = signature_scheme(entry.signature_text)
+    return (scheme, kernel_hash_part(entry.versions.kernel_hash, entry.kind, scheme),
+            kernel_hash_part(kernel_hash, entry.kind, scheme))
+
+
 def stale_on(entry: DispatchEntry, kernel_hash: str) -> bool:
     """Whether `entry` was timed on other kernel sources than those `kernel_hash` (a tree's
     `kernel_source_hash`) names, for its kind and weight scheme: `judge`'s "stale"."""
-    scheme = signature_scheme(entry.signature_text)
-    now = kernel_hash_part(kernel_hash, entry.kind, scheme)
-    return not now or kernel_hash_part(entry.versions.kernel_hash, entry.kind, scheme) != now
+    _, was, now = _hash_parts(entry, kernel_hash)
+    return not now or was != now
 
 
 def serves(why: str | None) -> bool:
