@@ -14,6 +14,7 @@ kernels refuse, weight-tile loads in both layouts and the activation inside a ke
     packed_e4m3           float8_e4m3fn weights [..., n] viewed as uint32 words [..., n/4] (outside a kernel)
     packed_rows_dot       row sums [BN] of a [BN, BK] e4m3 tile read as [BN, BK/4] words, against a vector
     packed_tile_dot       the [BM, BN] product of a [BM, BK] tile with such a tile's transpose (four dots)
+    row_index             the [len(rows), n] (row, column) index arrays of a gather or scatter of whole rows
     activate              h = act(gate, up) in f32, per the block's activation
     trailing_refs         (bias, scale, output) refs after a kernel's weight ref
 
@@ -198,10 +199,23 @@ def packed_rows_dot(w_ref, e, rows, v_ref, v_row, k0, BK: int):
     return acc
 
 
+def row_index(rows, c0, n: int, stride: int = 1):
+    """(row, column) int32 index arrays [len(rows), n] of the columns c0, c0 + stride, .. of each row in `rows`
+    [BM] (any rows: a gather or a scatter): indexing a ref with both reads or writes [BM, n]. Arrays on both
+    axes, not an array and a slice: Pallas' interpreter takes a ref indexed by arrays only, or by slices only."""
+    import jax
+    import jax.numpy as jnp
+
+    shape = (rows.shape[0], n)
+    cols = c0 + stride * jax.lax.broadcasted_iota(jnp.int32, (1, n), 1)
+    return jnp.broadcast_to(rows[:, None], shape), jnp.broadcast_to(cols, shape)
+
+
 def packed_tile_dot(w_ref, e, rows, v_ref, v_rows, k0, BK: int):
     """v[v_rows, k0:k0+BK] · W[rows, k0:k0+BK]ᵀ [BM, BN] (f32, tensor-core dots) of expert e's e4m3 rows `rows`
     (BN of them) of a packed weight w_ref [E, R, C/4] (words): four dots of BK/4 columns, lane j against the
-    stride-4 columns k0+j, k0+j+4, .. of v (v's dtype, its precision; BK/4 ≥ 16, the dot's side)."""
+    stride-4 columns k0+j, k0+j+4, .. of v (v's dtype, its precision; BK/4 ≥ 16, the dot's side). `v_rows` is a
+    slice of v's rows, or an int32 array [BM] of them (a gather)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -209,7 +223,8 @@ def packed_tile_dot(w_ref, e, rows, v_ref, v_rows, k0, BK: int):
     words = w_ref[e, rows, pl.ds(pl.multiple_of(k0 // PACK, bw), bw)]  # [BN, BK/4]
     acc = None
     for j, lane in enumerate(unpack_e4m3(words, v_ref.dtype)):
-        v = v_ref[v_rows, pl.ds(k0 + j, bw, PACK)]  # [BM, BK/4]
+        v = (v_ref[v_rows, pl.ds(k0 + j, bw, PACK)] if isinstance(v_rows, pl.Slice)
+             else v_ref[row_index(v_rows, k0 + j, bw, PACK)])  # [BM, BK/4]
         d = plgpu.dot(v, lane, trans_b=True, precision=dtype_precision(v_ref.dtype))
         acc = d if acc is None else acc + d
     return acc

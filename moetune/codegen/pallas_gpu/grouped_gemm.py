@@ -6,12 +6,18 @@ In the jitted function, on the device (`tile_plan`):
   counts [E]      rows per expert (bincount, length E)
   tiles           each expert's rows split into ⌈counts/BM⌉ tiles of BM rows; NT = ⌈P/BM⌉ + min(E, P) tiles
                   bound every routing (static grid); tile i → (expert, valid rows), empty tiles skipped
-  x_pad [NT·BM, D]   row r of tile i is the x row of its pair (zeros past the tile's valid rows: masked rows)
+  row_tok [NT·BM]    the token of padded row r (its pair's, 0 past the tile's valid rows)
 Two launches over grid (NT, N/BN):
-  gate/up  acc_g, acc_u [BM, BN] = Σ_K x_pad tile · gate/up tile (f32 accumulators), + bias, routing weight
-           on the input scales the accumulators (w·(W x) = W (w·x)), activation: h_pad [NT·BM, F] in x.dtype
-  down     acc [BM, BN] = Σ_F h_pad tile · down tile, + bias, × routing weight on the output: y_pad f32
-Combine (JAX): each valid pair gathers its row of y_pad; the token's k rows are summed (deterministic).
+  gate/up  acc_g, acc_u [BM, BN] = Σ_K x[row_tok] tile (the tile's rows gathered from x in place: no padded
+           copy of x) · gate/up tile (f32 accumulators), + bias, routing weight on the input scales the
+           accumulators (w·(W x) = W (w·x)), activation: h_pad [NT·BM, F] in x.dtype (rows past a tile's
+           valid ones hold what token 0 gives; nothing reads them)
+  down     acc [BM, BN] = Σ_F h_pad tile · down tile, + bias, × routing weight on the output; each valid row
+           stored to its pair's row of y [P + BM, D] f32 (a masked scatter: the padded rows are never written;
+           their masked lanes aim at BM spare rows past P, one each, so no two lanes of a store share a row,
+           which Pallas' interpreter needs as it writes masked lanes back)
+Combine (JAX): y[:P].reshape(T, k, D) summed over k, sentinel pairs' rows (never written) as zeros
+(deterministic: a fixed order, no atomics).
 
 The same kernels read FP8 block-quantised weights (grouped_gemm_fp8.py, w8a16): uint32 words of four e4m3
 values (_common.py's packed_e4m3) widened in registers to the activations' dtype, four dots per K step, each
@@ -50,6 +56,7 @@ from ._common import (
     pow2_divisor,
     refusal,
     refuse,
+    row_index,
     trailing_refs,
 )
 
@@ -121,7 +128,6 @@ class TilePlan(NamedTuple):
     tile_rows: object  # [NT] int32 valid rows of the tile (0: skipped)
     row_pair: object  # [NT·BM] int32 the pair of each padded row (0 where masked)
     row_valid: object  # [NT·BM] bool
-    pair_row: object  # [P] int32 the padded row of each pair (0 where the pair is a sentinel)
     pair_valid: object  # [P] bool
 
 
@@ -144,20 +150,18 @@ def tile_plan(ids_f, E: int, bm: int) -> TilePlan:
     tile_end = jnp.cumsum(tiles_e)  # [E]
     tile_begin = tile_end - tiles_e
     i = jnp.arange(NT, dtype=jnp.int32)
-    te = jnp.minimum(jnp.searchsorted(tile_end, i, side="right"), E - 1).astype(jnp.int32)  # [NT]
+    # one [NT, E] comparison, where the default binary search is a loop of log2(E) steps of two kernels each
+    te = jnp.minimum(jnp.searchsorted(tile_end, i, side="right", method="compare_all"), E - 1).astype(jnp.int32)
     local = i - tile_begin[te]
     rows = jnp.where(i < tile_end[-1], jnp.clip(counts[te] - local * bm, 0, bm), 0).astype(jnp.int32)
     m = jnp.arange(bm, dtype=jnp.int32)
     row_valid = (m[None, :] < rows[:, None]).reshape(NT * bm)  # [NT·BM]
     sorted_pos = (starts[te] + local * bm)[:, None] + m[None, :]  # [NT, BM]
     row_pair = jnp.where(row_valid, order[jnp.clip(sorted_pos.reshape(NT * bm), 0, P - 1)], 0)
-    rank = jnp.zeros((P,), jnp.int32).at[order].set(jnp.arange(P, dtype=jnp.int32))  # sorted position of a pair
-    e = jnp.where(valid, ids_f, 0)
-    pair_row = jnp.where(valid, tile_begin[e] * bm + rank - starts[e], 0).astype(jnp.int32)
-    return TilePlan(te, rows, row_pair.astype(jnp.int32), row_valid, pair_row, valid)
+    return TilePlan(te, rows, row_pair.astype(jnp.int32), row_valid, valid)
 
 
-def _gate_up_kernel(block: MoEBlock, p: GemmParams, te_ref, rows_ref, rw_ref, x_ref, w_ref, *rest):
+def _gate_up_kernel(block: MoEBlock, p: GemmParams, te_ref, rows_ref, rw_ref, tok_ref, x_ref, w_ref, *rest):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -172,15 +176,16 @@ def _gate_up_kernel(block: MoEBlock, p: GemmParams, te_ref, rows_ref, rw_ref, x_
 
     @pl.when(rows_ref[i] > 0)
     def _():
+        tok = tok_ref[pl.ds(r0, BM)]  # [BM] the x row of each of the tile's rows
+
         def step(kk, acc):
             k0 = pl.multiple_of(kk * BK, BK)
             if s_ref is not None:  # packed e4m3 words; the K step lies in one scale block column of each half
                 gs, us = gate_up_slices(block, n0, BN)
                 sg, su = gate_up_scales(block, s_ref, e, n0, k0)
-                rs = pl.ds(r0, BM)
-                return (acc[0] + packed_tile_dot(w_ref, e, gs, x_ref, rs, k0, BK) * sg,
-                        acc[1] + packed_tile_dot(w_ref, e, us, x_ref, rs, k0, BK) * su)
-            xv = x_ref[pl.ds(r0, BM), pl.ds(k0, BK)]  # [BM, BK]
+                return (acc[0] + packed_tile_dot(w_ref, e, gs, x_ref, tok, k0, BK) * sg,
+                        acc[1] + packed_tile_dot(w_ref, e, us, x_ref, tok, k0, BK) * su)
+            xv = x_ref[row_index(tok, k0, BK)]  # [BM, BK]
             g, u = gate_up_tiles(block, w_ref, e, n0, k0, BN, BK)
             g, u = g.astype(xv.dtype), u.astype(xv.dtype)
             return (acc[0] + plgpu.dot(xv, g, trans_b=not tr, precision=prec),
@@ -197,7 +202,7 @@ def _gate_up_kernel(block: MoEBlock, p: GemmParams, te_ref, rows_ref, rw_ref, x_
         h_ref[pl.ds(r0, BM), pl.ds(n0, BN)] = activate(block, g, u).astype(h_ref.dtype)
 
 
-def _down_kernel(block: MoEBlock, p: GemmParams, te_ref, rows_ref, rw_ref, h_ref, w_ref, *rest):
+def _down_kernel(block: MoEBlock, p: GemmParams, te_ref, rows_ref, rw_ref, pair_ref, h_ref, w_ref, *rest):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -226,7 +231,10 @@ def _down_kernel(block: MoEBlock, p: GemmParams, te_ref, rows_ref, rw_ref, h_ref
             y = y + b_ref[e, pl.ds(n0, BN)].astype(jnp.float32)[None, :]
         if block.weight_application == "output":
             y = y * rw_ref[pl.ds(r0, BM)][:, None]
-        y_ref[pl.ds(r0, BM), pl.ds(n0, BN)] = y
+        m = jax.lax.broadcasted_iota(jnp.int32, (BM,), 0)
+        valid = m < rows_ref[i]  # the tile's valid rows; the others aim at the spare rows P + m, each its own
+        dest = jnp.where(valid, pair_ref[pl.ds(r0, BM)], y_ref.shape[0] - BM + m)
+        plgpu.store(y_ref.at[row_index(dest, n0, BN)], y, mask=jnp.broadcast_to(valid[:, None], (BM, BN)))
 
 
 def experts_f32(block: MoEBlock, p: GemmParams, x, ids, weights, w):
@@ -240,7 +248,7 @@ def experts_f32(block: MoEBlock, p: GemmParams, x, ids, weights, w):
     plan = tile_plan(ids_f, block.E, BM)
     NT = plan.tile_expert.shape[0]
     R = NT * BM
-    x_pad = jnp.where(plan.row_valid[:, None], x[plan.row_pair // block.k], 0).astype(x.dtype)  # [R, D]
+    row_tok = plan.row_pair // block.k  # [R] (0 where masked: row_pair is 0 there)
     rw_pad = jnp.where(plan.row_valid, weights.reshape(P).astype(jnp.float32)[plan.row_pair], 0.0)  # [R]
     gub = [t for t in (w.gate_up_bias, w.gate_up_scale) if t is not None]  # as `trailing_refs` unpacks them
     dnb = [t for t in (w.down_bias, w.down_scale) if t is not None]
@@ -253,13 +261,13 @@ def experts_f32(block: MoEBlock, p: GemmParams, x, ids, weights, w):
         partial(_gate_up_kernel, block, p),
         out_shape=jax.ShapeDtypeStruct((R, block.F), x.dtype), grid=(NT, block.F // p.block_n),
         compiler_params=params, interpret=interp, name="moetune_gemm_gate_up",
-    )(plan.tile_expert, plan.tile_rows, rw_pad, x_pad, gate_up, *gub)  # [R, F]
-    y_pad = pl.pallas_call(
+    )(plan.tile_expert, plan.tile_rows, rw_pad, row_tok, x, gate_up, *gub)  # [R, F]
+    y = pl.pallas_call(
         partial(_down_kernel, block, p),
-        out_shape=jax.ShapeDtypeStruct((R, block.D), jnp.float32), grid=(NT, block.D // p.block_n),
+        out_shape=jax.ShapeDtypeStruct((P + BM, block.D), jnp.float32), grid=(NT, block.D // p.block_n),
         compiler_params=params, interpret=interp, name="moetune_gemm_down",
-    )(plan.tile_expert, plan.tile_rows, rw_pad, h_pad, down, *dnb)  # [R, D]
-    y = jnp.where(plan.pair_valid[:, None], y_pad[plan.pair_row], 0.0)  # [P, D]
+    )(plan.tile_expert, plan.tile_rows, rw_pad, plan.row_pair, h_pad, down, *dnb)  # [P + BM, D]
+    y = jnp.where(plan.pair_valid[:, None], y[:P], 0.0)  # a sentinel pair's row was never written
     return y.reshape(T, block.k, block.D).sum(axis=1)
 
 
@@ -280,7 +288,7 @@ def build(block: MoEBlock, schedule: Schedule):
 
 def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float]:
     """(flops, bytes): the padded tiles' products; each tile reads its expert's weights (an expert of several
-    tiles is re-read per tile), the padded x, h and f32 y buffers."""
+    tiles is re-read per tile) and its x rows, writes and reads the padded h, and the f32 y rows of the pairs."""
     p = schedule.params
     P = tokens * block.k
     wb = 4 if block.weight_dtype == "float32" else 2
@@ -288,7 +296,7 @@ def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float
     tiles = -(-P // p.block_m) + distinct  # about Σ_e ⌈c_e/BM⌉
     rows = tiles * p.block_m
     flops = 2.0 * 3 * rows * block.D * block.F
-    by = (tiles * block.weight_bytes_per_expert + rows * (2 * block.D * wb + 2 * block.F * wb + block.D * 4)
+    by = (tiles * block.weight_bytes_per_expert + rows * (block.D * wb + 2 * block.F * wb) + P * 2 * block.D * 4
           + tokens * block.D * wb)
     return flops, float(by)
 
