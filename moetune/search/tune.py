@@ -268,21 +268,27 @@ def _judged_here(table: DispatchTable, entry: DispatchEntry, block: MoEBlock, ou
 
 
 class _Costs:
-    """One candidate's measured wall time per bucket: the next buckets' estimates. The cost is scaled by
-    whichever grows faster, the roofline floors or the token counts (a kernel far from its roofs grows
-    with the work, not with the bytes): a + b·work fitted to the buckets measured, through 0 with one."""
+    """One candidate's measured wall time per bucket: the next buckets' estimates. A candidate costs its
+    build (compile: the same in every bucket) and its evaluation (check and timing), which grows with the
+    bucket. The evaluation is scaled by whichever grows faster, the roofline floors or the token counts (a
+    kernel far from its roofs grows with the work, not with the bytes): a + b·work fitted to the buckets
+    measured. From one bucket alone there is no line to fit, and the token counts would extrapolate the
+    fixed costs of a small bucket's evaluation (launches, graph capture, the reference) a hundredfold into a
+    large one: its evaluation is scaled by the floors only."""
 
     def __init__(self) -> None:
-        self.points: list[tuple[tuple[float, float], float]] = []
+        self.points: list[tuple[tuple[float, float], float, float]] = []  # (work, evaluation s, build s)
 
     def add(self, work: tuple[float, float], share: Share) -> None:
         if share.evals:
-            self.points.append((work, max(share.evals) + share.build_s()))
+            self.points.append((work, max(share.evals), share.build_s()))
 
     def estimate(self, work: tuple[float, float]) -> float | None:
         if not self.points:
             return None
-        return max(_fit_line([(w[i], s) for w, s in self.points], work[i]) for i in range(2))
+        build = max(b for _, _, b in self.points)
+        axes = range(2) if len({w for w, _, _ in self.points}) > 1 else range(1)
+        return build + max(_fit_line([(w[i], s) for w, s, _ in self.points], work[i]) for i in axes)
 
 
 def _fit_line(points: list[tuple[float, float]], x: float) -> float:

@@ -84,6 +84,28 @@ def test_the_share_estimates_from_what_it_measured():
     assert s.reserve(finalists=4, rounds=2, counts=2) == pytest.approx(min(17 * 0.5, 10 / 3))
 
 
+def test_one_small_bucket_does_not_price_a_large_one_by_its_token_count():
+    """A candidate's build is the same in every bucket; from a single measured bucket its evaluation grows
+    with the floors only (not 181× from T = 1 to T = 172), and with two buckets along a fitted line."""
+    from moetune.search.tune import _Costs
+
+    now = [0.0]
+    s = Share(30.0, clock=lambda: now[0])
+    s.evals += [0.4, 0.5]
+    s.builds += [2.5]
+    costs = _Costs()
+    assert costs.estimate((1e-4, 3.0)) is None
+    costs.add((5e-5, 3.0), s)  # the T = 1 bucket: floors 3 × 16.7 µs, 3 tokens
+    assert costs.estimate((8e-4, 543.0)) == pytest.approx(2.5 + 0.5 * 16)  # floors 16×, tokens 181×
+    assert costs.estimate((5e-5, 3.0)) == pytest.approx(3.0)
+    big = Share(30.0, clock=lambda: now[0])
+    big.evals += [1.0]
+    big.builds += [2.0]
+    costs.add((2e-4, 30.0), big)  # a second bucket: lines through both, on each axis; the larger build
+    line = 0.5 + (1.0 - 0.5) / (30.0 - 3.0) * (543.0 - 3.0)
+    assert costs.estimate((8e-4, 543.0)) == pytest.approx(2.5 + line)
+
+
 @pytest.mark.parametrize("tty", [False, True])
 def test_progress_display_shows_an_eta_per_bucket_and_overall(tty):
     out = io.StringIO()
