@@ -139,6 +139,28 @@ def test_the_hybrid_on_the_gpt_oss_layout(interpreted):
     check(block, SMALL["hybrid"], [routing(c, block.E, block.k, gen) for c in ("sentinels", "one_hot_expert")])
 
 
+DOWN_GROUPS = {  # k = 3 pairs a token, loaded G at a time by the GEMV's down
+    "G=1/bias": (1, dict(layout=WeightLayout(has_bias=True)), None),
+    "G=2/transposed+bias": (2, dict(layout=WeightLayout(transposed=True, has_bias=True)), None),  # 2 groups, 1 idle
+    "G=4/bias/input": (4, dict(layout=WeightLayout(has_bias=True), apply="input"), None),  # 1 group, 1 idle lane
+    "G=2/fp8": (2, dict(D=128, F=64, dtype="bfloat16"), WeightFormat.fp8_block((32, 64))),
+}
+
+
+@pytest.mark.parametrize("variant", list(DOWN_GROUPS))
+def test_the_gemv_down_in_groups_of_pairs(interpreted, variant):
+    """The down's groups of pairs (down_pairs): one lane per pair, groups that leave lanes past k idle, over
+    sentinels and a hot expert, with biases, both layouts, both weight applications and FP8 words."""
+    G, kw, fmt = DOWN_GROUPS[variant]
+    block = block_of(E=10, k=3, **kw)
+    if fmt is not None:
+        block = block.with_weight_format(fmt)
+    s = Schedule("stream_gemv", backend="pallas_gpu",
+                 params=GemvParams(block_n=8, block_k=32, down_block_n=16, down_block_k=16, down_pairs=G))
+    gen = torch.Generator().manual_seed(8)
+    check(block, s, [routing(c, block.E, block.k, gen) for c in ("sentinels", "one_hot_expert")])
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_kinds_default_matches_the_reference(interpreted, kind):
     block = block_of(E=16, k=4, D=128, F=64, dtype="bfloat16")
@@ -220,6 +242,10 @@ def test_availability_and_refusals(monkeypatch):
         BE.build(block, Schedule("stream_gemv", backend="pallas_gpu", params=GemvParams(block_k=128)))
     with pytest.raises(UnsupportedSchedule, match="block_n = 64 does not divide 32"):
         BE.build(block, Schedule("grouped_gemm", backend="pallas_gpu", params=GemmParams(block_n=64)))
+    with pytest.raises(UnsupportedSchedule, match="down_pairs = 4: more than the k = 2 pairs"):
+        BE.build(block, Schedule("stream_gemv", backend="pallas_gpu", params=GemvParams(down_block_k=16, down_pairs=4)))
+    with pytest.raises(UnsupportedSchedule, match="down tile 8×16×128 over 4 warps: 128 elements per thread"):
+        GemvParams(down_block_n=16, down_block_k=128, down_pairs=8)
     with pytest.raises(UnsupportedSchedule, match="not a power of two"):
         GemvParams(block_n=12)
     with pytest.raises(UnsupportedSchedule, match="below the dot's 16"):

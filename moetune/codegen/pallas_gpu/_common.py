@@ -10,7 +10,12 @@ kernels refuse, weight-tile loads in both layouts and the activation inside a ke
     gate_up_tiles         the [BN, BK] gate and up tiles (f32) of expert e at output n0, reduction k0
     gate_up_bias          their biases [BN]
     gate_up_scales        their fp8_block dequantisation multipliers (the tile lies in one block); down_scale
-    down_tile             the [BN, BK] down tile (f32) of expert e at output n0, reduction k0
+    down_tile             the [BN, BK] down tile of expert e at output n0, reduction k0
+    token_pairs           some of a token's k pairs as vectors: (pair index, expert id, valid)
+    expert_tiles          the [G, R, C] tiles of G experts in one masked load (nothing read for invalid lanes)
+    expert_rows           the [G, C] bias rows of G experts, masked alike
+    packed_pairs_dot      row sums [G, BN] of G experts' e4m3 tiles against their pairs' vectors
+    pair_down_scales      the [G] fp8_block multipliers of G experts' down tiles
     packed_e4m3           float8_e4m3fn weights [..., n] viewed as uint32 words [..., n/4] (outside a kernel)
     packed_rows_dot       row sums [BN] of a [BN, BK] e4m3 tile read as [BN, BK/4] words, against a vector
     packed_tile_dot       the [BM, BN] product of a [BM, BK] tile with such a tile's transpose (four dots)
@@ -21,8 +26,9 @@ kernels refuse, weight-tile loads in both layouts and the activation inside a ke
 The expert tensors are JaxExperts (moetune.codegen.pallas._common) in the layouts of ExpertTensors:
 standard gate_up [E, 2F, D], down [E, D, F]; transposed gate_up [E, D, 2F], down [E, F, D]. Gate rows are
 0..F-1 of the 2F axis and up rows F..2F-1, or (interleaved) the even and the odd ones. Tiles are read in
-place with dynamic slices (`pl.ds`); sizes are powers of two that divide the axis they tile (the parameter
-classes and builds check), so no load is masked.
+place, with dynamic slices (`pl.ds`) or index arrays (a gather of several experts' tiles, `expert_tiles`);
+sizes are powers of two that divide the axis they tile (the parameter classes and builds check), so a load is
+masked only to skip a pair that is not valid.
 
 FP8 weights are read as uint32 words of four e4m3 values (`packed_e4m3`, a bitcast of the contiguous array:
 no copy): Pallas' Triton lowering offsets an array of at most 2^32 bytes with 32-bit integers, which wrap
@@ -243,6 +249,77 @@ def down_scale(block: MoEBlock, s_ref, e, n0, k0):
     """The dequantisation multiplier of expert e's down tile at output row n0, reduction k0 (fp8_block)."""
     r, c = block.weight_format.block
     return s_ref[e, n0 // r, k0 // c]
+
+
+def token_pairs(ids_ref, t, k: int, E: int, first: int, lanes: int):
+    """Token t's pairs first .. first+lanes-1 (of its k) as [lanes] vectors: (pair index, expert id clamped into
+    [0, E), valid). A lane past k repeats the last pair's index and is not valid."""
+    import jax
+    import jax.numpy as jnp
+
+    jk = first + jax.lax.broadcasted_iota(jnp.int32, (lanes,), 0)
+    pairs = t * k + jnp.minimum(jk, k - 1)
+    e = ids_ref[pairs]
+    ok = (jk < k) & (e >= 0) & (e < E)
+    return pairs, jnp.where(ok, e, 0), ok
+
+
+def expert_tiles(w_ref, e, ok, r0, R: int, c0, C: int):
+    """[G, R, C] of w_ref[e[i], r0:r0+R, c0:c0+C] per lane i of the experts `e` [G] (a 3-d weight ref), in
+    its dtype: a masked load, so a lane that is not `ok` reads nothing and holds zeros. Streamed weights are
+    read once: the loads ask the cache to evict them first."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas import triton as plgpu
+
+    shape = (e.shape[0], R, C)
+    idx = (jnp.broadcast_to(e[:, None, None], shape), r0 + jax.lax.broadcasted_iota(jnp.int32, shape, 1),
+           c0 + jax.lax.broadcasted_iota(jnp.int32, shape, 2))
+    return plgpu.load(w_ref.at[idx], mask=jnp.broadcast_to(ok[:, None, None], shape), other=0,
+                      eviction_policy="evict_first")
+
+
+def expert_rows(b_ref, e, ok, c0, C: int):
+    """[G, C] of b_ref[e[i], c0:c0+C] (a 2-d ref, a bias), zeros where a lane is not `ok` (a masked load)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas import triton as plgpu
+
+    shape = (e.shape[0], C)
+    idx = jnp.broadcast_to(e[:, None], shape), c0 + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    return plgpu.load(b_ref.at[idx], mask=jnp.broadcast_to(ok[:, None], shape), other=0)
+
+
+def packed_pairs_dot(w_ref, e, ok, n0, BN: int, v_ref, v_rows, k0, BK: int):
+    """Σ_k W_e[n0+n, k0+k] · v[v_rows[i], k0+k] [G, BN] (f32) per lane i of the experts `e` [G], from a packed
+    e4m3 weight w_ref [E, R, C/4] (words) over columns k0 .. k0+BK: the [G, BN, BK/4] words of every lane in
+    one masked load (a lane that is not `ok` reads nothing), each of the four byte lanes against the stride-4
+    columns of its v row."""
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    bw = BK // PACK
+    words = expert_tiles(w_ref, e, ok, n0, BN, pl.multiple_of(k0 // PACK, bw), bw)  # [G, BN, BK/4]
+    acc = None
+    for j, lane in enumerate(unpack_e4m3(words)):
+        v = v_ref[row_index(v_rows, k0 + j, bw, PACK)].astype(jnp.float32)  # [G, BK/4]
+        d = jnp.sum(lane * v[:, None, :], axis=2)
+        acc = d if acc is None else acc + d
+    return acc
+
+
+def pair_down_scales(block: MoEBlock, s_ref, e, n0, k0):
+    """[G] dequantisation multipliers of the experts `e`' down tiles at output row n0, reduction k0
+    (fp8_block: each tile lies in one block)."""
+    import jax.numpy as jnp
+
+    r, c = block.weight_format.block
+    return s_ref[e, jnp.full_like(e, n0 // r), jnp.full_like(e, k0 // c)]
+
+
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two ≥ n."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 def activate(block: MoEBlock, gate, up):

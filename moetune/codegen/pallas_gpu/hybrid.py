@@ -100,8 +100,11 @@ def build_jax(block: MoEBlock, schedule: Schedule):
     gemm, gemv = p.gemm(), p.gemv()
 
     def fn(x, ids, weights, w):
+        import jax.numpy as jnp
+
         heavy, light = split(ids.astype("int32"), block.E, R)
-        out = gg.experts_f32(block, gemm, x, heavy, weights, w) + sg.experts_f32(block, gemv, x, light, weights, w)
+        out = (gg.experts_f32(block, gemm, x, heavy, weights, w)
+               + sg.experts(block, gemv, x, light, weights, w, jnp.float32))
         return out.astype(x.dtype)
 
     return fn

@@ -8,9 +8,12 @@ Two launches:
            routing weight when it goes on the input (w·(W x) = W (w·x)), fuses the activation:
            h [P, F] in x.dtype. A pair with an id outside [0, E) reads nothing and writes zeros.
   down     grid (T, D/BN_d): program (t, j) sums over the token's k pairs down[e] rows n0 .. n0+BN_d · h[p]
-           (pipelined K loop over F), + bias, × routing weight when it goes on the output, and writes
-           out[t, n0:n0+BN_d] in f32 directly: no atomics and no combine pass, deterministic. A sentinel
-           pair is skipped (lax.cond), so it contributes nothing and reads nothing.
+           (× routing weight when it goes on the output, put on h: w·(W h) = W (w·h)), + bias, and writes
+           out[t, n0:n0+BN_d] in the output's dtype directly: no atomics and no combine pass, deterministic.
+           The pairs go G at a time (down_pairs): one masked [G, BN_d, BK_d] load of G experts' tiles per
+           chunk (G weight streams in flight), and one pipelined loop over the ⌈k/G⌉ groups' chunks of F (the
+           group's ids selected in registers, no load in the loop's address path). A sentinel pair's lane, and
+           a lane past k, is masked: it reads nothing and contributes nothing.
 An expert shared by several pairs is re-read per pair: this is the decode kernel (about one row per active
 expert); many rows per expert are the grouped GEMM's (grouped_gemm.py).
 
@@ -33,24 +36,29 @@ from ._common import (
     check_divides,
     check_pow2,
     compiler_params,
-    down_scale,
-    down_tile,
+    expert_rows,
+    expert_tiles,
     gate_up_bias,
     gate_up_scales,
     gate_up_slices,
     gate_up_tiles,
     interpret,
     packed_e4m3,
+    packed_pairs_dot,
     packed_rows_dot,
+    pair_down_scales,
     pair_expert,
+    pow2_at_least,
     pow2_divisor,
     refusal,
     refuse,
+    row_index,
+    token_pairs,
     trailing_refs,
 )
 
 SOURCES = ("stream_gemv.py", "_common.py")
-REG_ELEMS = 64  # weight elements per thread of one [BN, BK] tile: more spills the fp32 upcast
+REG_ELEMS = 64  # weight elements per thread of one chunk's tile ([BN, BK]; [G, BN, BK] in the down): more spills
 
 
 @dataclass(frozen=True)
@@ -62,18 +70,25 @@ class GemvParams:
     down_block_n: int = 16  # down output rows (of D) per program
     down_block_k: int = 256  # down reduction chunk (of F)
     down_warps: int = 4
+    down_pairs: int = 1  # down: the token's pairs whose tiles one chunk loads together (k in ⌈k/G⌉ groups)
 
     def __post_init__(self) -> None:
         check_pow2("GemvParams", block_n=self.block_n, block_k=self.block_k, num_warps=self.num_warps,
-                   down_block_n=self.down_block_n, down_block_k=self.down_block_k, down_warps=self.down_warps)
-        for bn, bk, warps, what in ((self.block_n, self.block_k, self.num_warps, "gate/up"),
-                                    (self.down_block_n, self.down_block_k, self.down_warps, "down")):
-            if bn * bk > REG_ELEMS * 32 * warps:
-                raise UnsupportedSchedule(
-                    f"GemvParams {what} tile {bn}×{bk} over {warps} warps: {bn * bk // (32 * warps)} elements per "
-                    f"thread, limit {REG_ELEMS}; lower the tile or raise the warps")
+                   down_block_n=self.down_block_n, down_block_k=self.down_block_k, down_warps=self.down_warps,
+                   down_pairs=self.down_pairs)
+        check_registers("gate/up", 1, self.block_n, self.block_k, self.num_warps)
+        check_registers("down", self.down_pairs, self.down_block_n, self.down_block_k, self.down_warps)
         if self.num_stages < 1:
             raise UnsupportedSchedule(f"GemvParams.num_stages = {self.num_stages}: need ≥ 1")
+
+
+def check_registers(what: str, lanes: int, bn: int, bk: int, warps: int) -> None:
+    """UnsupportedSchedule where a chunk's `lanes`·bn·bk weight elements exceed REG_ELEMS a thread."""
+    if lanes * bn * bk > REG_ELEMS * 32 * warps:
+        tile = f"{lanes}×{bn}×{bk}" if lanes > 1 else f"{bn}×{bk}"
+        raise UnsupportedSchedule(
+            f"GemvParams {what} tile {tile} over {warps} warps: {lanes * bn * bk // (32 * warps)} elements per "
+            f"thread, limit {REG_ELEMS}; lower the tile or raise the warps")
 
 
 CHOICES = (
@@ -84,12 +99,17 @@ CHOICES = (
     ("down_block_n", (4, 8, 16, 32, 64)),
     ("down_block_k", (16, 32, 64, 128, 256, 512, 1024)),
     ("down_warps", (2, 4, 8)),
+    ("down_pairs", (1, 2, 4, 8, 16)),
 )
 
 
 def check(p: GemvParams, block: MoEBlock) -> None:
-    """The block must be one these kernels run, and the tiles must divide the axes they walk (no masked loads)."""
+    """The block must be one these kernels run, the tiles must divide the axes they walk (no masked loads), and
+    a down group holds no more lanes than the k pairs rounded up to a power of two."""
     refuse(block)
+    if p.down_pairs > pow2_at_least(block.k):
+        raise UnsupportedSchedule(f"GemvParams.down_pairs = {p.down_pairs}: more than the k = {block.k} pairs of a "
+                                  f"token rounded up to a power of two ({pow2_at_least(block.k)})")
     check_divides(f"pallas_gpu stream_gemv on D={block.D}, F={block.F}", block_n=(p.block_n, block.F),
                   block_k=(p.block_k, block.D), down_block_n=(p.down_block_n, block.D),
                   down_block_k=(p.down_block_k, block.F))
@@ -101,13 +121,19 @@ def space(block: MoEBlock, target: Target) -> ParamSpace:
 
 def default_params(block: MoEBlock, T: int, target: Target) -> GemvParams:
     """16-row gate/up tiles over 256-wide chunks (T·k·F/16 programs: several per SM from one token on); the
-    down grid has only T·D/BN_d programs, so its tile narrows (to 4 rows over 512-wide chunks) until there are
-    two programs per SM. Every tile shrinks to divide small D and F."""
-    bn, bk = 16, 256
+    down grid has only T·D/BN_d programs, so its tile narrows (to 4 rows) until there are two programs per SM.
+    The down loads the tiles of G pairs a chunk, G the largest power of two ≤ 8 that divides k (no idle lane);
+    they are in registers at once (REG_ELEMS a thread over 4 warps), so the rows are cut further where that would
+    leave a chunk under 128 columns, and the chunk takes the width that remains (at most 512). Every tile
+    shrinks to divide small D and F."""
+    lanes, regs = pow2_divisor(block.k, 8), REG_ELEMS * 32 * 4
+    bn = 16
     while bn > 4 and T * block.D // bn < 2 * (target.sm_count or 1):
-        bn, bk = bn // 2, bk * 2
+        bn //= 2
+    bn = pow2_divisor(block.D, max(1, min(bn, regs // (lanes * 128))))
+    bk = max(1, min(512, regs // (lanes * bn)))
     return GemvParams(block_n=pow2_divisor(block.F, 16), block_k=pow2_divisor(block.D, 256),
-                      down_block_n=pow2_divisor(block.D, bn), down_block_k=pow2_divisor(block.F, bk))
+                      down_block_n=bn, down_block_k=pow2_divisor(block.F, bk), down_pairs=lanes)
 
 
 def _gate_up_kernel(block: MoEBlock, p: GemvParams, ids_ref, wts_ref, x_ref, w_ref, *rest):
@@ -161,37 +187,48 @@ def _down_kernel(block: MoEBlock, p: GemvParams, ids_ref, wts_ref, h_ref, w_ref,
     from jax.experimental import pallas as pl
 
     b_ref, s_ref, o_ref = trailing_refs(block, rest)
-    BN, BK, tr = p.down_block_n, p.down_block_k, block.layout.transposed
+    BN, BK, G, tr = p.down_block_n, p.down_block_k, p.down_pairs, block.layout.transposed
     t, j = pl.program_id(0), pl.program_id(1)
     n0 = pl.multiple_of(j * BN, BN)
+    NK = block.F // BK
+    groups = [token_pairs(ids_ref, t, block.k, block.E, g * G, G) for g in range(-(-block.k // G))]
+    out_w = block.weight_application == "output"
+    wts = [jnp.where(ok, wts_ref[pairs].astype(jnp.float32), 0.0) if out_w else None for pairs, _, ok in groups]
 
-    def pair_rows(pair, e):
-        def step(i, acc):
-            k0 = pl.multiple_of(i * BK, BK)
-            if s_ref is not None:  # packed e4m3 words, one scale block per tile
-                d = packed_rows_dot(w_ref, e, pl.ds(n0, BN), h_ref, pair, k0, BK)
-                return acc + d * down_scale(block, s_ref, e, n0, k0)
-            hv = h_ref[pair, pl.ds(k0, BK)].astype(jnp.float32)  # [BK]
-            wv = down_tile(w_ref, e, n0, k0, BN, BK, tr).astype(jnp.float32)
-            return acc + (jnp.sum(wv * hv[:, None], axis=0) if tr else jnp.sum(wv * hv[None, :], axis=1))
+    def group(g):  # (pairs, experts, valid, routing weights) [G] of group g (traced): selected, not loaded
+        sel = (*groups[0], wts[0])
+        for gg in range(1, len(groups)):
+            sel = tuple(None if old is None else jnp.where(g == gg, new, old)
+                        for new, old in zip((*groups[gg], wts[gg]), sel, strict=True))
+        return sel
 
-        y = jax.lax.fori_loop(0, block.F // BK, step, jnp.zeros((BN,), jnp.float32))  # [BN]
-        if b_ref is not None:
-            y = y + b_ref[e, pl.ds(n0, BN)].astype(jnp.float32)
-        if block.weight_application == "output":
-            y = y * wts_ref[pair].astype(jnp.float32)
-        return y
+    def step(i, acc):  # acc [G, BN]; iteration i: group i // NK, chunk i % NK (i ≥ 0: truncating division)
+        nk = jnp.int32(NK)
+        pairs, e, ok, wt = group(jax.lax.div(i, nk))
+        k0 = pl.multiple_of(jax.lax.rem(i, nk) * BK, BK)
+        if s_ref is not None:  # packed e4m3 words, one scale block per tile
+            d = packed_pairs_dot(w_ref, e, ok, n0, BN, h_ref, pairs, k0, BK)
+            d = d * pair_down_scales(block, s_ref, e, n0, k0)[:, None]
+            return acc + (d * wt[:, None] if out_w else d)
+        hv = h_ref[row_index(pairs, k0, BK)].astype(jnp.float32)  # [G, BK]
+        if out_w:  # w·(W h) = W (w·h)
+            hv = hv * wt[:, None]
+        if tr:  # [G, BK, BN]
+            wv = expert_tiles(w_ref, e, ok, k0, BK, n0, BN).astype(jnp.float32)
+            return acc + jnp.sum(wv * hv[:, :, None], axis=1)
+        wv = expert_tiles(w_ref, e, ok, n0, BN, k0, BK).astype(jnp.float32)  # [G, BN, BK]
+        return acc + jnp.sum(wv * hv[:, None, :], axis=2)
 
-    out = jnp.zeros((BN,), jnp.float32)
-    for jk in range(block.k):  # the token's k pairs
-        pair = t * block.k + jk
-        e, valid = pair_expert(ids_ref, pair, block.E)
-        out = jax.lax.cond(valid, lambda o, pair=pair, e=e: o + pair_rows(pair, e), lambda o: o, out)
-    o_ref[t, pl.ds(n0, BN)] = out
+    y = jax.lax.fori_loop(0, len(groups) * NK, step, jnp.zeros((G, BN), jnp.float32))
+    if b_ref is not None:
+        for (_, e, ok), wt in zip(groups, wts, strict=True):
+            b = expert_rows(b_ref, e, ok, n0, BN).astype(jnp.float32)
+            y = y + (b * wt[:, None] if out_w else b)
+    o_ref[t, pl.ds(n0, BN)] = jnp.sum(y, axis=0).astype(o_ref.dtype)
 
 
-def experts_f32(block: MoEBlock, p: GemvParams, x, ids, weights, w):
-    """float32 [T, D] of the routed experts (the two launches of the module doc)."""
+def experts(block: MoEBlock, p: GemvParams, x, ids, weights, w, out_dtype):
+    """[T, D] in `out_dtype` of the routed experts (the two launches of the module doc)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -213,7 +250,7 @@ def experts_f32(block: MoEBlock, p: GemvParams, x, ids, weights, w):
     )(ids_f, wts_f, x, gate_up, *gu_extra)  # [P, F]
     return pl.pallas_call(
         partial(_down_kernel, block, p),
-        out_shape=jax.ShapeDtypeStruct((T, block.D), jnp.float32), grid=(T, block.D // p.down_block_n),
+        out_shape=jax.ShapeDtypeStruct((T, block.D), out_dtype), grid=(T, block.D // p.down_block_n),
         compiler_params=compiler_params(p.down_warps, p.num_stages), interpret=interp,
         name="moetune_gemv_down",
     )(ids_f, wts_f, h, down, *dn_extra)  # [T, D]
@@ -225,7 +262,7 @@ def build_jax(block: MoEBlock, schedule: Schedule):
     check(p, block)
 
     def fn(x, ids, weights, w):
-        return experts_f32(block, p, x, ids, weights, w).astype(x.dtype)
+        return experts(block, p, x, ids, weights, w, x.dtype)
 
     return fn
 

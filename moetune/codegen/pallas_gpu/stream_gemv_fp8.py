@@ -63,7 +63,7 @@ def build_jax(block: MoEBlock, schedule: Schedule):
     check(p, block)
 
     def fn(x, ids, weights, w):
-        return sg.experts_f32(block, p, x, ids, weights, w).astype(x.dtype)
+        return sg.experts(block, p, x, ids, weights, w, x.dtype)
 
     return fn
 
