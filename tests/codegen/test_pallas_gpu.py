@@ -195,6 +195,18 @@ def test_the_fp8_grouped_gemm_in_f32_and_f16_with_input_weights(interpreted, dty
     check(top1, s, [routing(c, 8, 1, gen, T=8) for c in ("one_row_per_expert", "zero_row_experts")])
 
 
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3.5-397b-a17b"])
+def test_the_fp8_gemv_default_is_the_bf16_one_cut_to_its_scale_blocks(name):
+    """Every field of the bf16 default carries over (the down's groups of pairs among them); only the tiles
+    are cut to one 128×128 scale block."""
+    bf16, fp8 = preset(name), preset(f"{name}-fp8")
+    for T in (1, 8, 64):
+        a, b = BE.default(bf16, "stream_gemv", T).params, BE.default(fp8, "stream_gemv", T).params
+        assert b == dataclasses.replace(a, block_n=min(a.block_n, 128), block_k=min(a.block_k, 128),
+                                        down_block_n=min(a.down_block_n, 128), down_block_k=min(a.down_block_k, 128))
+        assert b.down_pairs == (8 if bf16.k == 8 else 2)
+
+
 def test_fp8_refusals():
     fp8 = WeightFormat.fp8_block()
     assert "F = 192 is not" in BE.kinds(block_of(D=256, F=192, dtype="bfloat16").with_weight_format(fp8))[

@@ -15,6 +15,7 @@ most 2^30 there, so every size lowers (qwen3.5-397b-a17b-fp8's gate_up is 2^32 b
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
@@ -52,9 +53,8 @@ def default_params(block: MoEBlock, T: int, target: Target) -> GemvParams:
     """stream_gemv's default with every reduction chunk cut to one scale block's columns."""
     p = sg.default_params(block, T, target)
     r, c = block.weight_format.block
-    return GemvParams(block_n=min(p.block_n, r), block_k=min(p.block_k, c),
-                      num_warps=p.num_warps, num_stages=p.num_stages, down_block_n=min(p.down_block_n, r),
-                      down_block_k=min(p.down_block_k, c), down_warps=p.down_warps)
+    return replace(p, block_n=min(p.block_n, r), block_k=min(p.block_k, c), down_block_n=min(p.down_block_n, r),
+                   down_block_k=min(p.down_block_k, c))
 
 
 def build_jax(block: MoEBlock, schedule: Schedule):
