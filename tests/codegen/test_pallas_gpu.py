@@ -133,10 +133,13 @@ def test_every_layout_activation_and_weight_application(interpreted, kind, varia
     check(block, SMALL[kind], [routing(c, block.E, block.k, gen) for c in ("sentinels", "one_hot_expert")])
 
 
-def test_the_hybrid_on_the_gpt_oss_layout(interpreted):
+@pytest.mark.parametrize("pairs", [1, 2])
+def test_the_hybrid_on_the_gpt_oss_layout(interpreted, pairs):
+    """Its GEMV half's down with one pair a group and with both pairs of a token in one."""
     block = block_of(dtype="bfloat16", **LAYOUTS["gpt-oss"])
     gen = torch.Generator().manual_seed(4)
-    check(block, SMALL["hybrid"], [routing(c, block.E, block.k, gen) for c in ("sentinels", "one_hot_expert")])
+    s = dataclasses.replace(SMALL["hybrid"], params=dataclasses.replace(SMALL["hybrid"].params, gemv_pairs=pairs))
+    check(block, s, [routing(c, block.E, block.k, gen) for c in ("sentinels", "one_hot_expert")])
 
 
 DOWN_GROUPS = {  # k = 3 pairs a token, loaded G at a time by the GEMV's down

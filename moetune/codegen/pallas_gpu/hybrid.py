@@ -39,10 +39,11 @@ class HybridParams:
     gemv_block_n: int = 16  # GEMV: output rows per program, both projections
     gemv_block_k: int = 256  # GEMV: reduction chunk, both projections
     gemv_warps: int = 4
+    gemv_pairs: int = 1  # GEMV down: the pairs whose tiles one chunk loads together (GemvParams.down_pairs)
 
     def __post_init__(self) -> None:
         check_pow2("HybridParams", gemv_block_n=self.gemv_block_n, gemv_block_k=self.gemv_block_k,
-                   gemv_warps=self.gemv_warps)
+                   gemv_warps=self.gemv_warps, gemv_pairs=self.gemv_pairs)
         self.gemm(), self.gemv()  # each half's own checks
 
     def gemm(self) -> gg.GemmParams:
@@ -51,7 +52,7 @@ class HybridParams:
     def gemv(self) -> sg.GemvParams:
         n, k, w = self.gemv_block_n, self.gemv_block_k, self.gemv_warps
         return sg.GemvParams(block_n=n, block_k=k, num_warps=w, num_stages=self.num_stages,
-                             down_block_n=n, down_block_k=k, down_warps=w)
+                             down_block_n=n, down_block_k=k, down_warps=w, down_pairs=self.gemv_pairs)
 
 
 CHOICES = (
@@ -63,6 +64,7 @@ CHOICES = (
     ("gemv_block_n", (4, 8, 16, 32)),
     ("gemv_block_k", (16, 32, 64, 128, 256, 512)),
     ("gemv_warps", (2, 4, 8)),
+    ("gemv_pairs", (1, 2, 4, 8, 16)),
 )
 
 
@@ -76,10 +78,11 @@ def space(block: MoEBlock, target: Target) -> ParamSpace:
 
 
 def default_params(block: MoEBlock, T: int, target: Target) -> HybridParams:
-    """The two kinds' defaults at T, the GEMV's tile used for both of its projections."""
+    """The two kinds' defaults at T, the GEMV's tile used for both of its projections (and its down's groups
+    of pairs)."""
     m, v = gg.default_params(block, T, target), sg.default_params(block, T, target)
     return HybridParams(m.block_m, m.block_n, m.block_k, m.num_warps, m.num_stages,
-                        min(v.block_n, v.down_block_n), min(v.block_k, v.down_block_k), v.num_warps)
+                        min(v.block_n, v.down_block_n), min(v.block_k, v.down_block_k), v.num_warps, v.down_pairs)
 
 
 def split(ids, E: int, R: int):
