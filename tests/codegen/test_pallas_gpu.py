@@ -26,6 +26,7 @@ pytest.importorskip("jax")
 
 from moetune.codegen.backend import get  # noqa: E402
 from moetune.codegen.pallas_gpu import GemmParams, GemvParams, HybridParams  # noqa: E402
+from moetune.codegen.pallas_gpu import routing as tile_plan  # noqa: E402
 from moetune.codegen.pallas_gpu._common import INTERPRET_ENV  # noqa: E402
 from moetune.codegen.torch import experts_reference, worst_error  # noqa: E402
 from moetune.ir import Activation, MoEBlock, Schedule, UnsupportedSchedule, WeightFormat, WeightLayout  # noqa: E402
@@ -310,10 +311,27 @@ def lowered(block: MoEBlock, schedule: Schedule, T: int) -> str:
 def test_every_default_lowers_through_triton_at_the_presets_shapes(monkeypatch, name, kind):
     monkeypatch.delenv(INTERPRET_ENV, raising=False)
     block = preset(name)
-    launches = 4 if kind == "hybrid" else 2
     for T in LOWER_TOKENS:
         text = lowered(block, BE.default(block, kind, T), T)
-        assert text.count("xla.gpu.triton") == launches, (kind, T)
+        assert sorted(launches(text)) == expected_launches(kind, block, T), (kind, T)
+
+
+def launches(text: str) -> list[str]:
+    """The names of the Triton kernels of a lowered program, one per launch."""
+    assert text.count("xla.gpu.triton") == len(re.findall(LAUNCH, text))
+    return [m.group(1) for m in re.finditer(LAUNCH, text)]
+
+
+LAUNCH = r'name = "(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32'
+
+
+def expected_launches(kind: str, block: MoEBlock, T: int) -> list[str]:
+    """The kernels of `kind`: the GEMV's two; the GEMM's two after its tile plan (routing.py: one launch where
+    one program places the pairs, else two); the hybrid's four and the plan."""
+    gemm, gemv = ["moetune_gemm_gate_up", "moetune_gemm_down"], ["moetune_gemv_gate_up", "moetune_gemv_down"]
+    one = tile_plan.layout(T * block.k, block.E, 16).G == 1
+    plan = ["moetune_route_plan"] + ([] if one else ["moetune_route_counts"])
+    return sorted({"stream_gemv": gemv, "grouped_gemm": gemm + plan, "hybrid": gemm + gemv + plan}[kind])
 
 
 def test_gpt_oss_layouts_lower_through_triton(monkeypatch):
@@ -324,9 +342,10 @@ def test_gpt_oss_layouts_lower_through_triton(monkeypatch):
 
 
 def test_the_lowered_kernels_compile_for_sm90(monkeypatch, tmp_path):
-    """Each of the kernels, at the qwen3.5-397b-a17b default of its regime, the GEMV on qwen3-30b-a3b's and
-    the GEMM on qwen3.5-397b-a17b's fp8_block weights, as Triton IR compiled to sm_90 by the Triton installed
-    here with the launch's num_warps and num_stages (XLA compiles the same IR with its own Triton on the GPU)."""
+    """Each of the kernels, at the qwen3.5-397b-a17b default of its regime (the GEMM's tile plan in two
+    launches there), the GEMV on qwen3-30b-a3b's and the GEMM on qwen3.5-397b-a17b's fp8_block weights, as
+    Triton IR compiled to sm_90 by the Triton installed here with the launch's num_warps and num_stages (XLA
+    compiles the same IR with its own Triton on the GPU)."""
     pytest.importorskip("triton")
     modules = captured_triton(monkeypatch)
     compiled_names = []
@@ -338,13 +357,13 @@ def test_the_lowered_kernels_compile_for_sm90(monkeypatch, tmp_path):
         text = lowered(block, BE.default(block, kind, T), T)
         for m in re.finditer(r'name = "(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text):
             launch[m.group(1)] = (int(m.group(2)), int(m.group(3)))
-        assert sorted(modules) == sorted(launch) and len(launch) == 2, (name, kind, sorted(launch))
+        assert sorted(modules) == sorted(launch) == expected_launches(kind, block, T), (name, kind, sorted(launch))
         if block.weight_format.quantized:
-            assert all("f8E4M3FN" in asm for asm in modules.values()), (name, kind)
+            assert all("f8E4M3FN" in asm for n, asm in modules.items() if "route" not in n), (name, kind)
         compiled_names += sorted(modules)
         compile_sm90(modules, launch, tmp_path)
     assert sorted(set(compiled_names)) == ["moetune_gemm_down", "moetune_gemm_gate_up", "moetune_gemv_down",
-                                           "moetune_gemv_gate_up"]
+                                           "moetune_gemv_gate_up", "moetune_route_counts", "moetune_route_plan"]
 
 
 def captured_triton(monkeypatch) -> dict[str, str]:

@@ -7,9 +7,10 @@ Kernel files, one per schedule kind, each with its kernel, parameters, space, de
 `build_jax` (moetune.codegen.pallas._common.bridged), so the search checks and times the function JAX runs:
     stream_gemv.py   one program per (pair, output tile), token-mode down with no atomics (stream_gemv)
     stream_gemv_fp8.py  the same on FP8 block-quantised weights, dequantised in registers (stream_gemv, fp8_block)
-    grouped_gemm.py  expert-sorted rows in BM-row tiles, `pl.dot`, tile metadata computed in JAX (grouped_gemm)
+    grouped_gemm.py  expert-sorted rows in BM-row tiles, `pl.dot` (grouped_gemm)
     grouped_gemm_fp8.py  the same on FP8 block-quantised weights, widened in registers (grouped_gemm, fp8_block)
     hybrid.py        the two above on the heavy and the light experts, summed (hybrid)
+    routing.py       the grouped GEMM's tile plan: a counting sort of the pairs into its tiles (one or two launches)
 FP8 block-quantised blocks run the streaming GEMV and the grouped GEMM (w8a16): the hybrid reads unquantised
 weights, so the contract's format rule refuses it on fp8_block blocks.
 What they share:

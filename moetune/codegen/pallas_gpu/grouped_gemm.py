@@ -1,13 +1,12 @@
 """grouped_gemm on NVIDIA GPUs: expert-sorted rows in tiles of BM rows, Pallas kernels lowered through
 Pallas' Triton backend with `pl.dot` (tensor cores) over [BM, BK] × [BK, BN] tiles.
 
-In the jitted function, on the device (`tile_plan`):
-  order [P]       the pairs sorted by expert id (argsort; sentinel ids outside [0, E) sort last, dropped)
-  counts [E]      rows per expert (bincount, length E)
-  tiles           each expert's rows split into ⌈counts/BM⌉ tiles of BM rows; NT = ⌈P/BM⌉ + min(E, P) tiles
-                  bound every routing (static grid); tile i → (expert, valid rows), empty tiles skipped
-  row_tok [NT·BM]    the token of padded row r (its pair's, 0 past the tile's valid rows)
-Two launches over grid (NT, N/BN):
+In the jitted function, on the device (routing.py, one or two small launches):
+  tiles           the pairs sorted by expert (stable; ids outside [0, E) dropped), each expert's rows split into
+                  ⌈c_e/BM⌉ tiles of BM rows; NT = ⌈P/BM⌉ + min(E, P) tiles bound every routing (static grid);
+                  tile i → (expert, valid rows), empty tiles skipped
+  rows [NT·BM]    the token, pair and routing weight of padded row r (0 past the tile's valid rows)
+Then two launches over grid (NT, N/BN):
   gate/up  acc_g, acc_u [BM, BN] = Σ_K x[row_tok] tile (the tile's rows gathered from x in place: no padded
            copy of x) · gate/up tile (f32 accumulators), + bias, routing weight on the input scales the
            accumulators (w·(W x) = W (w·x)), activation: h_pad [NT·BM, F] in x.dtype (rows past a tile's
@@ -29,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 from math import gcd
-from typing import NamedTuple
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
 from ...passes.stats import uniform_distinct
@@ -37,6 +35,7 @@ from ...passes.targets import Target
 from ..common import ParamSpace
 from ..contract import KernelKind, sources
 from ..pallas._common import bridged
+from . import routing
 from ._common import (
     MIN_TILE,
     activate,
@@ -60,7 +59,7 @@ from ._common import (
     trailing_refs,
 )
 
-SOURCES = ("grouped_gemm.py", "_common.py")
+SOURCES = ("grouped_gemm.py", "routing.py", "_common.py")
 
 
 @dataclass(frozen=True)
@@ -121,44 +120,6 @@ def default_params(block: MoEBlock, T: int, target: Target) -> GemmParams:
     side = pow2_divisor(gcd(block.D, block.F), 64)
     bm = 16 if rows_per_active(block, max(1, T)) < 16 else 64
     return GemmParams(block_m=bm, block_n=side, block_k=side)
-
-
-class TilePlan(NamedTuple):
-    tile_expert: object  # [NT] int32, clamped into [0, E)
-    tile_rows: object  # [NT] int32 valid rows of the tile (0: skipped)
-    row_pair: object  # [NT·BM] int32 the pair of each padded row (0 where masked)
-    row_valid: object  # [NT·BM] bool
-    pair_valid: object  # [P] bool
-
-
-def num_tiles(P: int, E: int, bm: int) -> int:
-    """Tiles that hold every routing of P pairs over E experts: Σ_e ⌈c_e/BM⌉ < P/BM + (active experts)."""
-    return -(-P // bm) + min(E, P)
-
-
-def tile_plan(ids_f, E: int, bm: int) -> TilePlan:
-    """The device-side sort and tile metadata of the module doc, for flat ids [P]."""
-    import jax.numpy as jnp
-
-    P = ids_f.shape[0]
-    NT = num_tiles(P, E, bm)
-    valid = (ids_f >= 0) & (ids_f < E)
-    order = jnp.argsort(jnp.where(valid, ids_f, E), stable=True).astype(jnp.int32)  # [P]
-    counts = jnp.bincount(jnp.where(valid, ids_f, 0), weights=valid.astype(jnp.int32), length=E).astype(jnp.int32)
-    starts = jnp.cumsum(counts) - counts  # [E] first sorted position of each expert
-    tiles_e = (counts + bm - 1) // bm  # [E]
-    tile_end = jnp.cumsum(tiles_e)  # [E]
-    tile_begin = tile_end - tiles_e
-    i = jnp.arange(NT, dtype=jnp.int32)
-    # one [NT, E] comparison, where the default binary search is a loop of log2(E) steps of two kernels each
-    te = jnp.minimum(jnp.searchsorted(tile_end, i, side="right", method="compare_all"), E - 1).astype(jnp.int32)
-    local = i - tile_begin[te]
-    rows = jnp.where(i < tile_end[-1], jnp.clip(counts[te] - local * bm, 0, bm), 0).astype(jnp.int32)
-    m = jnp.arange(bm, dtype=jnp.int32)
-    row_valid = (m[None, :] < rows[:, None]).reshape(NT * bm)  # [NT·BM]
-    sorted_pos = (starts[te] + local * bm)[:, None] + m[None, :]  # [NT, BM]
-    row_pair = jnp.where(row_valid, order[jnp.clip(sorted_pos.reshape(NT * bm), 0, P - 1)], 0)
-    return TilePlan(te, rows, row_pair.astype(jnp.int32), row_valid, valid)
 
 
 def _gate_up_kernel(block: MoEBlock, p: GemmParams, te_ref, rows_ref, rw_ref, tok_ref, x_ref, w_ref, *rest):
@@ -245,11 +206,9 @@ def experts_f32(block: MoEBlock, p: GemmParams, x, ids, weights, w):
 
     T, P, BM = x.shape[0], x.shape[0] * block.k, p.block_m
     ids_f = ids.reshape(P).astype(jnp.int32)
-    plan = tile_plan(ids_f, block.E, BM)
-    NT = plan.tile_expert.shape[0]
+    plan = routing.plan(ids_f, weights.reshape(P), block.E, block.k, BM)
+    NT = routing.num_tiles(P, block.E, BM)  # the plan's tiles past NT hold no rows
     R = NT * BM
-    row_tok = plan.row_pair // block.k  # [R] (0 where masked: row_pair is 0 there)
-    rw_pad = jnp.where(plan.row_valid, weights.reshape(P).astype(jnp.float32)[plan.row_pair], 0.0)  # [R]
     gub = [t for t in (w.gate_up_bias, w.gate_up_scale) if t is not None]  # as `trailing_refs` unpacks them
     dnb = [t for t in (w.down_bias, w.down_scale) if t is not None]
     gate_up, down = w.gate_up, w.down
@@ -261,13 +220,14 @@ def experts_f32(block: MoEBlock, p: GemmParams, x, ids, weights, w):
         partial(_gate_up_kernel, block, p),
         out_shape=jax.ShapeDtypeStruct((R, block.F), x.dtype), grid=(NT, block.F // p.block_n),
         compiler_params=params, interpret=interp, name="moetune_gemm_gate_up",
-    )(plan.tile_expert, plan.tile_rows, rw_pad, row_tok, x, gate_up, *gub)  # [R, F]
+    )(plan.tile_expert, plan.tile_rows, plan.row_weight, plan.row_tok, x, gate_up, *gub)  # [R, F]
     y = pl.pallas_call(
         partial(_down_kernel, block, p),
         out_shape=jax.ShapeDtypeStruct((P + BM, block.D), jnp.float32), grid=(NT, block.D // p.block_n),
         compiler_params=params, interpret=interp, name="moetune_gemm_down",
-    )(plan.tile_expert, plan.tile_rows, rw_pad, plan.row_pair, h_pad, down, *dnb)  # [P + BM, D]
-    y = jnp.where(plan.pair_valid[:, None], y[:P], 0.0)  # a sentinel pair's row was never written
+    )(plan.tile_expert, plan.tile_rows, plan.row_weight, plan.row_pair, h_pad, down, *dnb)  # [P + BM, D]
+    valid = (ids_f >= 0) & (ids_f < block.E)
+    y = jnp.where(valid[:, None], y[:P], 0.0)  # a sentinel pair's row was never written
     return y.reshape(T, block.k, block.D).sum(axis=1)
 
 

@@ -24,7 +24,7 @@ from . import grouped_gemm as gg
 from ._common import MIN_TILE, PACK, check_divides, fp8_refusal
 from .grouped_gemm import GemmParams
 
-SOURCES = ("grouped_gemm_fp8.py", "grouped_gemm.py", "_common.py")
+SOURCES = ("grouped_gemm_fp8.py", "grouped_gemm.py", "routing.py", "_common.py")
 MIN_BK = PACK * MIN_TILE  # four dots of BK/4 ≥ 16 columns per K step
 
 

@@ -26,7 +26,7 @@ from . import grouped_gemm as gg
 from . import stream_gemv as sg
 from ._common import check_pow2, refusal
 
-SOURCES = ("hybrid.py", "grouped_gemm.py", "stream_gemv.py", "_common.py")
+SOURCES = ("hybrid.py", "grouped_gemm.py", "routing.py", "stream_gemv.py", "_common.py")
 
 
 @dataclass(frozen=True)
