@@ -277,6 +277,7 @@ def test_availability_and_refusals(monkeypatch):
 
 PRESET_NAMES = ("qwen3-30b-a3b", "qwen3.5-397b-a17b", "qwen3-30b-a3b-fp8", "qwen3.5-397b-a17b-fp8")
 LOWER_TOKENS = (1, 16, 256, 4096)  # both regimes of the defaults, decode to prefill
+LAUNCH = r'name = "(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32'  # a launch: name, stages, warps
 
 
 def lowered(block: MoEBlock, schedule: Schedule, T: int) -> str:
@@ -322,8 +323,6 @@ def launches(text: str) -> list[str]:
     return [m.group(1) for m in re.finditer(LAUNCH, text)]
 
 
-LAUNCH = r'name = "(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32'
-
 
 def expected_launches(kind: str, block: MoEBlock, T: int) -> list[str]:
     """The kernels of `kind`: the GEMV's two; the GEMM's two after its tile plan (routing.py: one launch where
@@ -355,7 +354,7 @@ def test_the_lowered_kernels_compile_for_sm90(monkeypatch, tmp_path):
         modules.clear()
         launch = {}
         text = lowered(block, BE.default(block, kind, T), T)
-        for m in re.finditer(r'name = "(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text):
+        for m in re.finditer(LAUNCH, text):
             launch[m.group(1)] = (int(m.group(2)), int(m.group(3)))
         assert sorted(modules) == sorted(launch) == expected_launches(kind, block, T), (name, kind, sorted(launch))
         if block.weight_format.quantized:
@@ -404,8 +403,7 @@ def test_the_fp8_gemv_lowers_at_qwen35_397bs_4_gib_gate_up(monkeypatch, tmp_path
             assert re.search(r"tt\.fp_to_fp %\w+ : tensor<\w+xf8E4M3FN> -> tensor<\w+xf32>", asm), name  # widened e4m3
     if importlib.util.find_spec("triton") is None:
         return
-    launch = {m.group(1): (int(m.group(2)), int(m.group(3))) for m in re.finditer(
-        r'name = "(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)}
+    launch = {m.group(1): (int(m.group(2)), int(m.group(3))) for m in re.finditer(LAUNCH, text)}
     compile_sm90(modules, launch, tmp_path)
 
 
