@@ -84,11 +84,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="tune a sub-grid of ≤ N points per bucket around the default (also for --exhaustive)")
     p.add_argument("--revalidate", action="store_true",
                    help="as --resume, but a stale bucket is not searched again: its stored winner is re-checked "
-                        "and re-timed with the current kernels beside the defaults (and its neighbours' winners), "
-                        "the best kept (after a kernel change that should not move the timings)")
+                        "and re-timed with the current kernels beside the defaults (and its neighbours' winners; "
+                        "each default and stored winner with its launch twin, search.seeds.launch_twins), the "
+                        "best kept (after a kernel change that should not move the timings)")
     p.add_argument("--at-tokens", default=None,
                    help="e.g. 256,512: tune only the buckets (of the whole --tokens range) that hold these "
-                        "token counts, whatever the table holds for them (a targeted re-tune)")
+                        "token counts, whatever the table holds for them (a targeted re-tune; with --revalidate, "
+                        "their stored winners re-timed beside the defaults, current or not, no search)")
     p.add_argument("--no-edge-timing", action="store_true",
                    help="choose each bucket's winner at its representative T only (default: the finalists "
                         "are also timed at the bucket's first and last T, and at two between them in a bucket "

@@ -33,9 +33,30 @@ def default_schedules(block: MoEBlock, backend: Backend, space: SearchSpace, tok
         if ks.row_thresholds and s.row_threshold is not None and s.row_threshold not in ks.row_thresholds:
             R = hybrid_threshold(rows_per_active(block, tokens), ks.row_thresholds)
             s = dataclasses.replace(s, row_threshold=R)
-        for v in [s, *quantized_variants(s, ks)]:
-            if space.contains(v) and v not in out:
-                out.append(v)
+        for q in [s, *quantized_variants(s, ks)]:
+            for v in [q, *launch_twins(q)]:
+                if space.contains(v) and v not in out:
+                    out.append(v)
+    return out
+
+
+LAUNCH_KNOBS = ("pdl",)  # parameters that change how a schedule's kernels are launched, never what they compute
+
+
+def launch_twins(s: Schedule) -> list[Schedule]:
+    """`s` with each launch knob its parameters have flipped (a chain of programmatic launches in place of
+    plain ones, or back): the same kernels, whose launch gaps only a timing tells apart, so each default and
+    each stored winner is timed beside its twin. Twins the parameters refuse are left out; the caller keeps
+    those inside its space."""
+    out = []
+    for knob in LAUNCH_KNOBS:
+        if s.params is None or not isinstance(getattr(s.params, knob, None), bool):
+            continue
+        try:
+            out.append(dataclasses.replace(s, params=dataclasses.replace(s.params, **{knob: not getattr(s.params,
+                                                                                                        knob)})))
+        except UnsupportedSchedule:
+            continue
     return out
 
 
@@ -67,29 +88,31 @@ def runtime_default(block: MoEBlock, backend: Backend, target: str, bucket: Buck
 def seeds(block: MoEBlock, table: DispatchTable | None, target: str, backend: str, every: Sequence[Bucket],
           b: Bucket, results: Sequence[BucketResult]) -> list[Schedule]:
     """Schedules worth trying first in bucket b: its own earlier winner(s) in the table (current or stale;
-    a split bucket's parts), then the winners of the buckets just below and above it in `every` (this
-    run's result, else the table's entries). Entries whose schedule the backend can no longer rebuild are skipped."""
+    a split bucket's parts) each followed by its launch twins, then the winners of the buckets just below and
+    above it in `every` (this run's result, else the table's entries). Entries whose schedule the backend can
+    no longer rebuild are skipped."""
     done = {r.bucket: r.winner for r in results if r.winner is not None}
     i = next(j for j, c in enumerate(every) if (c.lo, c.hi) == (b.lo, b.hi))
-    out: list[Schedule | DispatchEntry | None] = []
+    out: list[tuple[bool, Schedule | DispatchEntry | None]] = []  # (its own, schedule or entry)
     for j in (i, i - 1, i + 1):
         if not 0 <= j < len(every):
             continue
         c = every[j]
         if j != i and (c.lo, c.hi) in done:
-            out.append(done[(c.lo, c.hi)])
+            out.append((False, done[(c.lo, c.hi)]))
         elif table is not None:  # its entry, or the parts of a split bucket
-            out.extend(table.parts(target, backend, block.signature_hash(), c.lo, c.hi))
+            out.extend((j == i, e) for e in table.parts(target, backend, block.signature_hash(), c.lo, c.hi))
     found, seen = [], set()
-    for s in out:
+    for own, s in out:
         if isinstance(s, DispatchEntry):
             try:
                 s = s.schedule(block)
             except CacheError:
                 continue
-        if s is not None and key(s) not in seen:
-            seen.add(key(s))
-            found.append(s)
+        for v in ([s, *launch_twins(s)] if own and s is not None else [s]):
+            if v is not None and key(v) not in seen:
+                seen.add(key(v))
+                found.append(v)
     return found
 
 

@@ -366,7 +366,7 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
     versions = Versions.current(be.name, device) if table is not None else None
     total = budget_s if budget_s is not None else options.budget_s * len(buckets)
     end = t0 + total
-    kept = _kept(block, table, target, be.name, buckets, versions, options)
+    kept = _kept(block, table, target, be.name, buckets, versions, options) if at_tokens is None else {}
     base = baseline_fn(block, options.baseline or default_baseline(device))  # imports transformers: once, here
     todo = [b for b in buckets if (b.lo, b.hi) not in kept]
     works = {(b.lo, b.hi): _work(block, target, b) for b in todo}

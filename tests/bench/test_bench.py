@@ -75,8 +75,8 @@ def test_the_kernels_candidates_of_a_cell_are_in_the_tuners_space(shape, T):
 
 
 def test_with_a_knob_each_candidate_that_has_it_is_timed_again_with_it_set():
-    """--with pdl=true: the FP8 GEMV candidates again with pdl on (tag TAG+pdl=True), each in the tuner's
-    space; a kind without the knob (the grouped GEMM, the hybrid) and an expert-mode GEMV (refused) add none."""
+    """--with pdl=true: the FP8 GEMV and grouped GEMM candidates again with pdl on (tag TAG+pdl=True), each in
+    the tuner's space; a kind without the knob (the hybrid) and an expert-mode GEMV (refused) add none."""
     pytest.importorskip("triton")
     from bench import kernels as K
 
@@ -93,13 +93,12 @@ def test_with_a_knob_each_candidate_that_has_it_is_timed_again_with_it_set():
             base = plain[kind, tag.removesuffix("+pdl=True")]
             assert s.params.pdl and s.params == replace(base.params, pdl=True), tag
             assert K.in_space(block, s) is None, (tag, K.in_space(block, s))
-        has = [(k, t) for (k, t), s in plain.items() if hasattr(s.params, "pdl")
+        has = [(k, t) for (k, t), s in plain.items() if hasattr(s.params, "pdl") and not s.params.pdl
                and not (k == "stream_gemv" and s.params.down_mode != "token")]  # (refused: expert mode)
         assert sorted(flipped) == sorted((k, f"{t}+pdl=True") for k, t in has), (T, sorted(flipped))
-        # T = 1: the table's GEMV among them; T = 64: none (the GEMV's default there is expert mode)
-        assert {k for k, _ in flipped} == ({"stream_gemv"} if T == 1 else set())
-        if T == 1:
-            assert ("stream_gemv", "table+pdl=True") in flipped, sorted(flipped)
+        table_kind = "stream_gemv" if T == 1 else "grouped_gemm"  # (the GEMV's T = 64 default: expert mode)
+        assert {k for k, _ in flipped} == {"stream_gemv", "grouped_gemm"} - ({"stream_gemv"} if T == 64 else set())
+        assert (table_kind, "table+pdl=True") in flipped, sorted(flipped)
     with pytest.raises(ValueError, match="KNOB=VALUE"):
         K.parse_with(["pdl"])
 

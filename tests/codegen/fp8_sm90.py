@@ -81,20 +81,43 @@ def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]
              R=r, C=c, G=g or c, A8=a8, UE8M0=ue8m0, FOLD=p.fold_scale and not a8, EMULATE=False)
     if p.quant_on_load:
         m["QLOAD"] = True
+    if p.pdl:
+        m["PDL"] = True
     out = []
     if a8 and not p.quant_on_load:
         br = max(1, min(16, 4096 // g))
-        out.append(("quant_x", quant_rows_kernel, dict(BR=br, G=g, EMULATE=False),
-                    pointer_types("quant_rows_kernel", 0, a8, ue8m0, False), dict(num_warps=4)))
+        out.append(("quant_x", quant_rows_kernel, dict(BR=br, G=g, EMULATE=False, PDL=p.pdl),
+                    pointer_types("quant_rows_kernel", 0, a8, ue8m0, False),
+                    dict(num_warps=4, **({"launch_pdl": True} if p.pdl else {}))))
     kern = grouped_gemm_fp8_tma_kernel if p.tma else grouped_gemm_fp8_kernel
     act = "fp8e4nv" if a8 and not p.quant_on_load else "bf16"
     for proj, bn, bk, warps, stages in ((0, p.block_n, p.block_k, p.num_warps, p.num_stages),
                                         (1, p.down_block_n, p.down_block_k, p.down_warps, p.down_stages)):
-        opts = dict(num_warps=warps, num_stages=stages)
+        opts = dict(num_warps=warps, num_stages=stages, **({"launch_pdl": True} if p.pdl else {}))
         if p.tma:  # A: the sorted rows (x's gathered copy or h), B: the e4m3 weights
             opts["descs"] = dict(a_desc=(act, [p.block_m, bk]), b_desc=("fp8e4nv", [bn, bk]))
         out.append(("gate_up" if proj == 0 else "down", kern, dict(m, PROJ=proj, BN=bn, BK=bk),
                     pointer_types(kern.fn.__name__, proj, a8, ue8m0, p.y_half, p.quant_on_load), opts))
+    if p.pdl:  # the routing's phases (and the gather) before, the combine after
+        from moetune.codegen.triton.combine import block_d, combine_kernel
+        from moetune.codegen.triton.layout import next_pow2
+        from moetune.codegen.triton.routing import gather_kernel, route_kernel
+
+        ints = dict(ids_ptr="*i64", counts_ptr="*i32", hist_ptr="*i32", sorted_ptr="*i32")
+        for phase in (2, 1):
+            out.insert(0, (f"route{phase}", route_kernel, dict(PHASE=phase, BLOCK_E=be, C=64, GB=1, PDL=True),
+                           ints, dict(num_warps=4, **({"launch_pdl": True} if phase == 1 else {}))))
+        if p.tma:
+            at = next(i for i, o in enumerate(out) if o[0] == "gate_up")
+            out.insert(at, ("gather", gather_kernel, dict(K_TOP=block.k, BLOCK_E=be, BR=16, BD=256, PDL=True),
+                            dict(x_ptr=f"*{act}", counts_ptr="*i32", sorted_ptr="*i32", xs_ptr=f"*{act}"),
+                            dict(num_warps=4, launch_pdl=True)))
+
+        bd, warps = block_d(block.D, 2 if p.y_half else 4)
+        out.append(("combine", combine_kernel,
+                    dict(S=p.split_k, K_TOP=block.k, KP=next_pow2(block.k), BD=bd, PDL=True),
+                    dict(y_ptr="*bf16" if p.y_half else "*fp32", ids_ptr="*i64", out_ptr="*bf16"),
+                    dict(num_warps=warps, launch_pdl=True)))
     return out
 
 
@@ -134,6 +157,11 @@ QUICK = [  # (tag, preset, params): one point per path the tests' compile check 
                                       act_quant="fp8_1x128", tma=True)),
     ("w8a16_tma", "qwen3-30b-a3b", dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
                                         down_block_n=128, down_block_k=64, down_warps=8, down_stages=4, tma=True)),
+    ("w8a8_pdl", "qwen3-30b-a3b", dict(block_m=16, block_n=128, block_k=128, num_stages=4, down_block_n=128,
+                                       down_block_k=128, act_quant="fp8_1x128", pdl=True)),
+    ("w8a8_tma_pdl", "qwen3.5-397b-a17b", dict(block_m=16, block_n=128, block_k=128, num_stages=4,
+                                               down_block_n=128, down_block_k=128, act_quant="fp8_1x128", tma=True,
+                                               pdl=True)),
 ]
 EXTRA = [  # compiled by the full run only: candidates whose resources are worth knowing
     ("w8a8_qload", "mixtral-8x7b", dict(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3,
@@ -196,7 +224,8 @@ def main(quick: bool = False) -> None:
     for label, block, p in representative(quick):
         for proj, kern, cx, types, opts in schedule_kernels(block, p):
             k = compile_fp8(kern, cx, types, **opts)
-            print(json.dumps(dict(label=f"{label}/{proj}", a8=p.act_quant != "none", **resources(k))), flush=True)
+            print(json.dumps(dict(label=f"{label}/{proj}", a8=p.act_quant != "none", pdl=p.pdl, **resources(k))),
+                  flush=True)
 
 
 if __name__ == "__main__":  # python tests/codegen/fp8_sm90.py [--quick]

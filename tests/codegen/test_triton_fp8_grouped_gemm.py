@@ -78,6 +78,9 @@ SCHEDULES = {
                                 split_k=2, act_quant="fp8_1x32", tma=True),
     "w8a8_on_load_m32_tma": dict(block_m=32, block_n=32, block_k=32, group_m=2, down_block_n=64, down_block_k=32,
                                  act_quant="fp8_1x32", quant_on_load=True, tma=True),
+    # the down GEMM launched programmatically (interpreted, the launches run in turn: the same dataflow)
+    "w8a8_m16_pdl": dict(block_m=16, block_n=32, block_k=32, group_m=2, down_block_n=32, down_block_k=32,
+                         act_quant="fp8_1x32", pdl=True),
 }
 
 CASES = [  # name, E, k, D, F, T, routing, block overrides
@@ -312,7 +315,8 @@ def test_cost_reads_one_byte_weights_and_their_scales():
 def test_representative_fp8_configs_compile_for_sm_90():
     """The defaults and a sample of the space, both act_quant settings, fp32 and ue8m0 scales, compile for
     sm_90 within the H200's shared memory without spills; w8a8 runs FP8 tensor-core instructions and rounds
-    with the e4m3 conversion instruction."""
+    with the e4m3 conversion instruction; with pdl every kernel of the block releases the launch after it and
+    every one but the routing's first waits."""
     rows = _compile("import fp8_sm90; fp8_sm90.main(quick=True)")
     assert len(rows) >= 10
     for r in rows:
@@ -327,7 +331,11 @@ def test_representative_fp8_configs_compile_for_sm_90():
             assert r["cvt_e4m3"] > 0, f"{r['label']}: no e4m3 conversion"
         if "_tma" in r["label"] and r["label"].endswith(("gate_up", "down")):
             assert r["tma"] > 0, f"{r['label']}: no TMA load (cp.async.bulk.tensor)"
-        assert r["grid_wait"] == r["grid_release"] == 0, r  # no programmatic launches in this chain
+        kernel = r["label"].rsplit("/", 1)[1]  # pdl: each kernel releases the next; all but the first wait
+        want = (int(r["pdl"] and kernel != "route2"), int(r["pdl"] and kernel != "combine"))
+        assert (min(r["grid_wait"], 1), min(r["grid_release"], 1)) == want, r
+    made = {r["label"].rsplit("/", 1)[1] for r in rows if r["pdl"]}
+    assert made == {"route2", "route1", "quant_x", "gather", "gate_up", "down", "combine"}, made
 
 
 @pytest.mark.slow
@@ -363,6 +371,10 @@ GPU_SAMPLE = [  # a sample of the space beside the default
          down_warps=8, down_stages=4, act_quant="fp8_1x128", tma=True),
     dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, down_block_n=128, down_block_k=64,
          down_warps=8, down_stages=4, tma=True, split_k=2, y_half=True),
+    dict(block_m=16, block_n=128, block_k=128, num_stages=4, down_block_n=128, down_block_k=128,
+         act_quant="fp8_1x128", pdl=True),
+    dict(block_m=32, block_n=128, block_k=128, num_stages=3, down_block_n=128, down_block_k=128,
+         act_quant="fp8_1x128", tma=True, y_half=True, pdl=True),
 ]
 
 

@@ -15,7 +15,7 @@ from moetune.passes.pipeline import schedule_block
 from moetune.passes.policy import representative_tokens
 from moetune.search import TuneOptions, bucket_inputs, tune_bucket
 from moetune.search.objective import expert_tensors
-from moetune.search.seeds import default_schedules, runtime_default
+from moetune.search.seeds import default_schedules, launch_twins, runtime_default
 from moetune.search.space import build_space, cap_space, key
 from moetune.search.timing import FakeTimer
 
@@ -91,18 +91,20 @@ def test_tpe_and_the_grid_search_the_same_sub_grid():
 def test_an_fp8_study_starts_from_each_default_and_its_w8a8_twin():
     """The study of an FP8 block starts from each default and its twin with the other activation quantisation
     the kind's space offers (the grouped GEMM's default is w8a8: its weight-only twin), so both sides are timed
-    in every bucket."""
+    in every bucket; each of them also launched the other way (its launch twin, pdl flipped)."""
     be = get("triton")
     block = preset("qwen3.5-397b-a17b-fp8")
     seen = 0
     for bucket in schedule_block(block, "h200", tokens=(1, 1024)).buckets:
         full = build_space(block, be, bucket)
         starts = default_schedules(block, be, full, representative_tokens(bucket.lo, bucket.hi))
-        gemm = [s for s in starts if s.kind == "grouped_gemm"]
+        gemm = [s for s in starts if s.kind == "grouped_gemm" and not s.params.pdl]
         if not any(ks.kind == "grouped_gemm" for ks in full.kinds):
             continue
         seen += 1
         assert [s.params.act_quant for s in gemm] == ["fp8_1x128", "none"], bucket
         assert gemm[1].params == dataclasses.replace(gemm[0].params, act_quant="none")
+        for s in gemm:
+            assert launch_twins(s)[0] in starts, (bucket, s.describe())
         assert all(full.contains(s) for s in starts)
     assert seen >= 4

@@ -16,7 +16,15 @@ Programmatic dependent launch (sm_90; a kernel launched with Triton's `launch_pd
 while the one before it on the stream is still running. `_grid_wait` holds it until that kernel has finished
 and its writes are visible, so nothing it reads from the kernel before may be read ahead of it; what it
 reads of the block's inputs (ids, weights) may be. `_grid_release` lets the kernel after this one start
-(else it starts when this one ends); `_prefetch_l2` asks L2 for lines it will read after the wait.
+(else it starts when this one ends). A kernel released before its own wait may still be waiting for the one
+before it, so the kernel after it may read ahead of its wait only the block's inputs; what an earlier
+kernel wrote only when every kernel between released after its wait. `_prefetch_l2` asks L2 for lines it
+will read after the wait.
+
+A chain of such launches holds every buffer its kernels touch until its last launch is issued. torch's
+caching allocator hands a freed block to the next allocation at once, trusting stream order; a kernel that
+writes before its wait breaks that trust, for it may write while the kernel before it still reads a buffer
+the host has already dropped, now the same block as the new one.
 """
 
 from __future__ import annotations

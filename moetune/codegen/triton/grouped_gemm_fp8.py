@@ -35,6 +35,15 @@ order) and tma (`grouped_gemm_fp8_tma_kernel`, Fp8GemmParams.tma): the token row
 (routing.gather: x in its 16-bit dtype, or the pre-pass's e4m3 rows), h written in that order, and every
 operand one TMA box: A [row0, row0 + BM) of the sorted rows, B the e4m3 weights seen as [E·2F, D] / [E·D, F].
 
+With `pdl` (sm_90) the block's launches after the routing's first are a chain of programmatic dependent
+launches (_common's module doc): every kernel releases the launch after it as it starts, but the gate/up GEMM,
+which releases once its wait has passed; the x pre-pass reads only x, so it runs beside the routing and waits
+for it at its end; the gather and the gate/up GEMM wait first; a down program finds its tile (from the
+routing, complete by then: gate/up released it after its wait) and waits for h only then, a combine program
+reads its token's ids and waits for y. Each launch gap overlaps the end of the kernel before. The x pre-pass
+writes before its wait, while the routing may still read its histograms: `hold` keeps the routing's scratch
+alive until the combine is issued, so that no buffer of the chain takes a block the chain still reads.
+
 Interpreted (TRITON_INTERPRET=1, EMULATE), where Triton's float → e4m3 and float → bf16 casts do not round to
 nearest and its e4m3 → float cast widens the NaN bytes to ±480: e4m3 values are rounded in fp32 arithmetic
 first (`_round_e4m3`, then cast exactly), the fold's bf16 rounding likewise (`_round_bf16`), and every dot
@@ -61,9 +70,9 @@ from ..common import ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
 from . import combine as _combine
 from . import routing
-from ._common import _act, _find_tile, _store_y
+from ._common import _act, _find_tile, _grid_release, _grid_wait, _store_y
 from .grouped_gemm import _desc, _grouped_tile, max_tiles
-from .launch import launch
+from .launch import launch, pdl_launch, programmatic
 from .layout import act_args, call_args, cdiv, check_pow2, check_smem, interpreting
 
 SCRATCH = 4096  # shared memory the compiled kernels take beyond their pipelines (reductions, layout changes)
@@ -109,6 +118,9 @@ class Fp8GemmParams:
     # (routing.gather; w8a8 from the pre-pass: its e4m3 rows), h written in that order, the e4m3 weights as
     # [E·2F, D] / [E·D, F] boxes
     tma: bool = False
+    # the block's kernels a chain of programmatic launches (sm_90, module doc): each starts while the one
+    # before it ends, and waits for its output only where it reads it
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         g = act_group(self.act_quant)
@@ -216,6 +228,7 @@ CHOICES = (
     ("fold_scale", (True, False)),
     ("quant_on_load", (False, True)),
     ("tma", (False, True)),
+    ("pdl", (False, True)),
 )
 
 
@@ -330,8 +343,12 @@ def _quant_groups(v, R: tl.constexpr, W: tl.constexpr, G: tl.constexpr, EMULATE:
 
 @triton.jit(do_not_specialize=["T"])
 def quant_rows_kernel(x_ptr, s_xt, q_ptr, s_ptr, T, D, BR: tl.constexpr, G: tl.constexpr,
-                      EMULATE: tl.constexpr):
-    """x [T, D] → q [T, D] e4m3, s [T, D / G] fp32: one program per BR rows and one group of G channels."""
+                      EMULATE: tl.constexpr, PDL: tl.constexpr = False):
+    """x [T, D] → q [T, D] e4m3, s [T, D / G] fp32: one program per BR rows and one group of G channels. With
+    PDL, launched programmatically after the routing: x is the block's input, so it runs beside the routing
+    and waits for it only at its end (a chain's kernel finishes after the one before it)."""
+    if PDL:
+        _grid_release()
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rm = rows < T
     offs = tl.program_id(1) * G + tl.arange(0, G)
@@ -340,6 +357,8 @@ def quant_rows_kernel(x_ptr, s_xt, q_ptr, s_ptr, T, D, BR: tl.constexpr, G: tl.c
     tl.store(q_ptr + rows.to(tl.int64)[:, None] * D + offs[None, :], q, mask=rm[:, None])
     tl.store(s_ptr + rows.to(tl.int64)[:, None] * (D // G) + tl.program_id(1) + tl.arange(0, 1)[None, :], s,
              mask=rm[:, None])
+    if PDL:
+        _grid_wait()
 
 
 @triton.jit
@@ -448,13 +467,20 @@ def grouped_gemm_fp8_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, A8: tl.constexpr, UE8M0: tl.constexpr, FOLD: tl.constexpr,
     ACT: tl.constexpr, W_IN: tl.constexpr, EMULATE: tl.constexpr, QLOAD: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """PROJ 0: A = x [T, D] rows of the tile's tokens (A8: xq e4m3 + scales as_ [T, D / G]; A8 with QLOAD: x,
     quantised per K step); B = gate and up rows n0 + [0, BN) of gate_up [E, 2F, D] (scales [E, 2F / R, D / C],
     up's sup scale rows after gate's); epilogue: activation → h [P, F] (A8: hq e4m3 [P, F] + hs [P, F / G];
     with QLOAD 16-bit h, quantised by the down GEMM's loads).
     PROJ 1: A = h rows of the tile's pairs; B = down rows n0 + [0, BN) of [E, D, F] over the F range of split
-    program_id(1); epilogue: routing weight → y[split] [P, D]."""
+    program_id(1); epilogue: routing weight → y[split] [P, D]. PDL: each projection releases the launch after
+    it, gate/up only once its wait has passed (so the routing is complete when the down GEMM starts: PROJ 1 reads
+    counts and order in its tile's setup, then waits for h)."""
+    if PDL:
+        if PROJ == 0:
+            _grid_wait()
+        _grid_release()
     tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
     e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
     r = tl.arange(0, BM)
@@ -462,6 +488,8 @@ def grouped_gemm_fp8_kernel(
     pairs = tl.load(sorted_ptr + row0 + r, mask=rmask, other=0)  # [BM]
     ec = tl.where(left > 0, e, 0).to(tl.int64)
     wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)  # [BM]
+    if PDL and PROJ == 1:
+        _grid_wait()
     offs_n = n0 + tl.arange(0, BN)
     nm = offs_n < N
     if PROJ == 0:
@@ -514,13 +542,18 @@ def grouped_gemm_fp8_tma_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, A8: tl.constexpr, UE8M0: tl.constexpr, FOLD: tl.constexpr,
     ACT: tl.constexpr, W_IN: tl.constexpr, EMULATE: tl.constexpr, QLOAD: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """The TMA operand path (Fp8GemmParams.tma). a_desc: the sorted rows, box [BM, BK]: xs [P, D] (PROJ 0; the
     token rows gathered in expert order, 16-bit, or e4m3 with A8 from the pre-pass, whose scales stay in token
     order at as_ [T, D / G]) or h [P, F] (PROJ 1, written by PROJ 0 in sorted order, as its scales hs);
     b_desc: gate_up as [E·2F, D] (gate rows e·2F + n, up rows e·2F + F + n) or down as [E·D, F] in e4m3, box
     [BN, BK]. A tile's A is one box [row0, row0 + BM) (rows past its expert belong to the next one: computed and
-    dropped); boxes past a tensor's edge read zeros."""
+    dropped); boxes past a tensor's edge read zeros. PDL as grouped_gemm_fp8_kernel's."""
+    if PDL:  # gate/up releases the down GEMM only once the routing is complete (grouped_gemm_fp8_kernel's doc)
+        if PROJ == 0:
+            _grid_wait()
+        _grid_release()
     tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
     e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
     if left > 0:
@@ -528,6 +561,8 @@ def grouped_gemm_fp8_tma_kernel(
         rmask = r < left
         pairs = tl.load(sorted_ptr + row0 + r, mask=rmask, other=0)  # [BM]
         wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0).to(tl.float32)  # [BM]
+        if PDL and PROJ == 1:
+            _grid_wait()
         offs_n = n0 + tl.arange(0, BN)
         nm = offs_n < N
         srow = ws_ptr + e.to(tl.int64) * sse + (offs_n // R) * ssn  # [BN]
@@ -580,14 +615,15 @@ def grouped_gemm_fp8_tma_kernel(
 # ------------------------------------------------------------------------------------------------ host
 
 
-def quant_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [T, D] e4m3, s [T, D / group] fp32) of x [T, D] by `quant_rows_kernel` (quant.quantize_rows' rule)."""
+def quant_rows(x: torch.Tensor, group: int, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [T, D] e4m3, s [T, D / group] fp32) of x [T, D] by `quant_rows_kernel` (quant.quantize_rows' rule);
+    `pdl`: launched programmatically after the routing (the kernel's doc)."""
     T, D = x.shape
     q = torch.empty(T, D, dtype=torch.float8_e4m3fn, device=x.device)  # [T, D]
     s = torch.empty(T, D // group, dtype=torch.float32, device=x.device)  # [T, D / G]
     br = max(1, min(16, 4096 // group))
     launch(quant_rows_kernel, (cdiv(T, br), D // group), x, x.stride(0), q, s, T, D,
-           BR=br, G=group, EMULATE=interpreting(), num_warps=4)
+           BR=br, G=group, EMULATE=interpreting(), num_warps=4, PDL=pdl, **pdl_launch(pdl))
     return q, s
 
 
@@ -615,11 +651,13 @@ def build(block: MoEBlock, schedule: Schedule):
         a = call_args(block, x, ids, weights, w, memo)
         T, P, gs, ds, wts_f = a.T, a.P, a.gs, a.ds, a.weights
         gsc, dsc = _scales(w.gate_up_scale), _scales(w.down_scale)
-        counts, sorted_pairs = routing.route(ids, E)
         meta = _meta(block, p, a)
+        chain = "PDL" in meta
+        hold: list = []  # the routing's scratch, alive until the last launch (module doc)
+        counts, sorted_pairs = routing.route(ids, E, pdl=chain, hold=hold)
         nt = max_tiles(P, E, p.block_m)
         if a8 and not p.quant_on_load:
-            xa, xs = quant_rows(x, G)  # [T, D] e4m3, [T, D / G]
+            xa, xs = quant_rows(x, G, pdl=chain)  # [T, D] e4m3, [T, D / G]
             h = torch.empty(P, F, dtype=torch.float8_e4m3fn, device=x.device)  # [P, F]
             hs = torch.empty(P, F // G, dtype=torch.float32, device=x.device)  # [P, F / G]
         else:
@@ -631,7 +669,8 @@ def build(block: MoEBlock, schedule: Schedule):
             w.gate_up, gs.se, gs.sn, gs.sk, gs.up, gsc, gsc.stride(0), gsc.stride(1), gsc.stride(2),
             (F // R) * gsc.stride(1),
             h, h.stride(0), hs, hs.stride(0), h, P, E, F, D, nt, D, alpha, limit,
-            PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta)
+            PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta,
+            **pdl_launch(chain))
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
@@ -640,9 +679,9 @@ def build(block: MoEBlock, schedule: Schedule):
             w.down, ds.se, ds.sn, ds.sk, 0, dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0,
             h, h.stride(0), hs, hs.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
-            **meta)
+            **meta, **pdl_launch(chain))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
-        return _combine.combine(y, ids, out, E)
+        return _combine.combine(y, ids, out, E, pdl=chain)
 
     return run
 
@@ -657,7 +696,10 @@ def _meta(block: MoEBlock, p: Fp8GemmParams, a) -> dict:
                 EMULATE=interpreting())
     if p.quant_on_load:  # (QLOAD left at its default otherwise)
         meta["QLOAD"] = True
+    if programmatic(p.pdl):
+        meta["PDL"] = True
     return meta
+
 
 
 def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
@@ -682,24 +724,27 @@ def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
                                  _desc(dn, [E * D, F], [ds.sn, 1], [p.down_block_n, p.down_block_k]))
         gu_desc, dn_desc = weight_descs[key]
         gsc, dsc = _scales(w.gate_up_scale), _scales(w.down_scale)
-        counts, sorted_pairs = routing.route(ids, E)
         meta = _meta(block, p, a)
+        chain = "PDL" in meta
+        hold: list = []  # the routing's scratch, alive until the last launch (module doc)
+        counts, sorted_pairs = routing.route(ids, E, pdl=chain, hold=hold)
         nt = max_tiles(P, E, p.block_m)
         rows = max(P, 1)
         if prepass:
-            xq, xsc = quant_rows(x, G)  # [T, D] e4m3, [T, D / G] (token order)
-            xs = routing.gather(xq, counts, sorted_pairs, block.k, xq.dtype)  # [P, D] sorted e4m3 rows
+            xq, xsc = quant_rows(x, G, pdl=chain)  # [T, D] e4m3, [T, D / G] (token order)
+            xs = routing.gather(xq, counts, sorted_pairs, block.k, xq.dtype, pdl=chain)  # [P, D] sorted e4m3
             h = torch.empty(rows, F, dtype=torch.float8_e4m3fn, device=x.device)  # [P, F] sorted
             hs = torch.empty(rows, F // G, dtype=torch.float32, device=x.device)  # [P, F / G] sorted
         else:
-            xs = routing.gather(x, counts, sorted_pairs, block.k, x.dtype)  # [P, D] sorted 16-bit rows
+            xs = routing.gather(x, counts, sorted_pairs, block.k, x.dtype, pdl=chain)  # [P, D] sorted 16-bit
             xsc = hs = wts_f
             h = torch.empty(rows, F, dtype=x.dtype, device=x.device)  # [P, F] sorted
         grouped_gemm_fp8_tma_kernel[(nt * cdiv(F, p.block_n),)](  # descriptors: new objects each call
             _desc(xs, [rows, D], [D, 1], [p.block_m, p.block_k]), xsc, xsc.stride(0), gu_desc,
             gsc, gsc.stride(0), gsc.stride(1), gsc.stride(2), (F // R) * gsc.stride(1), wts_f, counts, sorted_pairs,
             h, hs, hs.stride(0), h, P, E, F, D, nt, D, alpha, limit,
-            PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta)
+            PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta,
+            **pdl_launch(chain))
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
@@ -708,9 +753,9 @@ def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
             dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0, wts_f, counts, sorted_pairs,
             h, hs, hs.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
-            **meta)
+            **meta, **pdl_launch(chain))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
-        return _combine.combine(y, ids, out, E)
+        return _combine.combine(y, ids, out, E, pdl=chain)
 
     return run
 

@@ -16,6 +16,10 @@ Workspace: counts E + sorted P + hist G·E int32.
 
 `gather` copies the token rows into expert-sorted order, xs [P, D], for the TMA form of the grouped
 GEMM (grouped_gemm.py): there every BLOCK_M tile is one rectangle [row0, row0 + BM) of xs.
+
+With `pdl` (a chain of programmatic dependent launches, _common's module doc) every kernel here releases the
+launch after it as it starts; PHASE 1 and the gather, launched programmatically, wait for the kernel before
+them first. PHASE 0 / 2, the chain's first, are launched as usual.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from ._common import _grid_release, _grid_wait
+from .launch import launch, pdl_launch
 from .layout import cdiv, next_pow2
 
 
@@ -70,7 +75,12 @@ def _hist_prefix(hist_ptr, g, G, ei, BLOCK_E: tl.constexpr, GB: tl.constexpr):
 
 @triton.jit(do_not_specialize=["P", "per_prog", "G"])
 def route_kernel(ids_ptr, counts_ptr, hist_ptr, sorted_ptr, P, E, per_prog, G,
-                 PHASE: tl.constexpr, BLOCK_E: tl.constexpr, C: tl.constexpr, GB: tl.constexpr):
+                 PHASE: tl.constexpr, BLOCK_E: tl.constexpr, C: tl.constexpr, GB: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    if PDL:
+        _grid_release()
+        if PHASE == 1:
+            _grid_wait()
     g = tl.program_id(0)
     ei = tl.arange(0, BLOCK_E)
     lo = g * per_prog
@@ -89,8 +99,12 @@ def route_kernel(ids_ptr, counts_ptr, hist_ptr, sorted_ptr, P, E, per_prog, G,
 
 @triton.jit(do_not_specialize=["P"])
 def gather_kernel(x_ptr, s_xt, counts_ptr, sorted_ptr, xs_ptr, P, E, D,
-                  K_TOP: tl.constexpr, BLOCK_E: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+                  K_TOP: tl.constexpr, BLOCK_E: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """xs[i, :] = x[token of sorted pair i, :] in xs' dtype, for the valid rows i < Σ_e m_e."""
+    if PDL:
+        _grid_release()
+        _grid_wait()
     ei = tl.arange(0, BLOCK_E)
     total = tl.sum(tl.load(counts_ptr + ei, mask=ei < E, other=0), axis=0)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -122,8 +136,12 @@ def _hist_rows(G: int, block_e: int) -> int:
     return max(1, min(next_pow2(G), 4096 // block_e))
 
 
-def route(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """counts [E] int32 and sorted_pairs [P] int32 of ids [T, k] (any int dtype), on ids' device."""
+def route(ids: torch.Tensor, E: int, pdl: bool = False,
+          hold: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """counts [E] int32 and sorted_pairs [P] int32 of ids [T, k] (any int dtype), on ids' device; `pdl`: the
+    first links of a chain of programmatic launches (module doc), whose caller passes `hold`, a list that
+    takes the scratch the kernels read (the flat ids, hist) so that it outlives the chain's last launch
+    (_common's module doc)."""
     flat = ids.reshape(-1)  # [P]
     P = flat.numel()
     block_e, c, per, g = route_plan(P, E)
@@ -131,26 +149,31 @@ def route(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
     sorted_pairs = torch.empty(max(P, 1), dtype=torch.int32, device=ids.device)
     if g == 1:
         launch(route_kernel, (1,), flat, counts, counts, sorted_pairs, P, E, per, 1,
-               PHASE=2, BLOCK_E=block_e, C=c, GB=1, num_warps=4)
+               PHASE=2, BLOCK_E=block_e, C=c, GB=1, num_warps=4, PDL=pdl)
     else:
         hist = torch.empty(g * block_e, dtype=torch.int32, device=ids.device)
         gb = _hist_rows(g, block_e)
         launch(route_kernel, (g,), flat, counts, hist, sorted_pairs, P, E, per, g,
-               PHASE=0, BLOCK_E=block_e, C=c, GB=gb, num_warps=4)
+               PHASE=0, BLOCK_E=block_e, C=c, GB=gb, num_warps=4, PDL=pdl)
         launch(route_kernel, (g,), flat, counts, hist, sorted_pairs, P, E, per, g,
-               PHASE=1, BLOCK_E=block_e, C=c, GB=gb, num_warps=4)
+               PHASE=1, BLOCK_E=block_e, C=c, GB=gb, num_warps=4, PDL=pdl, **pdl_launch(pdl))
+        if hold is not None:
+            hold.append(hist)
+    if hold is not None:
+        hold.append(flat)
     return counts, sorted_pairs
 
 
 def gather(x: torch.Tensor, counts: torch.Tensor, sorted_pairs: torch.Tensor, k: int,
-           dtype: torch.dtype) -> torch.Tensor:
-    """xs [P, D] in `dtype`: row i is the token row of sorted pair i (rows past Σ_e m_e unwritten)."""
+           dtype: torch.dtype, pdl: bool = False) -> torch.Tensor:
+    """xs [P, D] in `dtype`: row i is the token row of sorted pair i (rows past Σ_e m_e unwritten); `pdl`:
+    launched programmatically (module doc)."""
     P, (E,), D = sorted_pairs.numel(), counts.shape, x.shape[1]
     xs = torch.empty(P, D, dtype=dtype, device=x.device)  # [P, D]
     br, bd = 16, min(256, next_pow2(D))
     launch(gather_kernel, (cdiv(P, br), cdiv(D, bd)),
         x, x.stride(0), counts, sorted_pairs, xs, P, E, D, K_TOP=k, BLOCK_E=max(16, next_pow2(E)),
-        BR=br, BD=bd, num_warps=4)
+        BR=br, BD=bd, num_warps=4, PDL=pdl, **pdl_launch(pdl))
     return xs
 
 
