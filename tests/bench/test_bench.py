@@ -76,7 +76,8 @@ def test_the_kernels_candidates_of_a_cell_are_in_the_tuners_space(shape, T):
 
 def test_with_a_knob_each_candidate_that_has_it_is_timed_again_with_it_set():
     """--with pdl=true: the FP8 GEMV and grouped GEMM candidates again with pdl on (tag TAG+pdl=True), each in
-    the tuner's space; a kind without the knob (the hybrid) and an expert-mode GEMV (refused) add none."""
+    the tuner's space; a kind without the knob (the hybrid), an expert-mode GEMV (refused) and a candidate that has it
+    set already add none."""
     pytest.importorskip("triton")
     from bench import kernels as K
 
@@ -98,7 +99,9 @@ def test_with_a_knob_each_candidate_that_has_it_is_timed_again_with_it_set():
         assert sorted(flipped) == sorted((k, f"{t}+pdl=True") for k, t in has), (T, sorted(flipped))
         table_kind = "stream_gemv" if T == 1 else "grouped_gemm"  # (the GEMV's T = 64 default: expert mode)
         assert {k for k, _ in flipped} == {"stream_gemv", "grouped_gemm"} - ({"stream_gemv"} if T == 64 else set())
-        assert (table_kind, "table+pdl=True") in flipped, sorted(flipped)
+        table_pdl = plain[table_kind, "table"].params.pdl  # (the shipped entries: off at T = 1, on at T = 64)
+        assert table_pdl == (T == 64) and ((table_kind, "table+pdl=True") in flipped) == (not table_pdl), (
+            sorted(flipped))
     with pytest.raises(ValueError, match="KNOB=VALUE"):
         K.parse_with(["pdl"])
 
