@@ -139,39 +139,46 @@ def space_samples(block: MoEBlock, backend, T: int, n: int, seed: int = 0) -> li
     return out
 
 
-def parse_with(items: list[str]) -> list[tuple[str, object]]:
-    """`--with KNOB=VALUE` arguments as (knob, value): true/false as bools, digits as ints, else the text."""
+def parse_with(items: list[str]) -> list[tuple[tuple[str, object], ...]]:
+    """`--with KNOB=VALUE[,KNOB=VALUE...]` arguments, each a set of knobs (knob, value) set together: true/false as
+    bools, digits as ints, else the text."""
     out = []
     for item in items:
-        knob, eq, text = item.partition("=")
-        if not eq or not knob.isidentifier():
-            raise ValueError(f"--with {item!r}: KNOB=VALUE, e.g. pdl=true")
-        low = text.lower()
-        out.append((knob, True if low == "true" else False if low == "false" else int(text) if text.isdigit()
-                    else text))
+        group = []
+        for part in item.split(","):
+            knob, eq, text = part.partition("=")
+            if not eq or not knob.isidentifier():
+                raise ValueError(f"--with {item!r}: KNOB=VALUE[,KNOB=VALUE...], e.g. pdl=true")
+            low = text.lower()
+            group.append((knob, True if low == "true" else False if low == "false" else int(text) if text.isdigit()
+                          else text))
+        out.append(tuple(group))
     return out
 
 
 def with_knobs(block: MoEBlock, named: list[tuple[str, Schedule]],
-               knobs: list[tuple[str, object]]) -> list[tuple[str, Schedule]]:
-    """Each candidate whose parameters have a knob of `knobs`, again with that knob set (tag `TAG+knob=value`),
-    where its kind's space admits the result: one knob A/B-timed against the same schedule."""
+               knobs: list[tuple[tuple[str, object], ...]]) -> list[tuple[str, Schedule]]:
+    """Each candidate whose parameters have every knob of a set in `knobs` and differ in one, again with the set's
+    knobs set (tag `TAG+knob=value[,knob=value...]`), where its kind's space admits the result: one change
+    A/B-timed against the same schedule."""
     import dataclasses
 
     from moetune.codegen.triton import BACKEND
 
     out = []
-    for knob, value in knobs:
+    for group in knobs:
+        text = ",".join(f"{k}={v}" for k, v in group)
         for tag, s in named:
             p = s.params
-            if p is None or not hasattr(p, knob) or getattr(p, knob) == value:
+            if (p is None or not all(hasattr(p, k) for k, _ in group)
+                    or all(getattr(p, k) == v for k, v in group)):
                 continue
             try:
-                q = BACKEND.space(block, s.kind).admit(dataclasses.replace(p, **{knob: value}))
+                q = BACKEND.space(block, s.kind).admit(dataclasses.replace(p, **dict(group)))
             except UnsupportedSchedule as e:
-                print(f"{block.name}: {tag} with {knob}={value} left out: {e}", flush=True)
+                print(f"{block.name}: {tag} with {text} left out: {e}", flush=True)
                 continue
-            out.append((f"{tag}+{knob}={value}", dataclasses.replace(s, params=q)))
+            out.append((f"{tag}+{text}", dataclasses.replace(s, params=q)))
     return out
 
 
@@ -528,8 +535,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--space-samples", type=int, default=0, metavar="N",
                     help="also N points of the tuner's space of the cell's bucket (fixed seed)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the space samples")
-    ap.add_argument("--with", dest="with_", action="append", default=[], metavar="KNOB=VALUE",
-                    help="also each candidate with this knob set, where its space admits it (e.g. pdl=true)")
+    ap.add_argument("--with", dest="with_", action="append", default=[], metavar="KNOB=VALUE[,KNOB=VALUE...]",
+                    help="also each candidate with these knobs set, where its space admits it (e.g. pdl=true, "
+                         "block_k=256,num_stages=3)")
     ap.add_argument("--render", metavar="JSON", help="rewrite the markdown table of a results JSON, then exit")
 
 

@@ -128,7 +128,10 @@ class SearchSpace:
         """The points one parameter away from `schedule` in its kind (each other value of each knob, the
         values next to its own first), those the params class accepts; [] when it is outside the space.
         The tuner's local search: kernel parameters interact little, so a single-knob move from the
-        incumbent (one more pipeline stage, split-K on, a wider group) is where the next gain usually is."""
+        incumbent (one more pipeline stage, split-K on, a wider group) is where the next gain usually is.
+        A move the params class refuses (a wider K step that no longer fits the shared memory at this many
+        stages) is taken with the first other knob one value lower that makes it fit, if any: a resource
+        trade is two knobs apart."""
         try:
             params = self.params_of(schedule)
         except UnsupportedSchedule:
@@ -139,12 +142,19 @@ class SearchSpace:
             i = _encode(vals).index(params[name])
             moves += [(abs(j - i), name, vals[j]) for j in range(len(vals)) if j != i]
         own = {n: _decode(vals, params[n]) for n, vals in ks.choices()}
-        out = []
+        lower = [(n, vals[_encode(vals).index(params[n]) - 1]) for n, vals in ks.choices()
+                 if _encode(vals).index(params[n]) > 0]  # each knob's next value down
+        out, seen = [], set()
         for _, name, v in sorted(moves, key=lambda m: m[0]):
-            try:
-                out.append(self._schedule(ks, {**own, name: v}))
-            except UnsupportedSchedule:
-                continue
+            for other in [None, *(m for m in lower if m[0] != name)]:
+                try:
+                    s = self._schedule(ks, {**own, name: v, **dict([other] if other else [])})
+                except UnsupportedSchedule:
+                    continue
+                if key(s) not in seen:
+                    seen.add(key(s))
+                    out.append(s)
+                break
         return out
 
     def _schedule(self, ks: KindSpace, values: dict) -> Schedule:

@@ -83,8 +83,8 @@ def test_with_a_knob_each_candidate_that_has_it_is_timed_again_with_it_set():
 
     block = K.bench_block("qwen3-30b-a3b", "fp8")
     knobs = K.parse_with(["pdl=true"])
-    assert knobs == [("pdl", True)] and K.parse_with(["down_nb=2", "down_mode=expert"]) == [
-        ("down_nb", 2), ("down_mode", "expert")]
+    assert knobs == [(("pdl", True),)] and K.parse_with(["down_nb=2", "down_mode=expert,pdl=false"]) == [
+        (("down_nb", 2),), (("down_mode", "expert"), ("pdl", False))]
     for T in (1, 64):
         named = K.candidates(block, T, table=str(ROOT / "cache" / "h200.sqlite"), knobs=knobs,
                              versions=_h200_versions())
@@ -104,6 +104,8 @@ def test_with_a_knob_each_candidate_that_has_it_is_timed_again_with_it_set():
             sorted(flipped))
     with pytest.raises(ValueError, match="KNOB=VALUE"):
         K.parse_with(["pdl"])
+    with pytest.raises(ValueError, match="KNOB=VALUE"):
+        K.parse_with(["pdl=true,"])
 
 
 @pytest.mark.parametrize("stem", ["nvidia-h200-kernels", "nvidia-h200-kernels-fp8"])

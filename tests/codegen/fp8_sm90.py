@@ -66,6 +66,7 @@ def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]
     launches on `block` (the launcher's constexprs)."""
     from moetune.codegen.triton.grouped_gemm_fp8 import (
         act_group,
+        dot_k,
         grouped_gemm_fp8_kernel,
         grouped_gemm_fp8_tma_kernel,
         quant_rows_kernel,
@@ -94,9 +95,10 @@ def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]
     for proj, bn, bk, warps, stages in ((0, p.block_n, p.block_k, p.num_warps, p.num_stages),
                                         (1, p.down_block_n, p.down_block_k, p.down_warps, p.down_stages)):
         opts = dict(num_warps=warps, num_stages=stages, **({"launch_pdl": True} if p.pdl else {}))
-        if p.tma:  # A: the sorted rows (x's gathered copy or h), B: the e4m3 weights
-            opts["descs"] = dict(a_desc=(act, [p.block_m, bk]), b_desc=("fp8e4nv", [bn, bk]))
-        out.append(("gate_up" if proj == 0 else "down", kern, dict(m, PROJ=proj, BN=bn, BK=bk),
+        ks = dot_k(block, p, proj)
+        if p.tma:  # A: the sorted rows (x's gathered copy or h), B: the e4m3 weights, boxes of one dot's columns
+            opts["descs"] = dict(a_desc=(act, [p.block_m, ks]), b_desc=("fp8e4nv", [bn, ks]))
+        out.append(("gate_up" if proj == 0 else "down", kern, dict(m, PROJ=proj, BN=bn, BK=bk, KS=ks),
                     pointer_types(kern.fn.__name__, proj, a8, ue8m0, p.y_half, p.quant_on_load), opts))
     if p.pdl:  # the routing's phases (and the gather) before, the combine after
         from moetune.codegen.triton.combine import block_d, combine_kernel
@@ -162,6 +164,14 @@ QUICK = [  # (tag, preset, params): one point per path the tests' compile check 
     ("w8a8_tma_pdl", "qwen3.5-397b-a17b", dict(block_m=16, block_n=128, block_k=128, num_stages=4,
                                                down_block_n=128, down_block_k=128, act_quant="fp8_1x128", tma=True,
                                                pdl=True)),
+    ("w8a8_k256", "mixtral-8x7b", dict(block_m=16, block_n=128, block_k=256, num_stages=3, down_block_n=64,
+                                       down_block_k=256, down_stages=3, act_quant="fp8_1x128")),
+    ("w8a8_k256_tma_pdl", "qwen3.5-397b-a17b", dict(block_m=16, block_n=128, block_k=256, num_stages=3,
+                                                    down_block_n=128, down_block_k=256, down_stages=3,
+                                                    act_quant="fp8_1x128", tma=True, y_half=True, pdl=True)),
+    ("w8a8_qload_k256_tma", "qwen3.5-397b-a17b", dict(block_m=16, block_n=64, block_k=256, num_stages=3,
+                                                      down_block_n=128, down_block_k=256, down_stages=3,
+                                                      act_quant="fp8_1x128", quant_on_load=True, tma=True)),
 ]
 EXTRA = [  # compiled by the full run only: candidates whose resources are worth knowing
     ("w8a8_qload", "mixtral-8x7b", dict(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3,

@@ -147,6 +147,37 @@ def test_against_reference(case, sched, poisoned):
     assert sum(poisoned) <= bound, f"{name}/{sched}: {sum(poisoned)} bytes allocated, bound {bound}"
 
 
+# K steps of two or four 32-column scale blocks (dot_k): each dot its own scales, the step's loads together
+WIDE_K = {
+    "w8a8_k64": dict(block_m=16, block_n=32, block_k=64, group_m=2, down_block_n=32, down_block_k=128,
+                     act_quant="fp8_1x32"),
+    "w8a16_k128_split2": dict(block_m=32, block_n=32, block_k=128, down_block_n=64, down_block_k=64, split_k=2),
+    "w8a8_k128_tma_split2": dict(block_m=16, block_n=32, block_k=128, group_m=1, down_block_n=32, down_block_k=64,
+                                 split_k=2, act_quant="fp8_1x32", tma=True, y_half=True),
+    "w8a16_k64_tma_exact": dict(block_m=16, block_n=32, block_k=64, down_block_n=32, down_block_k=128, tma=True,
+                                fold_scale=False),
+    "w8a8_on_load_k64": dict(block_m=32, block_n=32, block_k=64, down_block_n=32, down_block_k=128,
+                             act_quant="fp8_1x32", quant_on_load=True),
+    "w8a8_on_load_k128_tma": dict(block_m=16, block_n=32, block_k=128, down_block_n=64, down_block_k=64,
+                                  act_quant="fp8_1x32", quant_on_load=True, tma=True),
+}
+
+
+@pytest.mark.parametrize("sched", list(WIDE_K))
+@pytest.mark.parametrize("kind", ["uniform", "zero_rows"])
+def test_k_steps_spanning_scale_blocks(sched, kind):
+    """A K step over several weight block columns (block_k > the block's columns) matches the float32 reference
+    on both operand paths, each dot scaled by its own block column's scales (and, quantised on load, each dot's
+    activations one group); ue8m0 scales on one of them."""
+    over = dict(scale_dtype="ue8m0") if sched.endswith("exact") else {}
+    block = fp8_block(8, 2, 128, 256, **over)
+    x, ids, weights, w = problem(block, 7, kind)
+    ref = experts_reference(block, x, ids, weights, w)
+    s = schedule(**WIDE_K[sched])
+    out = BACKEND.build(block, s)(x, ids, weights, w)
+    _check(out, ref, s.params.act_quant != "none", f"{kind}/{sched}")
+
+
 def w8a8_rule(block, x, ids, weights, w, group: int, h_dtype=torch.float32) -> torch.Tensor:
     """float32 result of the w8a8 rule itself: the reference's computation with x and h each rounded through
     quant.fake_quantize_rows (per row, per `group` channels) before their GEMM (h first rounded to `h_dtype`:
@@ -258,9 +289,12 @@ def test_params_refused_where_they_do_not_fit_the_blocks():
     space = BACKEND.space(block, "grouped_gemm")
     with pytest.raises(UnsupportedSchedule, match="whole groups of 128 columns"):
         space.make(block_n=64, act_quant="fp8_1x128")
-    small = fp8_block(4, 2, 64, 64, block=(32, 32))
-    with pytest.raises(UnsupportedSchedule, match="one weight block column of 32"):
-        BACKEND.space(small, "grouped_gemm").make(block_k=64)
+    small = fp8_block(4, 2, 64, 96, block=(32, 32))
+    BACKEND.space(small, "grouped_gemm").make(block_k=64, down_block_k=32)  # two whole block columns a step
+    with pytest.raises(UnsupportedSchedule, match="block_k = 128 spans 4 scale block columns: K = 64 is not"):
+        BACKEND.space(small, "grouped_gemm").make(block_k=128, down_block_k=32)
+    with pytest.raises(UnsupportedSchedule, match="down_block_k = 64 spans 2 .* K = 96"):
+        BACKEND.space(small, "grouped_gemm").make(block_k=32, down_block_k=64)
     with pytest.raises(UnsupportedSchedule, match="gate/up tile .* limit 227 KiB on h200"):
         space.make(block_m=128, block_n=256, block_k=128, num_stages=4)
     with pytest.raises(UnsupportedSchedule, match="act_quant"):
@@ -375,6 +409,11 @@ GPU_SAMPLE = [  # a sample of the space beside the default
          act_quant="fp8_1x128", pdl=True),
     dict(block_m=32, block_n=128, block_k=128, num_stages=3, down_block_n=128, down_block_k=128,
          act_quant="fp8_1x128", tma=True, y_half=True, pdl=True),
+    dict(block_m=16, block_n=128, block_k=256, num_stages=3, down_block_n=64, down_block_k=256, down_stages=3,
+         act_quant="fp8_1x128"),
+    dict(block_m=16, block_n=128, block_k=256, num_stages=3, down_block_n=128, down_block_k=256, down_stages=3,
+         act_quant="fp8_1x128", tma=True, y_half=True, pdl=True, split_k=2),
+    dict(block_m=16, block_n=128, block_k=256, num_stages=2, down_block_n=128, down_block_k=256, down_stages=2),
 ]
 
 

@@ -82,13 +82,13 @@ def test_every_bucket_of_the_passes_has_a_torch_space():
             torch_be.build(block, s)  # every point builds
 
 
-def test_neighbours_differ_in_exactly_one_knob_nearest_values_first():
+def test_neighbours_differ_in_one_knob_nearest_values_first_a_refused_move_with_another_knob_lowered():
     space = build_space(tb.BLOCK, tb.toy("toy-space-nb"), tb.bucket(1, 8))
     s = Schedule("hybrid", row_threshold=2, backend="toy-space-nb", params=tb.ToyParams(tile=64, stages=2))
     got = [(n.row_threshold, n.params.tile, n.params.stages) for n in space.neighbours(s)]
-    # R 4; tile 32 (next to 64), then 16; stages 1 (3 at tile 64 is refused by ToyParams)
+    # R 4; tile 32 (next to 64); stages 1; stages 3, refused by ToyParams at tile 64, taken with tile 32; tile 16
     assert sorted(got[:3]) == [(2, 32, 2), (2, 64, 1), (4, 64, 2)]
-    assert got[3:] == [(2, 16, 2)]
+    assert got[3:] == [(2, 32, 3), (2, 16, 2)]
     assert all(n.kind == s.kind and space.contains(n) for n in space.neighbours(s))
     outside = Schedule("hybrid", row_threshold=16, backend="toy-space-nb", params=tb.ToyParams())
     assert space.neighbours(outside) == []
@@ -111,5 +111,42 @@ def test_neighbours_on_the_triton_space_reach_split_k_from_the_tma_default():
     assert d.params.tma and d.params.one_dot and d.params.split_k == 2
     for knob in (dict(split_k=1), dict(split_k=4), dict(one_dot=False)):
         assert dataclasses.replace(d, params=dataclasses.replace(d.params, **knob)) in nb
-    assert all(sum(getattr(n.params, f.name) != getattr(d.params, f.name)
-                   for f in dataclasses.fields(d.params)) == 1 for n in nb)
+    for n in nb:  # one knob, or a refused one taken with another knob one value lower
+        moved = [f.name for f in dataclasses.fields(d.params) if getattr(n.params, f.name) != getattr(d.params, f.name)]
+        assert len(moved) in (1, 2), moved
+        if len(moved) == 2:  # the move alone is refused
+            assert not all(_admitted(BACKEND, block, d, **{m: getattr(n.params, m)}) for m in moved), moved
+
+
+def _admitted(backend, block, s, **knobs) -> bool:
+    import dataclasses
+
+    try:
+        backend.space(block, s.kind).admit(dataclasses.replace(s.params, **knobs))
+    except UnsupportedSchedule:
+        return False
+    return True
+
+
+def test_a_wider_fp8_k_step_is_a_neighbour_with_a_stage_less():
+    """From the shipped FP8 winner at qwen3.5-397b-a17b T = 4 (16-row tiles, 128-column K steps, 4 stages), the
+    gate/up's 256-column K step does not fit the shared memory at 4 stages: the local search takes it with 3."""
+    import dataclasses
+
+    from moetune.codegen.triton import BACKEND
+    from moetune.ir import WeightFormat
+    from moetune.ir.presets import preset
+    from moetune.passes.pipeline import schedule_block
+
+    block = preset("qwen3.5-397b-a17b").with_weight_format(WeightFormat.fp8_block())
+    bucket = next(b for b in schedule_block(block, "h200", tokens=(1, 1024)).buckets if b.lo <= 4 <= b.hi)
+    space = build_space(block, BACKEND, bucket)
+    p = BACKEND.space(block, "grouped_gemm").make(block_m=16, block_n=128, block_k=128, group_m=1, num_stages=4,
+                                                   down_block_n=128, down_block_k=128, down_stages=4,
+                                                   act_quant="fp8_1x128", tma=True, pdl=True)
+    s = Schedule("grouped_gemm", backend="triton", params=p)
+    nb = space.neighbours(s)
+    wide = dataclasses.replace(p, block_k=256, num_stages=3)
+    assert dataclasses.replace(s, params=wide) in nb
+    assert dataclasses.replace(s, params=dataclasses.replace(p, block_k=256)) not in nb
+    assert dataclasses.replace(s, params=dataclasses.replace(p, down_block_k=256)) in nb  # it fits at 4

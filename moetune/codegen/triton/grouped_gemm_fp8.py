@@ -9,8 +9,10 @@ then combine.py sums the S planes and the k rows of each token in fp32.
 
 Block scales (moetune.codegen.quant): w[n, k] = q[n, k] · s_w[n // R, k // C] for a weight block (R, C) =
 (rows, cols) of the [N, K] matrix (gate_up: N = 2F over K = D, the up half's scale rows F/R after the gate's;
-down: N = D over K = F). A K step of BK columns lies inside one block column (BK divides C), so each step
-has one scale per column of the tile (one for the whole tile when its BN columns lie in one block row):
+down: N = D over K = F). Each dot of a K step takes KS = min(BK, C, G) columns inside one block column, so it
+has one scale per column of the tile (one for the whole tile when its BN columns lie in one block row); a step
+of BK > C columns is BK / KS such dots, their loads issued together, so that each weight row is read in runs
+of BK bytes rather than C (`dot_k`):
 
     act_quant "none" (w8a16), fold_scale (default)
         acc = dot(a, bf16(q · s_w[n // R, k0 // C]), acc)     the e4m3 tile widened and scaled in registers,
@@ -96,7 +98,9 @@ def act_group(act_quant: str) -> int | None:
 class Fp8GemmParams:
     block_m: int = 64
     block_n: int = 64  # gate/up: F columns per tile (two accumulators: gate and up)
-    block_k: int = 128  # divides the weight block's columns (and the activation group with w8a8)
+    # K columns a pipelined step loads: a divisor of the weight block's columns (and of the activation group with
+    # w8a8), or a multiple, its dots then one block column each (dot_k): a weight row read in longer runs
+    block_k: int = 128
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
@@ -110,9 +114,9 @@ class Fp8GemmParams:
     # w8a16: the weight scales folded into the weight tile as it is widened (bf16(q · s), one accumulator the
     # tensor cores add into) instead of scaling each step's fp32 product (exact weights, a second accumulator)
     fold_scale: bool = True
-    # w8a8: each A tile (x, and h in the activations' dtype) quantised as it is loaded, per row over the K step
-    # (block_k = down_block_k = the group), instead of the x pre-pass and h quantised in the gate/up epilogue:
-    # no pre-pass launch, no e4m3 copy of x, and block_n free of the group
+    # w8a8: each A tile (x, and h in the activations' dtype) quantised as it is loaded, per row over each dot's
+    # columns (block_k and down_block_k multiples of the group, each dot one group), instead of the x pre-pass
+    # and h quantised in the gate/up epilogue: no pre-pass launch, no e4m3 copy of x, and block_n free of the group
     quant_on_load: bool = False
     # both operands of both GEMMs through TMA descriptors: the token rows first gathered in expert order
     # (routing.gather; w8a8 from the pre-pass: its e4m3 rows), h written in that order, the e4m3 weights as
@@ -135,10 +139,10 @@ class Fp8GemmParams:
                                       f"{self.down_block_k}: tl.dot on {self.act_quant} operands needs ≥ {least}")
         if g is None and self.quant_on_load:
             object.__setattr__(self, "quant_on_load", False)  # nothing to quantise: one spelling of each point
-        if self.quant_on_load and (self.block_k != g or self.down_block_k != g):
+        if self.quant_on_load and (self.block_k % g or self.down_block_k % g):
             raise UnsupportedSchedule(f"Fp8GemmParams.quant_on_load: block_k = {self.block_k} and down_block_k = "
-                                      f"{self.down_block_k} must each be the activation group {g} (a step "
-                                      "quantises whole groups)")
+                                      f"{self.down_block_k} must each be a multiple of the activation group {g} "
+                                      "(each dot quantises a whole group)")
         if g is not None and not self.quant_on_load and self.block_n % g:
             raise UnsupportedSchedule(f"Fp8GemmParams.block_n = {self.block_n} with act_quant {self.act_quant}: "
                                       f"the gate/up epilogue quantises h in whole groups of {g} columns; "
@@ -165,6 +169,14 @@ def refusal(block: MoEBlock) -> str | None:
     return None
 
 
+def dot_k(block: MoEBlock, p: Fp8GemmParams, proj: int) -> int:
+    """Columns of one dot of projection `proj`'s K step: the step itself, or, where it spans several weight
+    block columns (or activation groups), one of them: each dot has its own scales."""
+    c = block.weight_format.block[1]
+    g = act_group(p.act_quant)
+    return min(p.block_k if proj == 0 else p.down_block_k, c, g or c)
+
+
 def _shape_refusal(block: MoEBlock, p: Fp8GemmParams) -> str | None:
     """What of `p` does not fit `block`'s scale blocks and activation group (None: all fits)."""
     why = refusal(block)
@@ -172,13 +184,20 @@ def _shape_refusal(block: MoEBlock, p: Fp8GemmParams) -> str | None:
         return why
     r, c = block.weight_format.block
     g = act_group(p.act_quant)
-    for name, bk in (("block_k", p.block_k), ("down_block_k", p.down_block_k)):
-        if c % bk:
-            return (f"Fp8GemmParams.{name} = {bk}: a K step must lie in one weight block column of {c}; "
-                    f"use a divisor of {c}")
-        if g is not None and g % bk:
-            return (f"Fp8GemmParams.{name} = {bk}: a K step must lie in one activation group of {g}; "
-                    f"use a divisor of {g}")
+    for proj, name, bk, K in ((0, "block_k", p.block_k, block.D), (1, "down_block_k", p.down_block_k, block.F)):
+        ks = dot_k(block, p, proj)
+        if c % ks or bk % ks:
+            return (f"Fp8GemmParams.{name} = {bk}: a K step must lie in one weight block column of {c} or cover "
+                    f"whole ones; use a divisor or a multiple of {c}")
+        if g is not None and g % ks:
+            return (f"Fp8GemmParams.{name} = {bk}: a K step must lie in one activation group of {g} or cover "
+                    f"whole ones; use a divisor or a multiple of {g}")
+        if p.quant_on_load and ks != g:
+            return (f"Fp8GemmParams.quant_on_load with act_quant {p.act_quant}: the weight block's {c} columns "
+                    f"split an activation group of {g}; each dot quantises one whole group")
+        if bk > ks and K % bk:
+            return (f"Fp8GemmParams.{name} = {bk} spans {bk // ks} scale block columns: K = {K} is not a multiple "
+                    f"of it; use {ks}")
     if g is not None:
         for name, n in (("D", block.D), ("F", block.F)):
             if n % g:
@@ -215,12 +234,12 @@ def check(p: Fp8GemmParams, block: MoEBlock, target: Target) -> None:
 CHOICES = (
     ("block_m", (16, 32, 64, 128)),
     ("block_n", (64, 128, 256)),
-    ("block_k", (64, 128)),
+    ("block_k", (64, 128, 256)),
     ("group_m", (1, 8, 32)),
     ("num_warps", (4, 8)),
     ("num_stages", (2, 3, 4)),
     ("down_block_n", (64, 128, 256)),
-    ("down_block_k", (64, 128)),
+    ("down_block_k", (64, 128, 256)),
     ("down_warps", (4, 8)),
     ("down_stages", (2, 3, 4)),
     ("split_k", (1, 2, 4)),
@@ -464,7 +483,7 @@ def grouped_gemm_fp8_kernel(
     w_ptr, se, sn, sk, up, ws_ptr, sse, ssn, ssk, sup,
     h_ptr, s_hp, hs_ptr, s_hsp, y_ptr, P, E, N, K, n_tiles, k_split, alpha, limit,
     PROJ: tl.constexpr, K_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, GROUP_M: tl.constexpr,
     R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, A8: tl.constexpr, UE8M0: tl.constexpr, FOLD: tl.constexpr,
     ACT: tl.constexpr, W_IN: tl.constexpr, EMULATE: tl.constexpr, QLOAD: tl.constexpr = False,
     PDL: tl.constexpr = False,
@@ -506,14 +525,16 @@ def grouped_gemm_fp8_kernel(
         accg = tl.zeros([BM, BN], dtype=tl.float32)
         accu = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, k_end, BK):
-            a, sa = _load_a(arow, asrow, k0, rmask, BM, BK, G, A8, QLOAD, EMULATE)
-            sg = _w_scale(srow, s0, (k0 // C) * ssk, nm, BN, R, UE8M0)  # [] or [1, BN]
-            su = _w_scale(srow, s0, sup + (k0 // C) * ssk, nm, BN, R, UE8M0)
-            if A8:
-                sg = sa * sg  # [BM, BN]
-                su = sa * su
-            accg = _mma(a, bcol, sk, k0, nm, accg, sg, BK, A8, FOLD, EMULATE)
-            accu = _mma(a, bcol + up, sk, k0, nm, accu, su, BK, A8, FOLD, EMULATE)
+            for j in tl.static_range(BK // KS):  # a step's dots, KS columns each (one scale block column)
+                kj = k0 + j * KS
+                a, sa = _load_a(arow, asrow, kj, rmask, BM, KS, G, A8, QLOAD, EMULATE)
+                sg = _w_scale(srow, s0, (kj // C) * ssk, nm, BN, R, UE8M0)  # [] or [1, BN]
+                su = _w_scale(srow, s0, sup + (kj // C) * ssk, nm, BN, R, UE8M0)
+                if A8:
+                    sg = sa * sg  # [BM, BN]
+                    su = sa * su
+                accg = _mma(a, bcol, sk, kj, nm, accg, sg, KS, A8, FOLD, EMULATE)
+                accu = _mma(a, bcol + up, sk, kj, nm, accu, su, KS, A8, FOLD, EMULATE)
         if A8 and not QLOAD:  # h quantised here; with QLOAD the down GEMM quantises its 16-bit rows
             _store_hq(h_ptr, s_hp, hs_ptr, s_hsp, pairs, rmask, accg, accu, wt, n0, N, alpha, limit, BM, BN, G,
                       ACT, W_IN, EMULATE)
@@ -525,11 +546,13 @@ def grouped_gemm_fp8_kernel(
         k_hi = tl.where(left > 0, tl.minimum(k_lo + k_split, K), k_lo)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BK):
-            a, sa = _load_a(arow, asrow, k0, rmask, BM, BK, G, A8, QLOAD, EMULATE)
-            sc = _w_scale(srow, s0, (k0 // C) * ssk, nm, BN, R, UE8M0)
-            if A8:
-                sc = sa * sc
-            acc = _mma(a, bcol, sk, k0, nm, acc, sc, BK, A8, FOLD, EMULATE)
+            for j in tl.static_range(BK // KS):
+                kj = k0 + j * KS
+                a, sa = _load_a(arow, asrow, kj, rmask, BM, KS, G, A8, QLOAD, EMULATE)
+                sc = _w_scale(srow, s0, (kj // C) * ssk, nm, BN, R, UE8M0)
+                if A8:
+                    sc = sa * sc
+                acc = _mma(a, bcol, sk, kj, nm, acc, sc, KS, A8, FOLD, EMULATE)
         _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, w_ptr, 0, (ks == 0).to(tl.float32),
                  n0, N, BN, False, W_IN)
 
@@ -539,7 +562,7 @@ def grouped_gemm_fp8_tma_kernel(
     a_desc, as_ptr, s_ast, b_desc, ws_ptr, sse, ssn, ssk, sup, wts_ptr, counts_ptr, sorted_ptr,
     h_ptr, hs_ptr, s_hsp, y_ptr, P, E, N, K, n_tiles, k_split, alpha, limit,
     PROJ: tl.constexpr, K_TOP: tl.constexpr, BLOCK_E: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, GROUP_M: tl.constexpr,
     R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, A8: tl.constexpr, UE8M0: tl.constexpr, FOLD: tl.constexpr,
     ACT: tl.constexpr, W_IN: tl.constexpr, EMULATE: tl.constexpr, QLOAD: tl.constexpr = False,
     PDL: tl.constexpr = False,
@@ -575,20 +598,22 @@ def grouped_gemm_fp8_tma_kernel(
             accg = tl.zeros([BM, BN], dtype=tl.float32)
             accu = tl.zeros([BM, BN], dtype=tl.float32)
             for k0 in range(0, K, BK):
-                a = a_desc.load([row0, k0])  # [BM, BK]
-                if A8 and QLOAD:
-                    a, sa = _quant_groups(a.to(tl.float32), BM, BK, BK, EMULATE)
-                elif A8:
-                    sa = tl.load(asrow + k0 // G, mask=rmask, other=0.0)[:, None]  # [BM, 1]
-                sg = _w_scale(srow, s0, (k0 // C) * ssk, nm, BN, R, UE8M0)  # [] or [1, BN]
-                su = _w_scale(srow, s0, sup + (k0 // C) * ssk, nm, BN, R, UE8M0)
-                if A8:
-                    sg = sa * sg
-                    su = sa * su
-                bg = b_desc.load([e * 2 * N + n0, k0])  # [BN, BK]
-                bu = b_desc.load([e * 2 * N + N + n0, k0])
-                accg = _dot(a, bg.T, accg, sg, A8, FOLD, EMULATE)
-                accu = _dot(a, bu.T, accu, su, A8, FOLD, EMULATE)
+                for j in tl.static_range(BK // KS):  # a step's boxes, KS columns each
+                    kj = k0 + j * KS
+                    a = a_desc.load([row0, kj])  # [BM, KS]
+                    if A8 and QLOAD:
+                        a, sa = _quant_groups(a.to(tl.float32), BM, KS, KS, EMULATE)
+                    elif A8:
+                        sa = tl.load(asrow + kj // G, mask=rmask, other=0.0)[:, None]  # [BM, 1]
+                    sg = _w_scale(srow, s0, (kj // C) * ssk, nm, BN, R, UE8M0)  # [] or [1, BN]
+                    su = _w_scale(srow, s0, sup + (kj // C) * ssk, nm, BN, R, UE8M0)
+                    if A8:
+                        sg = sa * sg
+                        su = sa * su
+                    bg = b_desc.load([e * 2 * N + n0, kj])  # [BN, KS]
+                    bu = b_desc.load([e * 2 * N + N + n0, kj])
+                    accg = _dot(a, bg.T, accg, sg, A8, FOLD, EMULATE)
+                    accu = _dot(a, bu.T, accu, su, A8, FOLD, EMULATE)
             if A8 and not QLOAD:  # h in sorted order: row row0 + r
                 _store_hq(h_ptr, N, hs_ptr, s_hsp, row0 + r, rmask, accg, accu, wt, n0, N, alpha, limit, BM, BN,
                           G, ACT, W_IN, EMULATE)
@@ -599,15 +624,17 @@ def grouped_gemm_fp8_tma_kernel(
             k_lo = ks * k_split
             acc = tl.zeros([BM, BN], dtype=tl.float32)
             for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BK):
-                a = a_desc.load([row0, k0])  # [BM, BK]
-                if A8 and QLOAD:
-                    a, sa = _quant_groups(a.to(tl.float32), BM, BK, BK, EMULATE)
-                elif A8:
-                    sa = tl.load(asrow + k0 // G, mask=rmask, other=0.0)[:, None]
-                sc = _w_scale(srow, s0, (k0 // C) * ssk, nm, BN, R, UE8M0)
-                if A8:
-                    sc = sa * sc
-                acc = _dot(a, b_desc.load([e * N + n0, k0]).T, acc, sc, A8, FOLD, EMULATE)
+                for j in tl.static_range(BK // KS):
+                    kj = k0 + j * KS
+                    a = a_desc.load([row0, kj])  # [BM, KS]
+                    if A8 and QLOAD:
+                        a, sa = _quant_groups(a.to(tl.float32), BM, KS, KS, EMULATE)
+                    elif A8:
+                        sa = tl.load(asrow + kj // G, mask=rmask, other=0.0)[:, None]
+                    sc = _w_scale(srow, s0, (kj // C) * ssk, nm, BN, R, UE8M0)
+                    if A8:
+                        sc = sa * sc
+                    acc = _dot(a, b_desc.load([e * N + n0, kj]).T, acc, sc, A8, FOLD, EMULATE)
             _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, y_ptr, 0, (ks == 0).to(tl.float32),
                      n0, N, BN, False, W_IN)
 
@@ -669,8 +696,8 @@ def build(block: MoEBlock, schedule: Schedule):
             w.gate_up, gs.se, gs.sn, gs.sk, gs.up, gsc, gsc.stride(0), gsc.stride(1), gsc.stride(2),
             (F // R) * gsc.stride(1),
             h, h.stride(0), hs, hs.stride(0), h, P, E, F, D, nt, D, alpha, limit,
-            PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta,
-            **pdl_launch(chain))
+            PROJ=0, BN=p.block_n, BK=p.block_k, KS=dot_k(block, p, 0), num_warps=p.num_warps, num_stages=p.num_stages,
+            **meta, **pdl_launch(chain))
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
@@ -678,8 +705,8 @@ def build(block: MoEBlock, schedule: Schedule):
             h, h.stride(0), hs, hs.stride(0), wts_f, counts, sorted_pairs,
             w.down, ds.se, ds.sn, ds.sk, 0, dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0,
             h, h.stride(0), hs, hs.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
-            PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
-            **meta, **pdl_launch(chain))
+            PROJ=1, BN=p.down_block_n, BK=p.down_block_k, KS=dot_k(block, p, 1), num_warps=p.down_warps,
+            num_stages=p.down_stages, **meta, **pdl_launch(chain))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         return _combine.combine(y, ids, out, E, pdl=chain)
 
@@ -720,8 +747,8 @@ def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
                 raise UnsupportedSchedule(f"grouped_gemm fp8 tma: expert weights gate_up {tuple(gu.stride())} / "
                                           f"down {tuple(dn.stride())} are not one [E·rows, cols] matrix each")
             weight_descs.clear()
-            weight_descs[key] = (_desc(gu, [E * 2 * F, D], [gs.sn, 1], [p.block_n, p.block_k]),
-                                 _desc(dn, [E * D, F], [ds.sn, 1], [p.down_block_n, p.down_block_k]))
+            weight_descs[key] = (_desc(gu, [E * 2 * F, D], [gs.sn, 1], [p.block_n, dot_k(block, p, 0)]),
+                                 _desc(dn, [E * D, F], [ds.sn, 1], [p.down_block_n, dot_k(block, p, 1)]))
         gu_desc, dn_desc = weight_descs[key]
         gsc, dsc = _scales(w.gate_up_scale), _scales(w.down_scale)
         meta = _meta(block, p, a)
@@ -740,20 +767,20 @@ def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
             xsc = hs = wts_f
             h = torch.empty(rows, F, dtype=x.dtype, device=x.device)  # [P, F] sorted
         grouped_gemm_fp8_tma_kernel[(nt * cdiv(F, p.block_n),)](  # descriptors: new objects each call
-            _desc(xs, [rows, D], [D, 1], [p.block_m, p.block_k]), xsc, xsc.stride(0), gu_desc,
+            _desc(xs, [rows, D], [D, 1], [p.block_m, dot_k(block, p, 0)]), xsc, xsc.stride(0), gu_desc,
             gsc, gsc.stride(0), gsc.stride(1), gsc.stride(2), (F // R) * gsc.stride(1), wts_f, counts, sorted_pairs,
             h, hs, hs.stride(0), h, P, E, F, D, nt, D, alpha, limit,
-            PROJ=0, BN=p.block_n, BK=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **meta,
-            **pdl_launch(chain))
+            PROJ=0, BN=p.block_n, BK=p.block_k, KS=dot_k(block, p, 0), num_warps=p.num_warps, num_stages=p.num_stages,
+            **meta, **pdl_launch(chain))
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
         grouped_gemm_fp8_tma_kernel[(nt * cdiv(D, p.down_block_n), S)](
-            _desc(h, [rows, F], [F, 1], [p.block_m, p.down_block_k]), hs, hs.stride(0), dn_desc,
+            _desc(h, [rows, F], [F, 1], [p.block_m, dot_k(block, p, 1)]), hs, hs.stride(0), dn_desc,
             dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0, wts_f, counts, sorted_pairs,
             h, hs, hs.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
-            PROJ=1, BN=p.down_block_n, BK=p.down_block_k, num_warps=p.down_warps, num_stages=p.down_stages,
-            **meta, **pdl_launch(chain))
+            PROJ=1, BN=p.down_block_n, BK=p.down_block_k, KS=dot_k(block, p, 1), num_warps=p.down_warps,
+            num_stages=p.down_stages, **meta, **pdl_launch(chain))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         return _combine.combine(y, ids, out, E, pdl=chain)
 
