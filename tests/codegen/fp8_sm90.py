@@ -92,14 +92,23 @@ def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]
                     dict(num_warps=4, **({"launch_pdl": True} if p.pdl else {}))))
     kern = grouped_gemm_fp8_tma_kernel if p.tma else grouped_gemm_fp8_kernel
     act = "fp8e4nv" if a8 and not p.quant_on_load else "bf16"
+    if p.h_pass:
+        m["HPASS"] = True
     for proj, bn, bk, warps, stages in ((0, p.block_n, p.block_k, p.num_warps, p.num_stages),
                                         (1, p.down_block_n, p.down_block_k, p.down_warps, p.down_stages)):
         opts = dict(num_warps=warps, num_stages=stages, **({"launch_pdl": True} if p.pdl else {}))
         ks = dot_k(block, p, proj)
         if p.tma:  # A: the sorted rows (x's gathered copy or h), B: the e4m3 weights, boxes of one dot's columns
             opts["descs"] = dict(a_desc=(act, [p.block_m, ks]), b_desc=("fp8e4nv", [bn, ks]))
-        out.append(("gate_up" if proj == 0 else "down", kern, dict(m, PROJ=proj, BN=bn, BK=bk, KS=ks),
-                    pointer_types(kern.fn.__name__, proj, a8, ue8m0, p.y_half, p.quant_on_load), opts))
+        types = pointer_types(kern.fn.__name__, proj, a8, ue8m0, p.y_half, p.quant_on_load)
+        if p.h_pass and proj == 0:  # 16-bit h, quantised by its own pass
+            types = dict(types, h_ptr="*bf16")
+        out.append(("gate_up" if proj == 0 else "down", kern, dict(m, PROJ=proj, BN=bn, BK=bk, KS=ks), types, opts))
+        if p.h_pass and proj == 0:
+            br = max(1, min(16, 4096 // g))
+            out.append(("quant_h", quant_rows_kernel, dict(BR=br, G=g, EMULATE=False, PDL=p.pdl, WAIT_FIRST=True),
+                        pointer_types("quant_rows_kernel", 0, a8, ue8m0, False),
+                        dict(num_warps=4, **({"launch_pdl": True} if p.pdl else {}))))
     if p.pdl:  # the routing's phases (and the gather) before, the combine after
         from moetune.codegen.triton.combine import block_d, combine_kernel
         from moetune.codegen.triton.layout import next_pow2
@@ -169,6 +178,11 @@ QUICK = [  # (tag, preset, params): one point per path the tests' compile check 
     ("w8a8_k256_tma_pdl", "qwen3.5-397b-a17b", dict(block_m=16, block_n=128, block_k=256, num_stages=3,
                                                     down_block_n=128, down_block_k=256, down_stages=3,
                                                     act_quant="fp8_1x128", tma=True, y_half=True, pdl=True)),
+    ("w8a8_h_pass_k256", "mixtral-8x7b", dict(block_m=16, block_n=64, block_k=256, num_stages=3, down_block_n=64,
+                                              down_block_k=128, down_stages=4, act_quant="fp8_1x128", h_pass=True)),
+    ("w8a8_h_pass_tma_pdl", "qwen3.5-397b-a17b", dict(block_m=16, block_n=64, block_k=128, num_stages=4,
+                                                      down_block_n=128, down_block_k=128, act_quant="fp8_1x128",
+                                                      h_pass=True, tma=True, pdl=True)),
     ("w8a8_qload_k256_tma", "qwen3.5-397b-a17b", dict(block_m=16, block_n=64, block_k=256, num_stages=3,
                                                       down_block_n=128, down_block_k=256, down_stages=3,
                                                       act_quant="fp8_1x128", quant_on_load=True, tma=True)),
@@ -234,8 +248,8 @@ def main(quick: bool = False) -> None:
     for label, block, p in representative(quick):
         for proj, kern, cx, types, opts in schedule_kernels(block, p):
             k = compile_fp8(kern, cx, types, **opts)
-            print(json.dumps(dict(label=f"{label}/{proj}", a8=p.act_quant != "none", pdl=p.pdl, **resources(k))),
-                  flush=True)
+            print(json.dumps(dict(label=f"{label}/{proj}", a8=p.act_quant != "none", pdl=p.pdl, h_pass=p.h_pass,
+                                  **resources(k))), flush=True)
 
 
 if __name__ == "__main__":  # python tests/codegen/fp8_sm90.py [--quick]

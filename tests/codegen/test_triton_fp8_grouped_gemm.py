@@ -81,6 +81,11 @@ SCHEDULES = {
     # the down GEMM launched programmatically (interpreted, the launches run in turn: the same dataflow)
     "w8a8_m16_pdl": dict(block_m=16, block_n=32, block_k=32, group_m=2, down_block_n=32, down_block_k=32,
                          act_quant="fp8_1x32", pdl=True),
+    # h quantised by its own pass: gate/up tiles narrower than a group
+    "w8a8_h_pass_n16": dict(block_m=16, block_n=16, block_k=32, group_m=2, down_block_n=32, down_block_k=32,
+                            act_quant="fp8_1x32", h_pass=True),
+    "w8a8_h_pass_n16_tma_pdl": dict(block_m=16, block_n=16, block_k=32, group_m=1, down_block_n=32, down_block_k=32,
+                                    act_quant="fp8_1x32", h_pass=True, tma=True, pdl=True),
 }
 
 CASES = [  # name, E, k, D, F, T, routing, block overrides
@@ -160,6 +165,8 @@ WIDE_K = {
                              act_quant="fp8_1x32", quant_on_load=True),
     "w8a8_on_load_k128_tma": dict(block_m=16, block_n=32, block_k=128, down_block_n=64, down_block_k=64,
                                   act_quant="fp8_1x32", quant_on_load=True, tma=True),
+    "w8a8_h_pass_n16_k64_tma": dict(block_m=16, block_n=16, block_k=64, down_block_n=32, down_block_k=64,
+                                    act_quant="fp8_1x32", h_pass=True, tma=True),
 }
 
 
@@ -181,7 +188,7 @@ def test_k_steps_spanning_scale_blocks(sched, kind):
 def w8a8_rule(block, x, ids, weights, w, group: int, h_dtype=torch.float32) -> torch.Tensor:
     """float32 result of the w8a8 rule itself: the reference's computation with x and h each rounded through
     quant.fake_quantize_rows (per row, per `group` channels) before their GEMM (h first rounded to `h_dtype`:
-    the 16-bit h that quant_on_load stores)."""
+    the 16-bit h that quant_on_load and h_pass store)."""
     out = torch.zeros(x.shape[0], block.D, device=x.device)  # [T, D]
     for e in torch.unique(ids[(ids >= 0) & (ids < block.E)]).tolist():
         tok, pos = torch.where(ids == e)
@@ -197,7 +204,8 @@ def test_w8a8_is_the_activation_rounding_rule():
     """In 128×128 blocks (D = 384, F = 640: 3 and 5 block columns, 2.5 column tiles of 256): w8a8's output is
     the w8a8 rule's (x and h rounded to e4m3 per 1×128 group, everything else float32; with quant_on_load h
     first rounded to bf16, as it stores h) up to the output's rounding, so its norm-relative error against the
-    float32 reference is the rule's own (under 5e-2 on these normal weights); w8a16's is under 1e-2."""
+    float32 reference is the rule's own (under 5e-2 on these normal weights); w8a16's is under 1e-2. h_pass
+    stores h in bf16 before its pass quantises it: quant_on_load's rule."""
     D, F, T = 384, 640, 5
     block = fp8_block(4, 2, D, F, block=(128, 128))
     x, ids, weights, w = problem(block, T, "uniform", seed=3)
@@ -206,13 +214,14 @@ def test_w8a8_is_the_activation_rounding_rule():
              True: w8a8_rule(block, x, ids, weights, w, 128, h_dtype=x.dtype)}
     errs = {}
     for tag, aq, extra in (("w8a16", "none", dict(block_n=128)), ("w8a8", "fp8_1x128", dict(block_n=256)),
-                           ("w8a8_on_load", "fp8_1x128", dict(block_n=128, quant_on_load=True))):
+                           ("w8a8_on_load", "fp8_1x128", dict(block_n=128, quant_on_load=True)),
+                           ("w8a8_h_pass", "fp8_1x128", dict(block_n=64, h_pass=True))):
         s = schedule(block_m=16, block_k=128, down_block_n=128, down_block_k=128, act_quant=aq, **extra)
         out = BACKEND.build(block, s)(x, ids, weights, w)
         _check(out, ref, aq != "none", f"{D}x{F}/{tag}")
         errs[tag] = rel_err(out, ref)
         if aq != "none":
-            rule = rules[s.params.quant_on_load]
+            rule = rules[s.params.quant_on_load or s.params.h_pass]
             assert rel_err(out, rule) < 5e-3, f"{tag} against its rule: {rel_err(out, rule):.3g}"
             assert abs(errs[tag] - rel_err(rule, ref)) < 5e-3, (errs, rel_err(rule, ref))
     assert errs["w8a16"] < 1e-2 and 1e-2 < errs["w8a8"] < 5e-2, errs
@@ -287,8 +296,10 @@ def test_partial_blocks_are_refused_with_the_reason():
 def test_params_refused_where_they_do_not_fit_the_blocks():
     block = fp8_block(4, 2, 256, 256, block=(128, 128))
     space = BACKEND.space(block, "grouped_gemm")
-    with pytest.raises(UnsupportedSchedule, match="whole groups of 128 columns"):
+    with pytest.raises(UnsupportedSchedule, match="whole groups of 128 columns.*h_pass"):
         space.make(block_n=64, act_quant="fp8_1x128")
+    assert space.make(block_n=64, act_quant="fp8_1x128", h_pass=True).h_pass
+    assert not space.make(block_n=128, act_quant="none", h_pass=True).h_pass  # nothing to quantise
     small = fp8_block(4, 2, 64, 96, block=(32, 32))
     BACKEND.space(small, "grouped_gemm").make(block_k=64, down_block_k=32)  # two whole block columns a step
     with pytest.raises(UnsupportedSchedule, match="block_k = 128 spans 4 scale block columns: K = 64 is not"):
@@ -361,15 +372,15 @@ def test_representative_fp8_configs_compile_for_sm_90():
             assert r["mma"] > 0 and r["cp_async" if "_tma" not in r["label"] else "tma"] > 0, f"{r['label']}: {r}"
             if r["a8"] and "/m16" not in r["label"]:
                 assert r["fp8_mma"] > 0, f"{r['label']}: no e4m3 tensor-core instruction"
-        if r["a8"] and r["label"].endswith(("gate_up", "quant_x")):
-            assert r["cvt_e4m3"] > 0, f"{r['label']}: no e4m3 conversion"
+        if r["a8"] and r["label"].endswith(("gate_up", "quant_x", "quant_h")):  # (h_pass: h's own pass rounds it)
+            assert (r["cvt_e4m3"] > 0) != (r["h_pass"] and r["label"].endswith("gate_up")), f"{r['label']}: {r}"
         if "_tma" in r["label"] and r["label"].endswith(("gate_up", "down")):
             assert r["tma"] > 0, f"{r['label']}: no TMA load (cp.async.bulk.tensor)"
         kernel = r["label"].rsplit("/", 1)[1]  # pdl: each kernel releases the next; all but the first wait
         want = (int(r["pdl"] and kernel != "route2"), int(r["pdl"] and kernel != "combine"))
         assert (min(r["grid_wait"], 1), min(r["grid_release"], 1)) == want, r
     made = {r["label"].rsplit("/", 1)[1] for r in rows if r["pdl"]}
-    assert made == {"route2", "route1", "quant_x", "gather", "gate_up", "down", "combine"}, made
+    assert made == {"route2", "route1", "quant_x", "gather", "gate_up", "quant_h", "down", "combine"}, made
 
 
 @pytest.mark.slow
@@ -414,6 +425,10 @@ GPU_SAMPLE = [  # a sample of the space beside the default
     dict(block_m=16, block_n=128, block_k=256, num_stages=3, down_block_n=128, down_block_k=256, down_stages=3,
          act_quant="fp8_1x128", tma=True, y_half=True, pdl=True, split_k=2),
     dict(block_m=16, block_n=128, block_k=256, num_stages=2, down_block_n=128, down_block_k=256, down_stages=2),
+    dict(block_m=16, block_n=64, block_k=256, num_stages=3, down_block_n=64, down_block_k=128, down_stages=4,
+         act_quant="fp8_1x128", h_pass=True),
+    dict(block_m=16, block_n=64, block_k=128, num_stages=4, down_block_n=128, down_block_k=128,
+         act_quant="fp8_1x128", h_pass=True, tma=True, pdl=True),
 ]
 
 

@@ -28,8 +28,10 @@ of BK bytes rather than C (`dot_k`):
 w8a8 activations follow `quant.quantize_rows` (per row, per G channels: s = amax / 448, q = x · (1 / s) rounded to
 e4m3): x by a pre-pass (`quant_rows_kernel`, T rows: every pair of a token reads its token's row), h in the
 gate/up epilogue, which holds whole G-column groups of each row (block_n a multiple of G): hq [P, F] e4m3 and
-hs [P, F / G] fp32 in pair order; or, with quant_on_load, each 16-bit A tile (x, and h stored in the
-activations' dtype) quantised as it is loaded, per row over its K step of BK = G channels. Scales stored as
+hs [P, F / G] fp32 in pair order; with h_pass, h stored by the gate/up GEMM in the activations' dtype and
+quantised by the pre-pass's kernel over its P rows before the down GEMM (block_n free of G); or, with
+quant_on_load, each 16-bit A tile (x, and h stored in the activations' dtype) quantised as it is loaded, per
+row over each dot's G channels. Scales stored as
 ue8m0 are read as bytes b and widened to 2^(b − 127) exactly.
 
 Operand paths, as grouped_gemm.py's: pointer (`grouped_gemm_fp8_kernel`: A gathered row by row, h and y in pair
@@ -40,7 +42,7 @@ operand one TMA box: A [row0, row0 + BM) of the sorted rows, B the e4m3 weights 
 With `pdl` (sm_90) the block's launches after the routing's first are a chain of programmatic dependent
 launches (_common's module doc): every kernel releases the launch after it as it starts, but the gate/up GEMM,
 which releases once its wait has passed; the x pre-pass reads only x, so it runs beside the routing and waits
-for it at its end; the gather and the gate/up GEMM wait first; a down program finds its tile (from the
+for it at its end; the gather, the gate/up GEMM and the h pass wait first; a down program finds its tile (from the
 routing, complete by then: gate/up released it after its wait) and waits for h only then, a combine program
 reads its token's ids and waits for y. Each launch gap overlaps the end of the kernel before. The x pre-pass
 writes before its wait, while the routing may still read its histograms: `hold` keeps the routing's scratch
@@ -118,6 +120,10 @@ class Fp8GemmParams:
     # columns (block_k and down_block_k multiples of the group, each dot one group), instead of the x pre-pass
     # and h quantised in the gate/up epilogue: no pre-pass launch, no e4m3 copy of x, and block_n free of the group
     quant_on_load: bool = False
+    # w8a8: h written by the gate/up GEMM in the activations' dtype and quantised by a pass of its own (the x
+    # pre-pass's kernel over h's rows) before the down GEMM, instead of in the gate/up epilogue: block_n free of
+    # the group, for one more launch and h's 16-bit round trip
+    h_pass: bool = False
     # both operands of both GEMMs through TMA descriptors: the token rows first gathered in expert order
     # (routing.gather; w8a8 from the pre-pass: its e4m3 rows), h written in that order, the e4m3 weights as
     # [E·2F, D] / [E·D, F] boxes
@@ -143,10 +149,13 @@ class Fp8GemmParams:
             raise UnsupportedSchedule(f"Fp8GemmParams.quant_on_load: block_k = {self.block_k} and down_block_k = "
                                       f"{self.down_block_k} must each be a multiple of the activation group {g} "
                                       "(each dot quantises a whole group)")
-        if g is not None and not self.quant_on_load and self.block_n % g:
+        if (g is None or self.quant_on_load) and self.h_pass:
+            object.__setattr__(self, "h_pass", False)  # no h quantised in the epilogue to move
+        if g is not None and not self.quant_on_load and not self.h_pass and self.block_n % g:
             raise UnsupportedSchedule(f"Fp8GemmParams.block_n = {self.block_n} with act_quant {self.act_quant}: "
                                       f"the gate/up epilogue quantises h in whole groups of {g} columns; "
-                                      f"raise block_n to a multiple of {g}")
+                                      f"raise block_n to a multiple of {g}, or quantise h in its own pass "
+                                      "(h_pass)")
         if g is not None and not self.fold_scale:
             object.__setattr__(self, "fold_scale", True)  # w8a8 scales its products: one spelling of each point
         if self.split_k not in (1, 2, 4, 8):
@@ -246,6 +255,7 @@ CHOICES = (
     ("y_half", (False, True)),
     ("fold_scale", (True, False)),
     ("quant_on_load", (False, True)),
+    ("h_pass", (False, True)),
     ("tma", (False, True)),
     ("pdl", (False, True)),
 )
@@ -362,10 +372,13 @@ def _quant_groups(v, R: tl.constexpr, W: tl.constexpr, G: tl.constexpr, EMULATE:
 
 @triton.jit(do_not_specialize=["T"])
 def quant_rows_kernel(x_ptr, s_xt, q_ptr, s_ptr, T, D, BR: tl.constexpr, G: tl.constexpr,
-                      EMULATE: tl.constexpr, PDL: tl.constexpr = False):
+                      EMULATE: tl.constexpr, PDL: tl.constexpr = False, WAIT_FIRST: tl.constexpr = False):
     """x [T, D] → q [T, D] e4m3, s [T, D / G] fp32: one program per BR rows and one group of G channels. With
     PDL, launched programmatically after the routing: x is the block's input, so it runs beside the routing
-    and waits for it only at its end (a chain's kernel finishes after the one before it)."""
+    and waits for it only at its end (a chain's kernel finishes after the one before it); WAIT_FIRST (x the
+    output of the launch before, h of the gate/up GEMM): it waits before it reads."""
+    if PDL and WAIT_FIRST:
+        _grid_wait()
     if PDL:
         _grid_release()
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -376,7 +389,7 @@ def quant_rows_kernel(x_ptr, s_xt, q_ptr, s_ptr, T, D, BR: tl.constexpr, G: tl.c
     tl.store(q_ptr + rows.to(tl.int64)[:, None] * D + offs[None, :], q, mask=rm[:, None])
     tl.store(s_ptr + rows.to(tl.int64)[:, None] * (D // G) + tl.program_id(1) + tl.arange(0, 1)[None, :], s,
              mask=rm[:, None])
-    if PDL:
+    if PDL and not WAIT_FIRST:
         _grid_wait()
 
 
@@ -486,7 +499,7 @@ def grouped_gemm_fp8_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, GROUP_M: tl.constexpr,
     R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, A8: tl.constexpr, UE8M0: tl.constexpr, FOLD: tl.constexpr,
     ACT: tl.constexpr, W_IN: tl.constexpr, EMULATE: tl.constexpr, QLOAD: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, HPASS: tl.constexpr = False,
 ):
     """PROJ 0: A = x [T, D] rows of the tile's tokens (A8: xq e4m3 + scales as_ [T, D / G]; A8 with QLOAD: x,
     quantised per K step); B = gate and up rows n0 + [0, BN) of gate_up [E, 2F, D] (scales [E, 2F / R, D / C],
@@ -535,7 +548,8 @@ def grouped_gemm_fp8_kernel(
                     su = sa * su
                 accg = _mma(a, bcol, sk, kj, nm, accg, sg, KS, A8, FOLD, EMULATE)
                 accu = _mma(a, bcol + up, sk, kj, nm, accu, su, KS, A8, FOLD, EMULATE)
-        if A8 and not QLOAD:  # h quantised here; with QLOAD the down GEMM quantises its 16-bit rows
+        if A8 and not QLOAD and not HPASS:  # h quantised here; with QLOAD the down GEMM quantises its 16-bit
+            # rows, with HPASS a pass of its own
             _store_hq(h_ptr, s_hp, hs_ptr, s_hsp, pairs, rmask, accg, accu, wt, n0, N, alpha, limit, BM, BN, G,
                       ACT, W_IN, EMULATE)
         else:
@@ -565,7 +579,7 @@ def grouped_gemm_fp8_tma_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, GROUP_M: tl.constexpr,
     R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, A8: tl.constexpr, UE8M0: tl.constexpr, FOLD: tl.constexpr,
     ACT: tl.constexpr, W_IN: tl.constexpr, EMULATE: tl.constexpr, QLOAD: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, HPASS: tl.constexpr = False,
 ):
     """The TMA operand path (Fp8GemmParams.tma). a_desc: the sorted rows, box [BM, BK]: xs [P, D] (PROJ 0; the
     token rows gathered in expert order, 16-bit, or e4m3 with A8 from the pre-pass, whose scales stay in token
@@ -614,7 +628,7 @@ def grouped_gemm_fp8_tma_kernel(
                     bu = b_desc.load([e * 2 * N + N + n0, kj])
                     accg = _dot(a, bg.T, accg, sg, A8, FOLD, EMULATE)
                     accu = _dot(a, bu.T, accu, su, A8, FOLD, EMULATE)
-            if A8 and not QLOAD:  # h in sorted order: row row0 + r
+            if A8 and not QLOAD and not HPASS:  # h in sorted order: row row0 + r
                 _store_hq(h_ptr, N, hs_ptr, s_hsp, row0 + r, rmask, accg, accu, wt, n0, N, alpha, limit, BM, BN,
                           G, ACT, W_IN, EMULATE)
             else:
@@ -642,15 +656,18 @@ def grouped_gemm_fp8_tma_kernel(
 # ------------------------------------------------------------------------------------------------ host
 
 
-def quant_rows(x: torch.Tensor, group: int, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_rows(x: torch.Tensor, group: int, pdl: bool = False, after: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [T, D] e4m3, s [T, D / group] fp32) of x [T, D] by `quant_rows_kernel` (quant.quantize_rows' rule);
-    `pdl`: launched programmatically after the routing (the kernel's doc)."""
+    `pdl`: launched programmatically after the routing, or, `after`, after the kernel that writes x (the
+    kernel's doc)."""
     T, D = x.shape
     q = torch.empty(T, D, dtype=torch.float8_e4m3fn, device=x.device)  # [T, D]
     s = torch.empty(T, D // group, dtype=torch.float32, device=x.device)  # [T, D / G]
     br = max(1, min(16, 4096 // group))
     launch(quant_rows_kernel, (cdiv(T, br), D // group), x, x.stride(0), q, s, T, D,
-           BR=br, G=group, EMULATE=interpreting(), num_warps=4, PDL=pdl, **pdl_launch(pdl))
+           BR=br, G=group, EMULATE=interpreting(), num_warps=4, PDL=pdl, **({"WAIT_FIRST": True} if after else {}),
+           **pdl_launch(pdl))
     return q, s
 
 
@@ -685,8 +702,11 @@ def build(block: MoEBlock, schedule: Schedule):
         nt = max_tiles(P, E, p.block_m)
         if a8 and not p.quant_on_load:
             xa, xs = quant_rows(x, G, pdl=chain)  # [T, D] e4m3, [T, D / G]
-            h = torch.empty(P, F, dtype=torch.float8_e4m3fn, device=x.device)  # [P, F]
-            hs = torch.empty(P, F // G, dtype=torch.float32, device=x.device)  # [P, F / G]
+            if p.h_pass:  # 16-bit h, quantised by its own pass below
+                h, hs = torch.empty(P, F, dtype=x.dtype, device=x.device), xs  # [P, F]
+            else:
+                h = torch.empty(P, F, dtype=torch.float8_e4m3fn, device=x.device)  # [P, F]
+                hs = torch.empty(P, F // G, dtype=torch.float32, device=x.device)  # [P, F / G]
         else:
             xa, xs = x, wts_f
             h = torch.empty(P, F, dtype=x.dtype, device=x.device)  # [P, F]
@@ -698,6 +718,9 @@ def build(block: MoEBlock, schedule: Schedule):
             h, h.stride(0), hs, hs.stride(0), h, P, E, F, D, nt, D, alpha, limit,
             PROJ=0, BN=p.block_n, BK=p.block_k, KS=dot_k(block, p, 0), num_warps=p.num_warps, num_stages=p.num_stages,
             **meta, **pdl_launch(chain))
+        if p.h_pass:
+            hold.append(h)
+            h, hs = quant_rows(h, G, pdl=chain, after=True)  # [P, F] e4m3, [P, F / G]
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
@@ -723,6 +746,8 @@ def _meta(block: MoEBlock, p: Fp8GemmParams, a) -> dict:
                 EMULATE=interpreting())
     if p.quant_on_load:  # (QLOAD left at its default otherwise)
         meta["QLOAD"] = True
+    if p.h_pass:
+        meta["HPASS"] = True
     if programmatic(p.pdl):
         meta["PDL"] = True
     return meta
@@ -760,8 +785,11 @@ def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
         if prepass:
             xq, xsc = quant_rows(x, G, pdl=chain)  # [T, D] e4m3, [T, D / G] (token order)
             xs = routing.gather(xq, counts, sorted_pairs, block.k, xq.dtype, pdl=chain)  # [P, D] sorted e4m3
-            h = torch.empty(rows, F, dtype=torch.float8_e4m3fn, device=x.device)  # [P, F] sorted
-            hs = torch.empty(rows, F // G, dtype=torch.float32, device=x.device)  # [P, F / G] sorted
+            if p.h_pass:  # 16-bit h, quantised by its own pass below
+                h, hs = torch.empty(rows, F, dtype=x.dtype, device=x.device), xsc  # [P, F] sorted
+            else:
+                h = torch.empty(rows, F, dtype=torch.float8_e4m3fn, device=x.device)  # [P, F] sorted
+                hs = torch.empty(rows, F // G, dtype=torch.float32, device=x.device)  # [P, F / G] sorted
         else:
             xs = routing.gather(x, counts, sorted_pairs, block.k, x.dtype, pdl=chain)  # [P, D] sorted 16-bit
             xsc = hs = wts_f
@@ -772,6 +800,9 @@ def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
             h, hs, hs.stride(0), h, P, E, F, D, nt, D, alpha, limit,
             PROJ=0, BN=p.block_n, BK=p.block_k, KS=dot_k(block, p, 0), num_warps=p.num_warps, num_stages=p.num_stages,
             **meta, **pdl_launch(chain))
+        if p.h_pass:
+            hold.append(h)
+            h, hs = quant_rows(h, G, pdl=chain, after=True)  # [P, F] e4m3, [P, F / G] sorted
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
@@ -805,6 +836,7 @@ def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float
                + 2 * P * block.F * (1 + 4 / g))
         sorted_copy = 2 * P * block.D
     act += sorted_copy if params.tma else 0
+    act += 2 * P * block.F * ab if params.h_pass else 0  # h_pass: the 16-bit h written and read by its pass
     by = (distinct * block.weight_bytes_per_expert + act
           + _combine.cost(params.split_k, P, tokens, block.D, ab, yb)[1] + params.split_k * P * block.D * yb
           + routing.cost(P, block.E)[1])
