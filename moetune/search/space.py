@@ -129,9 +129,10 @@ class SearchSpace:
         values next to its own first), those the params class accepts; [] when it is outside the space.
         The tuner's local search: kernel parameters interact little, so a single-knob move from the
         incumbent (one more pipeline stage, split-K on, a wider group) is where the next gain usually is.
-        A move the params class refuses (a wider K step that no longer fits the shared memory at this many
-        stages) is taken with the first other knob one value lower that makes it fit, if any: a resource
-        trade is two knobs apart."""
+        A move the params class refuses is taken with the first other knob one value away (lower, then higher)
+        that makes it valid, if any: a wider K step that no longer fits the shared memory with a stage less, a
+        tile narrower than what its epilogue needs with the knob that frees it: such trades are two knobs
+        apart."""
         try:
             params = self.params_of(schedule)
         except UnsupportedSchedule:
@@ -142,11 +143,12 @@ class SearchSpace:
             i = _encode(vals).index(params[name])
             moves += [(abs(j - i), name, vals[j]) for j in range(len(vals)) if j != i]
         own = {n: _decode(vals, params[n]) for n, vals in ks.choices()}
-        lower = [(n, vals[_encode(vals).index(params[n]) - 1]) for n, vals in ks.choices()
-                 if _encode(vals).index(params[n]) > 0]  # each knob's next value down
+        beside = [(n, vals[j]) for n, vals in ks.choices()  # each knob's next value down, then up
+                  for j in (_encode(vals).index(params[n]) - 1, _encode(vals).index(params[n]) + 1)
+                  if 0 <= j < len(vals)]
         out, seen = [], set()
         for _, name, v in sorted(moves, key=lambda m: m[0]):
-            for other in [None, *(m for m in lower if m[0] != name)]:
+            for other in [None, *(m for m in beside if m[0] != name)]:
                 try:
                     s = self._schedule(ks, {**own, name: v, **dict([other] if other else [])})
                 except UnsupportedSchedule:

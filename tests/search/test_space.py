@@ -86,7 +86,8 @@ def test_neighbours_differ_in_one_knob_nearest_values_first_a_refused_move_with_
     space = build_space(tb.BLOCK, tb.toy("toy-space-nb"), tb.bucket(1, 8))
     s = Schedule("hybrid", row_threshold=2, backend="toy-space-nb", params=tb.ToyParams(tile=64, stages=2))
     got = [(n.row_threshold, n.params.tile, n.params.stages) for n in space.neighbours(s)]
-    # R 4; tile 32 (next to 64); stages 1; stages 3, refused by ToyParams at tile 64, taken with tile 32; tile 16
+    # R 4; tile 32 (next to 64); stages 1; stages 3, refused by ToyParams at tile 64, taken with tile 32 (a knob
+    # one value away, lower first); tile 16
     assert sorted(got[:3]) == [(2, 32, 2), (2, 64, 1), (4, 64, 2)]
     assert got[3:] == [(2, 32, 3), (2, 16, 2)]
     assert all(n.kind == s.kind and space.contains(n) for n in space.neighbours(s))
@@ -130,7 +131,8 @@ def _admitted(backend, block, s, **knobs) -> bool:
 
 def test_a_wider_fp8_k_step_is_a_neighbour_with_a_stage_less():
     """From the shipped FP8 winner at qwen3.5-397b-a17b T = 4 (16-row tiles, 128-column K steps, 4 stages), the
-    gate/up's 256-column K step does not fit the shared memory at 4 stages: the local search takes it with 3."""
+    gate/up's 256-column K step does not fit the shared memory at 4 stages: the local search takes it with 3;
+    64-column w8a8 tiles need h quantised in its own pass: it takes them with h_pass."""
     import dataclasses
 
     from moetune.codegen.triton import BACKEND
@@ -150,3 +152,5 @@ def test_a_wider_fp8_k_step_is_a_neighbour_with_a_stage_less():
     assert dataclasses.replace(s, params=wide) in nb
     assert dataclasses.replace(s, params=dataclasses.replace(p, block_k=256)) not in nb
     assert dataclasses.replace(s, params=dataclasses.replace(p, down_block_k=256)) in nb  # it fits at 4
+    # 64-column gate/up tiles, refused with h quantised in the epilogue, taken with h's own pass
+    assert dataclasses.replace(s, params=dataclasses.replace(p, block_n=64, h_pass=True)) in nb

@@ -254,8 +254,8 @@ CHOICES = (
     ("split_k", (1, 2, 4)),
     ("y_half", (False, True)),
     ("fold_scale", (True, False)),
-    ("quant_on_load", (False, True)),
     ("h_pass", (False, True)),
+    ("quant_on_load", (False, True)),
     ("tma", (False, True)),
     ("pdl", (False, True)),
 )
