@@ -138,19 +138,17 @@ class SearchSpace:
         except UnsupportedSchedule:
             return []
         ks = self.kind(schedule.kind)
-        moves = []
+        moves, beside = [], []  # beside: each knob's next value down, then up
         for name, vals in ks.choices():
             i = _encode(vals).index(params[name])
             moves += [(abs(j - i), name, vals[j]) for j in range(len(vals)) if j != i]
+            beside += [(name, vals[j]) for j in (i - 1, i + 1) if 0 <= j < len(vals)]
         own = {n: _decode(vals, params[n]) for n, vals in ks.choices()}
-        beside = [(n, vals[j]) for n, vals in ks.choices()  # each knob's next value down, then up
-                  for j in (_encode(vals).index(params[n]) - 1, _encode(vals).index(params[n]) + 1)
-                  if 0 <= j < len(vals)]
         out, seen = [], set()
         for _, name, v in sorted(moves, key=lambda m: m[0]):
-            for other in [None, *(m for m in beside if m[0] != name)]:
+            for other in [{}, *({n: u} for n, u in beside if n != name)]:
                 try:
-                    s = self._schedule(ks, {**own, name: v, **dict([other] if other else [])})
+                    s = self._schedule(ks, {**own, name: v, **other})
                 except UnsupportedSchedule:
                     continue
                 if key(s) not in seen:

@@ -85,8 +85,8 @@ def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]
     if p.pdl:
         m["PDL"] = True
     out = []
+    br = max(1, min(16, 4096 // g)) if a8 else 0  # the pre-pass's rows a program (quant_rows)
     if a8 and not p.quant_on_load:
-        br = max(1, min(16, 4096 // g))
         out.append(("quant_x", quant_rows_kernel, dict(BR=br, G=g, EMULATE=False, PDL=p.pdl),
                     pointer_types("quant_rows_kernel", 0, a8, ue8m0, False),
                     dict(num_warps=4, **({"launch_pdl": True} if p.pdl else {}))))
@@ -105,7 +105,6 @@ def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]
             types = dict(types, h_ptr="*bf16")
         out.append(("gate_up" if proj == 0 else "down", kern, dict(m, PROJ=proj, BN=bn, BK=bk, KS=ks), types, opts))
         if p.h_pass and proj == 0:
-            br = max(1, min(16, 4096 // g))
             out.append(("quant_h", quant_rows_kernel, dict(BR=br, G=g, EMULATE=False, PDL=p.pdl, WAIT_FIRST=True),
                         pointer_types("quant_rows_kernel", 0, a8, ue8m0, False),
                         dict(num_warps=4, **({"launch_pdl": True} if p.pdl else {}))))

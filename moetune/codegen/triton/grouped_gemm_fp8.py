@@ -504,7 +504,8 @@ def grouped_gemm_fp8_kernel(
     """PROJ 0: A = x [T, D] rows of the tile's tokens (A8: xq e4m3 + scales as_ [T, D / G]; A8 with QLOAD: x,
     quantised per K step); B = gate and up rows n0 + [0, BN) of gate_up [E, 2F, D] (scales [E, 2F / R, D / C],
     up's sup scale rows after gate's); epilogue: activation → h [P, F] (A8: hq e4m3 [P, F] + hs [P, F / G];
-    with QLOAD 16-bit h, quantised by the down GEMM's loads).
+    with QLOAD 16-bit h, quantised by the down GEMM's loads; with HPASS 16-bit h, quantised by its own pass).
+    Each K step of BK columns is BK / KS dots (dot_k).
     PROJ 1: A = h rows of the tile's pairs; B = down rows n0 + [0, BN) of [E, D, F] over the F range of split
     program_id(1); epilogue: routing weight → y[split] [P, D]. PDL: each projection releases the launch after
     it, gate/up only once its wait has passed (so the routing is complete when the down GEMM starts: PROJ 1 reads
@@ -581,12 +582,13 @@ def grouped_gemm_fp8_tma_kernel(
     ACT: tl.constexpr, W_IN: tl.constexpr, EMULATE: tl.constexpr, QLOAD: tl.constexpr = False,
     PDL: tl.constexpr = False, HPASS: tl.constexpr = False,
 ):
-    """The TMA operand path (Fp8GemmParams.tma). a_desc: the sorted rows, box [BM, BK]: xs [P, D] (PROJ 0; the
+    """The TMA operand path (Fp8GemmParams.tma). a_desc: the sorted rows, box [BM, KS]: xs [P, D] (PROJ 0; the
     token rows gathered in expert order, 16-bit, or e4m3 with A8 from the pre-pass, whose scales stay in token
     order at as_ [T, D / G]) or h [P, F] (PROJ 1, written by PROJ 0 in sorted order, as its scales hs);
     b_desc: gate_up as [E·2F, D] (gate rows e·2F + n, up rows e·2F + F + n) or down as [E·D, F] in e4m3, box
-    [BN, BK]. A tile's A is one box [row0, row0 + BM) (rows past its expert belong to the next one: computed and
-    dropped); boxes past a tensor's edge read zeros. PDL as grouped_gemm_fp8_kernel's."""
+    [BN, KS] (a K step of BK columns loads BK / KS boxes of each). A tile's A is one box [row0, row0 + BM) (rows
+    past its expert belong to the next one: computed and dropped); boxes past a tensor's edge read zeros. PDL as
+    grouped_gemm_fp8_kernel's."""
     if PDL:  # gate/up releases the down GEMM only once the routing is complete (grouped_gemm_fp8_kernel's doc)
         if PROJ == 0:
             _grid_wait()
@@ -666,8 +668,8 @@ def quant_rows(x: torch.Tensor, group: int, pdl: bool = False, after: bool = Fal
     s = torch.empty(T, D // group, dtype=torch.float32, device=x.device)  # [T, D / G]
     br = max(1, min(16, 4096 // group))
     launch(quant_rows_kernel, (cdiv(T, br), D // group), x, x.stride(0), q, s, T, D,
-           BR=br, G=group, EMULATE=interpreting(), num_warps=4, PDL=pdl, **({"WAIT_FIRST": True} if after else {}),
-           **pdl_launch(pdl))
+           BR=br, G=group, EMULATE=interpreting(), num_warps=4, PDL=pdl,
+           **({"WAIT_FIRST": True} if pdl and after else {}), **pdl_launch(pdl))
     return q, s
 
 
@@ -688,8 +690,9 @@ def build(block: MoEBlock, schedule: Schedule):
     a8 = G is not None
     alpha, limit = act_args(block)
     memo: dict = {}  # call_args' per-weights host work
+    ks0, ks1 = dot_k(block, p, 0), dot_k(block, p, 1)  # each GEMM's dot columns
     if p.tma:
-        return _build_tma(block, p, alpha, limit)
+        return _build_tma(block, p, alpha, limit, ks0, ks1)
 
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
         a = call_args(block, x, ids, weights, w, memo)
@@ -716,7 +719,7 @@ def build(block: MoEBlock, schedule: Schedule):
             w.gate_up, gs.se, gs.sn, gs.sk, gs.up, gsc, gsc.stride(0), gsc.stride(1), gsc.stride(2),
             (F // R) * gsc.stride(1),
             h, h.stride(0), hs, hs.stride(0), h, P, E, F, D, nt, D, alpha, limit,
-            PROJ=0, BN=p.block_n, BK=p.block_k, KS=dot_k(block, p, 0), num_warps=p.num_warps, num_stages=p.num_stages,
+            PROJ=0, BN=p.block_n, BK=p.block_k, KS=ks0, num_warps=p.num_warps, num_stages=p.num_stages,
             **meta, **pdl_launch(chain))
         if p.h_pass:
             hold.append(h)
@@ -728,7 +731,7 @@ def build(block: MoEBlock, schedule: Schedule):
             h, h.stride(0), hs, hs.stride(0), wts_f, counts, sorted_pairs,
             w.down, ds.se, ds.sn, ds.sk, 0, dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0,
             h, h.stride(0), hs, hs.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
-            PROJ=1, BN=p.down_block_n, BK=p.down_block_k, KS=dot_k(block, p, 1), num_warps=p.down_warps,
+            PROJ=1, BN=p.down_block_n, BK=p.down_block_k, KS=ks1, num_warps=p.down_warps,
             num_stages=p.down_stages, **meta, **pdl_launch(chain))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         return _combine.combine(y, ids, out, E, pdl=chain)
@@ -754,7 +757,7 @@ def _meta(block: MoEBlock, p: Fp8GemmParams, a) -> dict:
 
 
 
-def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
+def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float, ks0: int, ks1: int):
     E, D, F = block.E, block.D, block.F
     R = block.weight_format.block[0]
     G = act_group(p.act_quant)
@@ -772,8 +775,8 @@ def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
                 raise UnsupportedSchedule(f"grouped_gemm fp8 tma: expert weights gate_up {tuple(gu.stride())} / "
                                           f"down {tuple(dn.stride())} are not one [E·rows, cols] matrix each")
             weight_descs.clear()
-            weight_descs[key] = (_desc(gu, [E * 2 * F, D], [gs.sn, 1], [p.block_n, dot_k(block, p, 0)]),
-                                 _desc(dn, [E * D, F], [ds.sn, 1], [p.down_block_n, dot_k(block, p, 1)]))
+            weight_descs[key] = (_desc(gu, [E * 2 * F, D], [gs.sn, 1], [p.block_n, ks0]),
+                                 _desc(dn, [E * D, F], [ds.sn, 1], [p.down_block_n, ks1]))
         gu_desc, dn_desc = weight_descs[key]
         gsc, dsc = _scales(w.gate_up_scale), _scales(w.down_scale)
         meta = _meta(block, p, a)
@@ -795,10 +798,10 @@ def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
             xsc = hs = wts_f
             h = torch.empty(rows, F, dtype=x.dtype, device=x.device)  # [P, F] sorted
         grouped_gemm_fp8_tma_kernel[(nt * cdiv(F, p.block_n),)](  # descriptors: new objects each call
-            _desc(xs, [rows, D], [D, 1], [p.block_m, dot_k(block, p, 0)]), xsc, xsc.stride(0), gu_desc,
+            _desc(xs, [rows, D], [D, 1], [p.block_m, ks0]), xsc, xsc.stride(0), gu_desc,
             gsc, gsc.stride(0), gsc.stride(1), gsc.stride(2), (F // R) * gsc.stride(1), wts_f, counts, sorted_pairs,
             h, hs, hs.stride(0), h, P, E, F, D, nt, D, alpha, limit,
-            PROJ=0, BN=p.block_n, BK=p.block_k, KS=dot_k(block, p, 0), num_warps=p.num_warps, num_stages=p.num_stages,
+            PROJ=0, BN=p.block_n, BK=p.block_k, KS=ks0, num_warps=p.num_warps, num_stages=p.num_stages,
             **meta, **pdl_launch(chain))
         if p.h_pass:
             hold.append(h)
@@ -807,10 +810,10 @@ def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float):
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
         grouped_gemm_fp8_tma_kernel[(nt * cdiv(D, p.down_block_n), S)](
-            _desc(h, [rows, F], [F, 1], [p.block_m, dot_k(block, p, 1)]), hs, hs.stride(0), dn_desc,
+            _desc(h, [rows, F], [F, 1], [p.block_m, ks1]), hs, hs.stride(0), dn_desc,
             dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0, wts_f, counts, sorted_pairs,
             h, hs, hs.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
-            PROJ=1, BN=p.down_block_n, BK=p.down_block_k, KS=dot_k(block, p, 1), num_warps=p.down_warps,
+            PROJ=1, BN=p.down_block_n, BK=p.down_block_k, KS=ks1, num_warps=p.down_warps,
             num_stages=p.down_stages, **meta, **pdl_launch(chain))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         return _combine.combine(y, ids, out, E, pdl=chain)
