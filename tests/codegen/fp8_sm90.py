@@ -103,7 +103,8 @@ def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]
         types = pointer_types(kern.fn.__name__, proj, a8, ue8m0, p.y_half, p.quant_on_load)
         if p.h_pass and proj == 0:  # 16-bit h, quantised by its own pass
             types = dict(types, h_ptr="*bf16")
-        out.append(("gate_up" if proj == 0 else "down", kern, dict(m, PROJ=proj, BN=bn, BK=bk, KS=ks), types, opts))
+        cx = dict(m, PROJ=proj, BN=bn, BK=bk, KS=ks, **({"NB": p.down_nb} if proj == 1 and p.down_nb > 1 else {}))
+        out.append(("gate_up" if proj == 0 else "down", kern, cx, types, opts))
         if p.h_pass and proj == 0:
             out.append(("quant_h", quant_rows_kernel, dict(BR=br, G=g, EMULATE=False, PDL=p.pdl, WAIT_FIRST=True),
                         pointer_types("quant_rows_kernel", 0, a8, ue8m0, False),
@@ -182,6 +183,9 @@ QUICK = [  # (tag, preset, params): one point per path the tests' compile check 
     ("w8a8_h_pass_tma_pdl", "qwen3.5-397b-a17b", dict(block_m=16, block_n=64, block_k=128, num_stages=4,
                                                       down_block_n=128, down_block_k=128, act_quant="fp8_1x128",
                                                       h_pass=True, tma=True, pdl=True)),
+    ("w8a8_h_pass_down_nb4", "qwen3-30b-a3b", dict(block_m=16, block_n=64, block_k=128, num_stages=4,
+                                                  down_block_n=64, down_block_k=128, down_stages=4, down_nb=4,
+                                                  act_quant="fp8_1x128", h_pass=True)),
     ("w8a8_qload_k256_tma", "qwen3.5-397b-a17b", dict(block_m=16, block_n=64, block_k=256, num_stages=3,
                                                       down_block_n=128, down_block_k=256, down_stages=3,
                                                       act_quant="fp8_1x128", quant_on_load=True, tma=True)),

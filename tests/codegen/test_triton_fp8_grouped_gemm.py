@@ -25,7 +25,7 @@ from moetune.codegen.torch.reference import (  # noqa: E402
 )
 from moetune.codegen.torch.tolerance import accuracy, worst_error  # noqa: E402
 from moetune.codegen.triton import BACKEND  # noqa: E402
-from moetune.codegen.triton.grouped_gemm_fp8 import Fp8GemmParams, quant_rows  # noqa: E402
+from moetune.codegen.triton.grouped_gemm_fp8 import Fp8GemmParams, quant_rows, smem_bytes  # noqa: E402
 from moetune.ir import MoEBlock, Schedule, UnsupportedSchedule, WeightFormat  # noqa: E402
 from moetune.search.objective import expert_tensors  # noqa: E402
 
@@ -69,10 +69,14 @@ SCHEDULES = {
                                    split_k=2, fold_scale=False),
     "w8a8_m16": dict(block_m=16, block_n=32, block_k=32, group_m=2, down_block_n=32, down_block_k=32,
                      act_quant="fp8_1x32"),
-    "w8a8_m32_n64_split2_yhalf": dict(block_m=32, block_n=64, block_k=32, group_m=4, down_block_n=32,
-                                      down_block_k=32, split_k=2, y_half=True, act_quant="fp8_1x32"),
+    "w8a8_m32_n64_split2_yhalf_nb2": dict(block_m=32, block_n=64, block_k=32, group_m=4, down_block_n=32,
+                                          down_block_k=32, split_k=2, y_half=True, act_quant="fp8_1x32",
+                                          down_nb=2),
     "w8a8_on_load_m32": dict(block_m=32, block_n=32, block_k=32, group_m=2, down_block_n=64, down_block_k=32,
                              act_quant="fp8_1x32", quant_on_load=True),
+    # a down program over 4 column blocks: at D = 64 its one group holds 2
+    "w8a16_m16_down_nb4": dict(block_m=16, block_n=32, block_k=32, group_m=2, down_block_n=32, down_block_k=16,
+                               down_nb=4),
     "w8a16_m16_tma": dict(block_m=16, block_n=32, block_k=32, group_m=2, down_block_n=32, down_block_k=32, tma=True),
     "w8a8_m16_tma_split2": dict(block_m=16, block_n=32, block_k=32, group_m=1, down_block_n=32, down_block_k=32,
                                 split_k=2, act_quant="fp8_1x32", tma=True),
@@ -310,6 +314,12 @@ def test_params_refused_where_they_do_not_fit_the_blocks():
         space.make(block_m=128, block_n=256, block_k=128, num_stages=4)
     with pytest.raises(UnsupportedSchedule, match="act_quant"):
         Fp8GemmParams(act_quant="int8")
+    with pytest.raises(UnsupportedSchedule, match="down_nb = 3"):
+        Fp8GemmParams(down_nb=3)
+    with pytest.raises(UnsupportedSchedule, match="down_nb > 1 with tma"):
+        Fp8GemmParams(down_nb=2, tma=True)
+    one, four = (space.make(down_block_n=128, down_stages=4, down_nb=n) for n in (1, 4))
+    assert smem_bytes(four, 1) == smem_bytes(one, 1) + 64 * 128 * 4  # the y tile staged inside the loop
 
 
 def test_default_is_w8a8_and_admitted_at_every_token_count():
@@ -429,6 +439,10 @@ GPU_SAMPLE = [  # a sample of the space beside the default
          act_quant="fp8_1x128", h_pass=True),
     dict(block_m=16, block_n=64, block_k=128, num_stages=4, down_block_n=128, down_block_k=128,
          act_quant="fp8_1x128", h_pass=True, tma=True, pdl=True),
+    dict(block_m=16, block_n=64, block_k=128, num_stages=4, down_block_n=64, down_block_k=128, down_stages=4,
+         down_nb=4, act_quant="fp8_1x128", h_pass=True, pdl=True),
+    dict(block_m=16, block_n=128, block_k=128, num_stages=4, down_block_n=128, down_block_k=128, down_nb=2,
+         split_k=2),
 ]
 
 

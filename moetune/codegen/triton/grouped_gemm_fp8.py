@@ -35,9 +35,10 @@ row over each dot's G channels. Scales stored as
 ue8m0 are read as bytes b and widened to 2^(b − 127) exactly.
 
 Operand paths, as grouped_gemm.py's: pointer (`grouped_gemm_fp8_kernel`: A gathered row by row, h and y in pair
-order) and tma (`grouped_gemm_fp8_tma_kernel`, Fp8GemmParams.tma): the token rows first copied in expert order
-(routing.gather: x in its 16-bit dtype, or the pre-pass's e4m3 rows), h written in that order, and every
-operand one TMA box: A [row0, row0 + BM) of the sorted rows, B the e4m3 weights seen as [E·2F, D] / [E·D, F].
+order; with down_nb a down program walks that many D-blocks in one loop) and tma (`grouped_gemm_fp8_tma_kernel`,
+Fp8GemmParams.tma): the token rows first copied in expert order (routing.gather: x in its 16-bit dtype, or the
+pre-pass's e4m3 rows), h written in that order, and every operand one TMA box: A [row0, row0 + BM) of the sorted
+rows, B the e4m3 weights seen as [E·2F, D] / [E·D, F].
 
 With `pdl` (sm_90) the block's launches after the routing's first are a chain of programmatic dependent
 launches (_common's module doc): every kernel releases the launch after it as it starts, but the gate/up GEMM,
@@ -58,6 +59,7 @@ and tensor-core dots on the 16-bit or e4m3 operands.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from functools import partial
@@ -131,6 +133,9 @@ class Fp8GemmParams:
     # the block's kernels a chain of programmatic launches (sm_90, module doc): each starts while the one
     # before it ends, and waits for its output only where it reads it
     pdl: bool = False
+    # pointer path: a down program walks this many consecutive D-blocks in one pipelined loop (grouped_gemm.py's
+    # down_nb): at a short reduction the next block's loads are issued while one block ends
+    down_nb: int = 1
 
     def __post_init__(self) -> None:
         g = act_group(self.act_quant)
@@ -162,6 +167,11 @@ class Fp8GemmParams:
             raise UnsupportedSchedule(f"Fp8GemmParams.split_k = {self.split_k}: 1, 2, 4 or 8")
         if self.group_m < 1:
             raise UnsupportedSchedule(f"Fp8GemmParams.group_m = {self.group_m}: must be ≥ 1")
+        if self.down_nb not in (1, 2, 4, 8):
+            raise UnsupportedSchedule(f"Fp8GemmParams.down_nb = {self.down_nb}: 1, 2, 4 or 8")
+        if self.down_nb > 1 and self.tma:
+            raise UnsupportedSchedule("Fp8GemmParams.down_nb > 1 with tma: the pointer path only (a TMA down "
+                                      "loop keeps one box per column block)")
 
 
 def refusal(block: MoEBlock) -> str | None:
@@ -218,9 +228,11 @@ def smem_bytes(p: Fp8GemmParams, proj: int) -> int:
     """Shared memory of one projection's pipelined loop: `stages` copies of the A tile (1-byte e4m3 with
     w8a8 from the pre-pass, 2-byte otherwise) and of the e4m3 B tiles (gate and up, or down), with 16-bit
     activations one more B tile each (the compiled loop stages one as it widens it), and the epilogue's
-    scratch."""
+    scratch; a down loop over several column blocks (down_nb) stages its y tile as well."""
     bn, bk, st, nb = ((p.block_n, p.block_k, p.num_stages, 2) if proj == 0
                       else (p.down_block_n, p.down_block_k, p.down_stages, 1))
+    if proj == 1 and p.down_nb > 1:  # the store inside the loop: its own [BM, BN] fp32 staging tile
+        return smem_bytes(dataclasses.replace(p, down_nb=1), 1) + p.block_m * p.down_block_n * 4
     if p.act_quant == "none":
         return st * (p.block_m * bk * 2 + nb * bk * bn) + nb * bk * bn + SCRATCH
     if p.quant_on_load:  # 16-bit A tiles in flight, the quantised one staged for the tensor cores
@@ -253,6 +265,7 @@ CHOICES = (
     ("down_stages", (2, 3, 4)),
     ("split_k", (1, 2, 4)),
     ("y_half", (False, True)),
+    ("down_nb", (1, 2, 4)),
     ("fold_scale", (True, False)),
     ("h_pass", (False, True)),
     ("quant_on_load", (False, True)),
@@ -490,6 +503,39 @@ def _store_h16(h_ptr, s_hp, pairs, rmask, g, u, wt, n0, N, alpha, limit, BN: tl.
              mask=rmask[:, None] & (offs_n < N)[None, :])
 
 
+@triton.jit
+def _tile_down_nb(arow, asrow, rmask, w_e, sn, sk, ws_e, ssn, ssk, n_first, N, k_lo, k_hi, y_ptr, pairs, wt,
+                  first_split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
+                  NB: tl.constexpr, R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, A8: tl.constexpr,
+                  UE8M0: tl.constexpr, FOLD: tl.constexpr, QLOAD: tl.constexpr, EMULATE: tl.constexpr,
+                  W_IN: tl.constexpr):
+    """The down GEMM of one row tile over NB consecutive column blocks [n_first + b·BN, +BN) in one pipelined
+    loop, (b, K step) flattened, each step with its own block's scales (w_e, ws_e: the expert's weights and
+    scales); each block's y rows stored when its last K step is in (grouped_gemm._tile_down_nb's walk)."""
+    nk = tl.cdiv(k_hi - k_lo, BK)
+    nb = tl.minimum(NB, tl.cdiv(N - n_first, BN))
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for i in range(0, nb * nk):
+        b = i // nk
+        k0 = k_lo + (i - b * nk) * BK
+        n0 = n_first + b * BN
+        offs_n = n0 + tl.arange(0, BN)
+        nm = offs_n < N
+        bcol = w_e + offs_n[None, :] * sn  # [1, BN]
+        srow = ws_e + (offs_n // R) * ssn  # [BN]
+        s0 = ws_e + (n0 // R) * ssn
+        for j in tl.static_range(BK // KS):
+            kj = k0 + j * KS
+            a, sa = _load_a(arow, asrow, kj, rmask, BM, KS, G, A8, QLOAD, EMULATE)
+            sc = _w_scale(srow, s0, (kj // C) * ssk, nm, BN, R, UE8M0)
+            if A8:
+                sc = sa * sc
+            acc = _mma(a, bcol, sk, kj, nm, acc, sc, KS, A8, FOLD, EMULATE)
+        if k0 + BK >= k_hi:  # block b complete
+            _store_y(y_ptr, pairs, rmask, acc, wt, w_e, 0, first_split, n0, N, BN, False, W_IN)
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+
+
 @triton.jit(do_not_specialize=["P", "n_tiles"])
 def grouped_gemm_fp8_kernel(
     a_ptr, s_at, as_ptr, s_ast, wts_ptr, counts_ptr, sorted_ptr,
@@ -499,7 +545,7 @@ def grouped_gemm_fp8_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, GROUP_M: tl.constexpr,
     R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, A8: tl.constexpr, UE8M0: tl.constexpr, FOLD: tl.constexpr,
     ACT: tl.constexpr, W_IN: tl.constexpr, EMULATE: tl.constexpr, QLOAD: tl.constexpr = False,
-    PDL: tl.constexpr = False, HPASS: tl.constexpr = False,
+    PDL: tl.constexpr = False, HPASS: tl.constexpr = False, NB: tl.constexpr = 1,
 ):
     """PROJ 0: A = x [T, D] rows of the tile's tokens (A8: xq e4m3 + scales as_ [T, D / G]; A8 with QLOAD: x,
     quantised per K step); B = gate and up rows n0 + [0, BN) of gate_up [E, 2F, D] (scales [E, 2F / R, D / C],
@@ -507,14 +553,14 @@ def grouped_gemm_fp8_kernel(
     with QLOAD 16-bit h, quantised by the down GEMM's loads; with HPASS 16-bit h, quantised by its own pass).
     Each K step of BK columns is BK / KS dots (dot_k).
     PROJ 1: A = h rows of the tile's pairs; B = down rows n0 + [0, BN) of [E, D, F] over the F range of split
-    program_id(1); epilogue: routing weight → y[split] [P, D]. PDL: each projection releases the launch after
-    it, gate/up only once its wait has passed (so the routing is complete when the down GEMM starts: PROJ 1 reads
-    counts and order in its tile's setup, then waits for h)."""
+    program_id(1); epilogue: routing weight → y[split] [P, D]; NB column blocks a program (`_tile_down_nb`).
+    PDL: each projection releases the launch after it, gate/up only once its wait has passed (so the routing is
+    complete when the down GEMM starts: PROJ 1 reads counts and order in its tile's setup, then waits for h)."""
     if PDL:
         if PROJ == 0:
             _grid_wait()
         _grid_release()
-    tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
+    tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN * NB, GROUP_M)
     e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
     r = tl.arange(0, BM)
     rmask = r < left
@@ -559,17 +605,22 @@ def grouped_gemm_fp8_kernel(
         ks = tl.program_id(1)  # split of the F reduction: partial planes y [S, P, D]
         k_lo = ks * k_split
         k_hi = tl.where(left > 0, tl.minimum(k_lo + k_split, K), k_lo)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BK):
-            for j in tl.static_range(BK // KS):
-                kj = k0 + j * KS
-                a, sa = _load_a(arow, asrow, kj, rmask, BM, KS, G, A8, QLOAD, EMULATE)
-                sc = _w_scale(srow, s0, (kj // C) * ssk, nm, BN, R, UE8M0)
-                if A8:
-                    sc = sa * sc
-                acc = _mma(a, bcol, sk, kj, nm, acc, sc, KS, A8, FOLD, EMULATE)
-        _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, w_ptr, 0, (ks == 0).to(tl.float32),
-                 n0, N, BN, False, W_IN)
+        if NB == 1:
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BK):
+                for j in tl.static_range(BK // KS):
+                    kj = k0 + j * KS
+                    a, sa = _load_a(arow, asrow, kj, rmask, BM, KS, G, A8, QLOAD, EMULATE)
+                    sc = _w_scale(srow, s0, (kj // C) * ssk, nm, BN, R, UE8M0)
+                    if A8:
+                        sc = sa * sc
+                    acc = _mma(a, bcol, sk, kj, nm, acc, sc, KS, A8, FOLD, EMULATE)
+            _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, w_ptr, 0, (ks == 0).to(tl.float32),
+                     n0, N, BN, False, W_IN)
+        else:
+            _tile_down_nb(arow, asrow, rmask, w_ptr + ec * se, sn, sk, ws_ptr + ec * sse, ssn, ssk, n0, N, k_lo,
+                          k_hi, y_ptr + ks.to(tl.int64) * P * N, pairs, wt, (ks == 0).to(tl.float32), BM, BN, BK,
+                          KS, NB, R, C, G, A8, UE8M0, FOLD, QLOAD, EMULATE, W_IN)
 
 
 @triton.jit(do_not_specialize=["P", "n_tiles"])
@@ -727,12 +778,13 @@ def build(block: MoEBlock, schedule: Schedule):
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
-        launch(grouped_gemm_fp8_kernel, (nt * cdiv(D, p.down_block_n), S),
+        launch(grouped_gemm_fp8_kernel, (nt * cdiv(cdiv(D, p.down_block_n), p.down_nb), S),
             h, h.stride(0), hs, hs.stride(0), wts_f, counts, sorted_pairs,
             w.down, ds.se, ds.sn, ds.sk, 0, dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0,
             h, h.stride(0), hs, hs.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, KS=ks1, num_warps=p.down_warps,
-            num_stages=p.down_stages, **meta, **pdl_launch(chain))
+            num_stages=p.down_stages, **({"NB": p.down_nb} if p.down_nb > 1 else {}), **meta,
+            **pdl_launch(chain))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         return _combine.combine(y, ids, out, E, pdl=chain)
 
