@@ -168,6 +168,14 @@ def _grouped_tile(pid, n_tiles, N, BN: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _nb_step(i, nk, k_lo, n_first, BK: tl.constexpr, BN: tl.constexpr):
+    """Step i of a down loop over column blocks, nk K steps each, flattened: (its first K column, its block's
+    first column)."""
+    b = i // nk
+    return k_lo + (i - b * nk) * BK, n_first + b * BN
+
+
+@triton.jit
 def _tile_down_nb(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n_first, N, k_lo, k_hi, y_ptr, wt, b_e, sbn,
                   first_split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr,
                   UPCAST: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr):
@@ -180,9 +188,7 @@ def _tile_down_nb(h_ptr, s_hp, pairs, rmask, w_e, sn, sk, n_first, N, k_lo, k_hi
     arow = h_ptr + pairs.to(tl.int64)[:, None] * s_hp
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for i in range(0, nb * nk):
-        b = i // nk
-        k0 = k_lo + (i - b * nk) * BK
-        n0 = n_first + b * BN
+        k0, n0 = _nb_step(i, nk, k_lo, n_first, BK, BN)
         offs_n = n0 + tl.arange(0, BN)
         acc = _dot_step(arow, w_e + offs_n[None, :] * sn, sk, k0, k_hi, rmask, offs_n < N, acc, BK, UPCAST)
         if k0 + BK >= k_hi:  # block b complete

@@ -77,7 +77,7 @@ from ..contract import KernelKind, sources
 from . import combine as _combine
 from . import routing
 from ._common import _act, _find_tile, _grid_release, _grid_wait, _store_y
-from .grouped_gemm import _desc, _grouped_tile, max_tiles
+from .grouped_gemm import _desc, _grouped_tile, _nb_step, max_tiles
 from .launch import launch, pdl_launch, programmatic
 from .layout import act_args, call_args, cdiv, check_pow2, check_smem, interpreting
 
@@ -504,6 +504,23 @@ def _store_h16(h_ptr, s_hp, pairs, rmask, g, u, wt, n0, N, alpha, limit, BN: tl.
 
 
 @triton.jit
+def _down_step(arow, asrow, rmask, bcol, sk, srow, s0, ssk, k0, nm, acc, BM: tl.constexpr, BN: tl.constexpr,
+               KS: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, C: tl.constexpr, G: tl.constexpr,
+               A8: tl.constexpr, UE8M0: tl.constexpr, FOLD: tl.constexpr, QLOAD: tl.constexpr,
+               EMULATE: tl.constexpr):
+    """One K step of the down GEMM on pointers, [k0, k0 + BK): BK / KS dots, each with its block column's
+    weight scales (srow, s0 as `_w_scale` takes them) and, with A8, its activation group's."""
+    for j in tl.static_range(BK // KS):
+        kj = k0 + j * KS
+        a, sa = _load_a(arow, asrow, kj, rmask, BM, KS, G, A8, QLOAD, EMULATE)
+        sc = _w_scale(srow, s0, (kj // C) * ssk, nm, BN, R, UE8M0)
+        if A8:
+            sc = sa * sc
+        acc = _mma(a, bcol, sk, kj, nm, acc, sc, KS, A8, FOLD, EMULATE)
+    return acc
+
+
+@triton.jit
 def _tile_down_nb(arow, asrow, rmask, w_e, sn, sk, ws_e, ssn, ssk, n_first, N, k_lo, k_hi, y_ptr, pairs, wt,
                   first_split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                   NB: tl.constexpr, R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, A8: tl.constexpr,
@@ -516,21 +533,12 @@ def _tile_down_nb(arow, asrow, rmask, w_e, sn, sk, ws_e, ssn, ssk, n_first, N, k
     nb = tl.minimum(NB, tl.cdiv(N - n_first, BN))
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for i in range(0, nb * nk):
-        b = i // nk
-        k0 = k_lo + (i - b * nk) * BK
-        n0 = n_first + b * BN
+        k0, n0 = _nb_step(i, nk, k_lo, n_first, BK, BN)
         offs_n = n0 + tl.arange(0, BN)
         nm = offs_n < N
-        bcol = w_e + offs_n[None, :] * sn  # [1, BN]
         srow = ws_e + (offs_n // R) * ssn  # [BN]
-        s0 = ws_e + (n0 // R) * ssn
-        for j in tl.static_range(BK // KS):
-            kj = k0 + j * KS
-            a, sa = _load_a(arow, asrow, kj, rmask, BM, KS, G, A8, QLOAD, EMULATE)
-            sc = _w_scale(srow, s0, (kj // C) * ssk, nm, BN, R, UE8M0)
-            if A8:
-                sc = sa * sc
-            acc = _mma(a, bcol, sk, kj, nm, acc, sc, KS, A8, FOLD, EMULATE)
+        acc = _down_step(arow, asrow, rmask, w_e + offs_n[None, :] * sn, sk, srow, ws_e + (n0 // R) * ssn, ssk, k0,
+                         nm, acc, BM, BN, KS, BK, R, C, G, A8, UE8M0, FOLD, QLOAD, EMULATE)
         if k0 + BK >= k_hi:  # block b complete
             _store_y(y_ptr, pairs, rmask, acc, wt, w_e, 0, first_split, n0, N, BN, False, W_IN)
             acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -608,13 +616,8 @@ def grouped_gemm_fp8_kernel(
         if NB == 1:
             acc = tl.zeros([BM, BN], dtype=tl.float32)
             for k0 in range(k_lo, k_hi, BK):
-                for j in tl.static_range(BK // KS):
-                    kj = k0 + j * KS
-                    a, sa = _load_a(arow, asrow, kj, rmask, BM, KS, G, A8, QLOAD, EMULATE)
-                    sc = _w_scale(srow, s0, (kj // C) * ssk, nm, BN, R, UE8M0)
-                    if A8:
-                        sc = sa * sc
-                    acc = _mma(a, bcol, sk, kj, nm, acc, sc, KS, A8, FOLD, EMULATE)
+                acc = _down_step(arow, asrow, rmask, bcol, sk, srow, s0, ssk, k0, nm, acc, BM, BN, KS, BK, R, C, G,
+                                 A8, UE8M0, FOLD, QLOAD, EMULATE)
             _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, w_ptr, 0, (ks == 0).to(tl.float32),
                      n0, N, BN, False, W_IN)
         else:
