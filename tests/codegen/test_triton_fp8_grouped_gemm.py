@@ -78,8 +78,10 @@ SCHEDULES = {
     "w8a16_m16_down_nb4": dict(block_m=16, block_n=32, block_k=32, group_m=2, down_block_n=32, down_block_k=16,
                                down_nb=4),
     "w8a16_m16_tma": dict(block_m=16, block_n=32, block_k=32, group_m=2, down_block_n=32, down_block_k=32, tma=True),
-    "w8a8_m16_tma_split2": dict(block_m=16, block_n=32, block_k=32, group_m=1, down_block_n=32, down_block_k=32,
-                                split_k=2, act_quant="fp8_1x32", tma=True),
+    "w8a16_m16_tma_nb2_split2": dict(block_m=16, block_n=32, block_k=32, group_m=1, down_block_n=32, down_block_k=16,
+                                     down_nb=2, split_k=2, tma=True),
+    "w8a8_m16_tma_split2_nb2": dict(block_m=16, block_n=32, block_k=32, group_m=1, down_block_n=32,
+                                    down_block_k=32, split_k=2, act_quant="fp8_1x32", tma=True, down_nb=2),
     "w8a8_on_load_m32_tma": dict(block_m=32, block_n=32, block_k=32, group_m=2, down_block_n=64, down_block_k=32,
                                  act_quant="fp8_1x32", quant_on_load=True, tma=True),
     # the down GEMM launched programmatically (interpreted, the launches run in turn: the same dataflow)
@@ -316,8 +318,6 @@ def test_params_refused_where_they_do_not_fit_the_blocks():
         Fp8GemmParams(act_quant="int8")
     with pytest.raises(UnsupportedSchedule, match="down_nb = 3"):
         Fp8GemmParams(down_nb=3)
-    with pytest.raises(UnsupportedSchedule, match="down_nb > 1 with tma"):
-        Fp8GemmParams(down_nb=2, tma=True)
     one, four = (space.make(down_block_n=128, down_stages=4, down_nb=n) for n in (1, 4))
     assert smem_bytes(four, 1) == smem_bytes(one, 1) + 64 * 128 * 4  # the y tile staged inside the loop
 

@@ -35,7 +35,7 @@ row over each dot's G channels. Scales stored as
 ue8m0 are read as bytes b and widened to 2^(b − 127) exactly.
 
 Operand paths, as grouped_gemm.py's: pointer (`grouped_gemm_fp8_kernel`: A gathered row by row, h and y in pair
-order; with down_nb a down program walks that many D-blocks in one loop) and tma (`grouped_gemm_fp8_tma_kernel`,
+order) and tma (`grouped_gemm_fp8_tma_kernel`,
 Fp8GemmParams.tma): the token rows first copied in expert order (routing.gather: x in its 16-bit dtype, or the
 pre-pass's e4m3 rows), h written in that order, and every operand one TMA box: A [row0, row0 + BM) of the sorted
 rows, B the e4m3 weights seen as [E·2F, D] / [E·D, F].
@@ -133,8 +133,8 @@ class Fp8GemmParams:
     # the block's kernels a chain of programmatic launches (sm_90, module doc): each starts while the one
     # before it ends, and waits for its output only where it reads it
     pdl: bool = False
-    # pointer path: a down program walks this many consecutive D-blocks in one pipelined loop (grouped_gemm.py's
-    # down_nb): at a short reduction the next block's loads are issued while one block ends
+    # a down program walks this many consecutive D-blocks in one pipelined loop (grouped_gemm.py's down_nb): at a
+    # short reduction the next block's loads are issued while one block ends
     down_nb: int = 1
 
     def __post_init__(self) -> None:
@@ -169,9 +169,6 @@ class Fp8GemmParams:
             raise UnsupportedSchedule(f"Fp8GemmParams.group_m = {self.group_m}: must be ≥ 1")
         if self.down_nb not in (1, 2, 4, 8):
             raise UnsupportedSchedule(f"Fp8GemmParams.down_nb = {self.down_nb}: 1, 2, 4 or 8")
-        if self.down_nb > 1 and self.tma:
-            raise UnsupportedSchedule("Fp8GemmParams.down_nb > 1 with tma: the pointer path only (a TMA down "
-                                      "loop keeps one box per column block)")
 
 
 def refusal(block: MoEBlock) -> str | None:
@@ -521,14 +518,36 @@ def _down_step(arow, asrow, rmask, bcol, sk, srow, s0, ssk, k0, nm, acc, BM: tl.
 
 
 @triton.jit
+def _down_step_tma(a_desc, b_desc, row0, brow, asrow, rmask, srow, s0, ssk, k0, nm, acc, BM: tl.constexpr,
+                   BN: tl.constexpr, KS: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
+                   G: tl.constexpr, A8: tl.constexpr, UE8M0: tl.constexpr, FOLD: tl.constexpr, QLOAD: tl.constexpr,
+                   EMULATE: tl.constexpr):
+    """`_down_step` on TMA boxes: A [row0, +BM) of h's sorted rows (its scales by sorted row at asrow), B the
+    down rows [brow, +BN) of [E·D, F]."""
+    for j in tl.static_range(BK // KS):
+        kj = k0 + j * KS
+        a = a_desc.load([row0, kj])  # [BM, KS]
+        if A8 and QLOAD:
+            a, sa = _quant_groups(a.to(tl.float32), BM, KS, KS, EMULATE)
+        elif A8:
+            sa = tl.load(asrow + kj // G, mask=rmask, other=0.0)[:, None]
+        sc = _w_scale(srow, s0, (kj // C) * ssk, nm, BN, R, UE8M0)
+        if A8:
+            sc = sa * sc
+        acc = _dot(a, b_desc.load([brow, kj]).T, acc, sc, A8, FOLD, EMULATE)
+    return acc
+
+
+@triton.jit
 def _tile_down_nb(arow, asrow, rmask, w_e, sn, sk, ws_e, ssn, ssk, n_first, N, k_lo, k_hi, y_ptr, pairs, wt,
                   first_split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                   NB: tl.constexpr, R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, A8: tl.constexpr,
                   UE8M0: tl.constexpr, FOLD: tl.constexpr, QLOAD: tl.constexpr, EMULATE: tl.constexpr,
-                  W_IN: tl.constexpr):
+                  W_IN: tl.constexpr, a_desc=None, b_desc=None, row0=0, brow0=0, TMA: tl.constexpr = False):
     """The down GEMM of one row tile over NB consecutive column blocks [n_first + b·BN, +BN) in one pipelined
-    loop, (b, K step) flattened, each step with its own block's scales (w_e, ws_e: the expert's weights and
-    scales); each block's y rows stored when its last K step is in (grouped_gemm._tile_down_nb's walk)."""
+    loop, (b, K step) flattened, each step with its own block's scales (ws_e: the expert's); each block's y rows
+    stored when its last K step is in (grouped_gemm._tile_down_nb's walk). Operands on pointers (arow, w_e: the
+    expert's weights) or, with TMA, boxes (a_desc at row0, b_desc at down row brow0 + the block's column)."""
     nk = tl.cdiv(k_hi - k_lo, BK)
     nb = tl.minimum(NB, tl.cdiv(N - n_first, BN))
     acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -537,8 +556,12 @@ def _tile_down_nb(arow, asrow, rmask, w_e, sn, sk, ws_e, ssn, ssk, n_first, N, k
         offs_n = n0 + tl.arange(0, BN)
         nm = offs_n < N
         srow = ws_e + (offs_n // R) * ssn  # [BN]
-        acc = _down_step(arow, asrow, rmask, w_e + offs_n[None, :] * sn, sk, srow, ws_e + (n0 // R) * ssn, ssk, k0,
-                         nm, acc, BM, BN, KS, BK, R, C, G, A8, UE8M0, FOLD, QLOAD, EMULATE)
+        if TMA:
+            acc = _down_step_tma(a_desc, b_desc, row0, brow0 + n0, asrow, rmask, srow, ws_e + (n0 // R) * ssn, ssk,
+                                 k0, nm, acc, BM, BN, KS, BK, R, C, G, A8, UE8M0, FOLD, QLOAD, EMULATE)
+        else:
+            acc = _down_step(arow, asrow, rmask, w_e + offs_n[None, :] * sn, sk, srow, ws_e + (n0 // R) * ssn, ssk,
+                             k0, nm, acc, BM, BN, KS, BK, R, C, G, A8, UE8M0, FOLD, QLOAD, EMULATE)
         if k0 + BK >= k_hi:  # block b complete
             _store_y(y_ptr, pairs, rmask, acc, wt, w_e, 0, first_split, n0, N, BN, False, W_IN)
             acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -634,20 +657,20 @@ def grouped_gemm_fp8_tma_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, GROUP_M: tl.constexpr,
     R: tl.constexpr, C: tl.constexpr, G: tl.constexpr, A8: tl.constexpr, UE8M0: tl.constexpr, FOLD: tl.constexpr,
     ACT: tl.constexpr, W_IN: tl.constexpr, EMULATE: tl.constexpr, QLOAD: tl.constexpr = False,
-    PDL: tl.constexpr = False, HPASS: tl.constexpr = False,
+    PDL: tl.constexpr = False, HPASS: tl.constexpr = False, NB: tl.constexpr = 1,
 ):
     """The TMA operand path (Fp8GemmParams.tma). a_desc: the sorted rows, box [BM, KS]: xs [P, D] (PROJ 0; the
     token rows gathered in expert order, 16-bit, or e4m3 with A8 from the pre-pass, whose scales stay in token
     order at as_ [T, D / G]) or h [P, F] (PROJ 1, written by PROJ 0 in sorted order, as its scales hs);
     b_desc: gate_up as [E·2F, D] (gate rows e·2F + n, up rows e·2F + F + n) or down as [E·D, F] in e4m3, box
     [BN, KS] (a K step of BK columns loads BK / KS boxes of each). A tile's A is one box [row0, row0 + BM) (rows
-    past its expert belong to the next one: computed and dropped); boxes past a tensor's edge read zeros. PDL as
-    grouped_gemm_fp8_kernel's."""
+    past its expert belong to the next one: computed and dropped); boxes past a tensor's edge read zeros. PDL and NB
+    as grouped_gemm_fp8_kernel's."""
     if PDL:  # gate/up releases the down GEMM only once the routing is complete (grouped_gemm_fp8_kernel's doc)
         if PROJ == 0:
             _grid_wait()
         _grid_release()
-    tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN, GROUP_M)
+    tile, n0 = _grouped_tile(tl.program_id(0), n_tiles, N, BN * NB, GROUP_M)
     e, row0, left = _find_tile(counts_ptr, E, tile, BM, 0, False, BLOCK_E)
     if left > 0:
         r = tl.arange(0, BM)
@@ -692,21 +715,18 @@ def grouped_gemm_fp8_tma_kernel(
         else:
             ks = tl.program_id(1)  # split of the F reduction: partial planes y [S, P, D]
             k_lo = ks * k_split
-            acc = tl.zeros([BM, BN], dtype=tl.float32)
-            for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BK):
-                for j in tl.static_range(BK // KS):
-                    kj = k0 + j * KS
-                    a = a_desc.load([row0, kj])  # [BM, KS]
-                    if A8 and QLOAD:
-                        a, sa = _quant_groups(a.to(tl.float32), BM, KS, KS, EMULATE)
-                    elif A8:
-                        sa = tl.load(asrow + kj // G, mask=rmask, other=0.0)[:, None]
-                    sc = _w_scale(srow, s0, (kj // C) * ssk, nm, BN, R, UE8M0)
-                    if A8:
-                        sc = sa * sc
-                    acc = _dot(a, b_desc.load([e * N + n0, kj]).T, acc, sc, A8, FOLD, EMULATE)
-            _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, y_ptr, 0, (ks == 0).to(tl.float32),
-                     n0, N, BN, False, W_IN)
+            if NB == 1:
+                acc = tl.zeros([BM, BN], dtype=tl.float32)
+                for k0 in range(k_lo, tl.minimum(k_lo + k_split, K), BK):
+                    acc = _down_step_tma(a_desc, b_desc, row0, e * N + n0, asrow, rmask, srow, s0, ssk, k0, nm, acc,
+                                         BM, BN, KS, BK, R, C, G, A8, UE8M0, FOLD, QLOAD, EMULATE)
+                _store_y(y_ptr + ks.to(tl.int64) * P * N, pairs, rmask, acc, wt, y_ptr, 0,
+                         (ks == 0).to(tl.float32), n0, N, BN, False, W_IN)
+            else:
+                _tile_down_nb(0, asrow, rmask, 0, 0, 0, ws_ptr + e.to(tl.int64) * sse, ssn, ssk, n0, N, k_lo,
+                              tl.minimum(k_lo + k_split, K), y_ptr + ks.to(tl.int64) * P * N, pairs, wt,
+                              (ks == 0).to(tl.float32), BM, BN, BK, KS, NB, R, C, G, A8, UE8M0, FOLD, QLOAD,
+                              EMULATE, W_IN, a_desc, b_desc, row0, e * N, True)
 
 
 # ------------------------------------------------------------------------------------------------ host
@@ -864,12 +884,12 @@ def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float, ks
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
-        grouped_gemm_fp8_tma_kernel[(nt * cdiv(D, p.down_block_n), S)](
+        grouped_gemm_fp8_tma_kernel[(nt * cdiv(cdiv(D, p.down_block_n), p.down_nb), S)](
             _desc(h, [rows, F], [F, 1], [p.block_m, ks1]), hs, hs.stride(0), dn_desc,
             dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0, wts_f, counts, sorted_pairs,
             h, hs, hs.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, KS=ks1, num_warps=p.down_warps,
-            num_stages=p.down_stages, **meta, **pdl_launch(chain))
+            num_stages=p.down_stages, **({"NB": p.down_nb} if p.down_nb > 1 else {}), **meta, **pdl_launch(chain))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         return _combine.combine(y, ids, out, E, pdl=chain)
 
