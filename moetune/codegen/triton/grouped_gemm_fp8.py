@@ -35,10 +35,10 @@ row over each dot's G channels. Scales stored as
 ue8m0 are read as bytes b and widened to 2^(b − 127) exactly.
 
 Operand paths, as grouped_gemm.py's: pointer (`grouped_gemm_fp8_kernel`: A gathered row by row, h and y in pair
-order) and tma (`grouped_gemm_fp8_tma_kernel`,
-Fp8GemmParams.tma): the token rows first copied in expert order (routing.gather: x in its 16-bit dtype, or the
-pre-pass's e4m3 rows), h written in that order, and every operand one TMA box: A [row0, row0 + BM) of the sorted
-rows, B the e4m3 weights seen as [E·2F, D] / [E·D, F].
+order) and tma (`grouped_gemm_fp8_tma_kernel`, Fp8GemmParams.tma): the token rows first copied in expert order
+(routing.gather: x in its 16-bit dtype, or the pre-pass's e4m3 rows), h written in that order, and every
+operand one TMA box: A [row0, row0 + BM) of the sorted rows, B the e4m3 weights seen as [E·2F, D] / [E·D, F].
+On both, a down program may walk several D-blocks in one loop (down_nb, `_tile_down_nb`).
 
 With `pdl` (sm_90) the block's launches after the routing's first are a chain of programmatic dependent
 launches (_common's module doc): every kernel releases the launch after it as it starts, but the gate/up GEMM,
