@@ -74,7 +74,7 @@ SCHEDULES = {
                                           down_nb=2),
     "w8a8_on_load_m32": dict(block_m=32, block_n=32, block_k=32, group_m=2, down_block_n=64, down_block_k=32,
                              act_quant="fp8_1x32", quant_on_load=True),
-    # a down program over 4 column blocks: at D = 64 its one group holds 2
+    # a down program over up to 4 column blocks: at D = 64 (two 32-column blocks) its walk ends short
     "w8a16_m16_down_nb4": dict(block_m=16, block_n=32, block_k=32, group_m=2, down_block_n=32, down_block_k=16,
                                down_nb=4),
     "w8a16_m16_tma": dict(block_m=16, block_n=32, block_k=32, group_m=2, down_block_n=32, down_block_k=32, tma=True),
