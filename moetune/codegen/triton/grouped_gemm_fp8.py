@@ -31,8 +31,7 @@ gate/up epilogue, which holds whole G-column groups of each row (block_n a multi
 hs [P, F / G] fp32 in pair order; with h_pass, h stored by the gate/up GEMM in the activations' dtype and
 quantised by the pre-pass's kernel over its P rows before the down GEMM (block_n free of G); or, with
 quant_on_load, each 16-bit A tile (x, and h stored in the activations' dtype) quantised as it is loaded, per
-row over each dot's G channels. Scales stored as
-ue8m0 are read as bytes b and widened to 2^(b − 127) exactly.
+row over each dot's G channels. Scales stored as ue8m0 are read as bytes b and widened to 2^(b − 127) exactly.
 
 Operand paths, as grouped_gemm.py's: pointer (`grouped_gemm_fp8_kernel`: A gathered row by row, h and y in pair
 order) and tma (`grouped_gemm_fp8_tma_kernel`, Fp8GemmParams.tma): the token rows first copied in expert order
@@ -59,7 +58,6 @@ and tensor-core dots on the 16-bit or e4m3 operands.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 from functools import partial
@@ -228,13 +226,12 @@ def smem_bytes(p: Fp8GemmParams, proj: int) -> int:
     scratch; a down loop over several column blocks (down_nb) stages its y tile as well."""
     bn, bk, st, nb = ((p.block_n, p.block_k, p.num_stages, 2) if proj == 0
                       else (p.down_block_n, p.down_block_k, p.down_stages, 1))
-    if proj == 1 and p.down_nb > 1:  # the store inside the loop: its own [BM, BN] fp32 staging tile
-        return smem_bytes(dataclasses.replace(p, down_nb=1), 1) + p.block_m * p.down_block_n * 4
+    y_tile = p.block_m * bn * 4 if proj == 1 and p.down_nb > 1 else 0  # the store inside the loop stages it
     if p.act_quant == "none":
-        return st * (p.block_m * bk * 2 + nb * bk * bn) + nb * bk * bn + SCRATCH
+        return st * (p.block_m * bk * 2 + nb * bk * bn) + nb * bk * bn + y_tile + SCRATCH
     if p.quant_on_load:  # 16-bit A tiles in flight, the quantised one staged for the tensor cores
-        return st * (p.block_m * bk * 2 + nb * bk * bn) + p.block_m * bk + SCRATCH
-    return st * (p.block_m * bk + nb * bk * bn) + SCRATCH
+        return st * (p.block_m * bk * 2 + nb * bk * bn) + p.block_m * bk + y_tile + SCRATCH
+    return st * (p.block_m * bk + nb * bk * bn) + y_tile + SCRATCH
 
 
 def check(p: Fp8GemmParams, block: MoEBlock, target: Target) -> None:
@@ -765,8 +762,10 @@ def build(block: MoEBlock, schedule: Schedule):
     alpha, limit = act_args(block)
     memo: dict = {}  # call_args' per-weights host work
     ks0, ks1 = dot_k(block, p, 0), dot_k(block, p, 1)  # each GEMM's dot columns
+    nb = {"NB": p.down_nb} if p.down_nb > 1 else {}  # the down launch's column blocks a program
+    n_down = cdiv(cdiv(D, p.down_block_n), p.down_nb)  # its programs a row tile
     if p.tma:
-        return _build_tma(block, p, alpha, limit, ks0, ks1)
+        return _build_tma(block, p, alpha, limit, ks0, ks1, nb, n_down)
 
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
         a = call_args(block, x, ids, weights, w, memo)
@@ -801,13 +800,12 @@ def build(block: MoEBlock, schedule: Schedule):
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
-        launch(grouped_gemm_fp8_kernel, (nt * cdiv(cdiv(D, p.down_block_n), p.down_nb), S),
+        launch(grouped_gemm_fp8_kernel, (nt * n_down, S),
             h, h.stride(0), hs, hs.stride(0), wts_f, counts, sorted_pairs,
             w.down, ds.se, ds.sn, ds.sk, 0, dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0,
             h, h.stride(0), hs, hs.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, KS=ks1, num_warps=p.down_warps,
-            num_stages=p.down_stages, **({"NB": p.down_nb} if p.down_nb > 1 else {}), **meta,
-            **pdl_launch(chain))
+            num_stages=p.down_stages, **nb, **meta, **pdl_launch(chain))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         return _combine.combine(y, ids, out, E, pdl=chain)
 
@@ -832,7 +830,8 @@ def _meta(block: MoEBlock, p: Fp8GemmParams, a) -> dict:
 
 
 
-def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float, ks0: int, ks1: int):
+def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float, ks0: int, ks1: int, nb: dict,
+               n_down: int):
     E, D, F = block.E, block.D, block.F
     R = block.weight_format.block[0]
     G = act_group(p.act_quant)
@@ -884,12 +883,12 @@ def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float, ks
         k_split = cdiv(cdiv(F, p.split_k), p.down_block_k) * p.down_block_k
         S = cdiv(F, k_split)
         y = torch.empty(S, P, D, dtype=x.dtype if p.y_half else torch.float32, device=x.device)  # [S, P, D]
-        grouped_gemm_fp8_tma_kernel[(nt * cdiv(cdiv(D, p.down_block_n), p.down_nb), S)](
+        grouped_gemm_fp8_tma_kernel[(nt * n_down, S)](
             _desc(h, [rows, F], [F, 1], [p.block_m, ks1]), hs, hs.stride(0), dn_desc,
             dsc, dsc.stride(0), dsc.stride(1), dsc.stride(2), 0, wts_f, counts, sorted_pairs,
             h, hs, hs.stride(0), y, P, E, D, F, nt, k_split, alpha, limit,
             PROJ=1, BN=p.down_block_n, BK=p.down_block_k, KS=ks1, num_warps=p.down_warps,
-            num_stages=p.down_stages, **({"NB": p.down_nb} if p.down_nb > 1 else {}), **meta, **pdl_launch(chain))
+            num_stages=p.down_stages, **nb, **meta, **pdl_launch(chain))
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         return _combine.combine(y, ids, out, E, pdl=chain)
 
