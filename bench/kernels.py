@@ -14,7 +14,10 @@ step included; the router is not. Per cell:
     is timed once, under its first name;
   * baselines: transformers' `grouped_mm_experts_forward` and `batched_mm_experts_forward` on a stand-in
     module, and its eager experts loop re-implemented op for op (it synchronises with the host, so it is
-    timed host-launched);
+    timed host-launched); with FP8 weights transformers' own FP8Experts module run with each of those experts
+    implementations, whose kernel (finegrained-fp8) transformers fetches from the Hugging Face hub, or takes from
+    a local copy of its source with `--hf-fp8-kernel DIR`. A baseline is timed whatever its error (the record
+    carries it), host-launched where a CUDA graph cannot hold it;
   * each candidate is checked against the float32 reference (`moetune.search.objective.reference`) twice:
     its eager output and the output its CUDA-graph replays wrote, by the package's bound
     (`moetune.codegen.torch.tolerance.worst_error` ≤ 1); then timed by the package's timer
@@ -24,6 +27,7 @@ step included; the router is not. Per cell:
     32 routings; ceilings (streaming read, device copy, bf16 matmul) are measured first.
 
     python -m bench kernels --out DIR [--shapes a,b] [--tokens 1,2,...] [--budget-s 393] [--space-samples N]
+    python -m bench kernels --weights fp8 --hf-fp8-kernel .hf/finegrained-fp8/torch-ext [...]  # FP8 baselines
     python -m bench kernels --render bench/results/nvidia-h200-kernels.json    # the .md from the JSON (CPU)
 
 Writes DIR/<device>-kernels.json (ceilings and a list of records) and DIR/<device>-kernels.md.
@@ -247,30 +251,60 @@ def hf_fn(name: str, w, E: int):
     return lambda x, ids, wt, _w: f(m, x, ids, wt)
 
 
-def hf_fp8_module(w, block: MoEBlock) -> torch.nn.Module:
-    """transformers' own FP8Experts module holding the bench's FP8 tensors (made on the meta device, then
-    given the tensors in place: nothing is copied)."""
-    from transformers.integrations import finegrained_fp8 as f8
+def hf_fp8_fn(name: str, w, block: MoEBlock):
+    """transformers' own FP8 experts module (FP8Experts behind its FP8 experts hook, built as its FP8 loading builds
+    it: `moetune.testing.fp8.fp8_experts_class`) holding the bench's FP8 tensors in place, run with experts
+    implementation `name` through its forward ("eager": FP8Experts' own loop)."""
+    from moetune.testing.fp8 import fp8_experts_class
 
     cfg = types.SimpleNamespace(hidden_size=block.D, num_experts=block.E, num_local_experts=block.E,
-                                moe_intermediate_size=block.F, intermediate_size=block.F, hidden_act="silu")
+                                moe_intermediate_size=block.F, intermediate_size=block.F, hidden_act="silu",
+                                _experts_implementation=name)
     with torch.device("meta"):
-        m = f8.FP8Experts(cfg, block_size=block.weight_format.block)
+        m = fp8_experts_class()(cfg, block_size=block.weight_format.block)
     for attr, t in (("gate_up_proj", w.gate_up), ("down_proj", w.down), ("gate_up_proj_scale_inv", w.gate_up_scale),
                     ("down_proj_scale_inv", w.down_scale)):
         setattr(m, attr, torch.nn.Parameter(t, requires_grad=False))
-    return m
+    return lambda x, ids, wt, _w: m(x, ids, wt)
 
 
-def hf_fp8_fn(name: str, w, block: MoEBlock):
-    """transformers' FP8 experts function `name` (its FP8ExpertsInterface; "eager": FP8Experts.forward)."""
+def fp8_kernel_package(folder: str) -> Path:
+    """The finegrained_fp8 package in `folder`, or FileNotFoundError naming the folder."""
+    pkg = Path(folder) / "finegrained_fp8"
+    if not (pkg / "__init__.py").is_file():
+        raise FileNotFoundError(f"--hf-fp8-kernel {folder}: no finegrained_fp8/__init__.py in it (give the folder "
+                                "that holds the kernel's package, its source tree's torch-ext)")
+    return pkg
+
+
+def use_fp8_kernel_source(folder: str) -> dict:
+    """Give transformers' FP8 experts the finegrained-fp8 Triton kernel from a local copy of its source instead of
+    the hub download it asks for: `folder` holds the kernel's `finegrained_fp8` package (the `torch-ext` folder of
+    its source tree). The package is imported as the hub build would be (its generated `_ops` module, the torch op
+    namespace, made here when the source has none) and its three entry points put where transformers keeps the
+    loaded kernel. Returns what names the source in the results: a digest of the package's files and the version
+    its source tree's build.toml gives the hub build (None without one)."""
+    import hashlib
+    import importlib
+
     from transformers.integrations import finegrained_fp8 as f8
 
-    m = hf_fp8_module(w, block)
-    if name == "eager":
-        return lambda x, ids, wt, _w: m.forward(x, ids, wt)
-    f = f8.ALL_FP8_EXPERTS_FUNCTIONS._global_mapping[name]
-    return lambda x, ids, wt, _w: f(m, x, ids, wt)
+    pkg = fp8_kernel_package(folder)
+    if not (pkg / "_ops.py").is_file() and "finegrained_fp8._ops" not in sys.modules:
+        ops = types.ModuleType("finegrained_fp8._ops")
+        ops.ops = torch.ops._finegrained_fp8_local
+        ops.add_op_namespace_prefix = lambda op: f"_finegrained_fp8_local::{op}"
+        sys.modules["finegrained_fp8._ops"] = ops
+    sys.path.insert(0, str(Path(folder).resolve()))
+    kernel = importlib.import_module("finegrained_fp8")
+    f8._FINEGRAINED_FP8 = f8.FineGrainedFP8(matmul=kernel.matmul_2d, batched_matmul=kernel.matmul_batched,
+                                            grouped_matmul=kernel.matmul_grouped)
+    digest = hashlib.sha256()
+    for f in sorted(pkg.glob("*.py")):
+        digest.update(f.name.encode() + f.read_bytes())
+    toml = Path(folder).resolve().parent / "build.toml"
+    version = re.search(r"^version\s*=\s*(\d+)", toml.read_text(), re.M) if toml.is_file() else None
+    return dict(sha256=digest.hexdigest()[:16], version=int(version.group(1)) if version else None)
 
 
 def eager_fn(E: int):
@@ -371,9 +405,11 @@ def floor_us(block: MoEBlock, T: int, distinct: float) -> float:
 
 
 def measure(rec: dict, fn, cases: list[Case], ref: torch.Tensor, timer: CudaGraphTimer, host_only: bool,
-            a8: bool = False) -> None:
+            a8: bool = False, baseline: bool = False) -> None:
     """Check `fn` against `ref` (eager, then its graph replays; `a8`: with the bound of quantised activations),
-    time it, and fill `rec`."""
+    time it, and fill `rec`. A moetune candidate outside the bound is not timed; a `baseline` is timed whatever
+    its error (the record carries it, `over_bound` set), and one that a CUDA graph cannot hold is timed
+    host-launched (`graph_error` says why)."""
     from functools import partial
 
     from moetune.codegen.torch.tolerance import worst_error
@@ -386,8 +422,10 @@ def measure(rec: dict, fn, cases: list[Case], ref: torch.Tensor, timer: CudaGrap
     del out
     rec["extra_mem_bytes"] = extra_memory(fn, c0)
     if not rec["worst_err"] <= 1:
-        rec["error"] = f"worst_error {rec['worst_err']:.3g} > 1 (rel_err {rec['rel_err']:.3g}): not timed"
-        return
+        if not baseline:
+            rec["error"] = f"worst_error {rec['worst_err']:.3g} > 1 (rel_err {rec['rel_err']:.3g}): not timed"
+            return
+        rec["over_bound"] = True
     if host_only:
         rec["time_us"], rec["mode"] = timer.host_launched(fn, cases) * 1e6, "host"
         return
@@ -399,10 +437,18 @@ def measure(rec: dict, fn, cases: list[Case], ref: torch.Tensor, timer: CudaGrap
             captured.append(y)
         return y
 
-    t = timer(kept, cases)
+    try:
+        t = timer(kept, cases)
+    except Exception as exc:  # noqa: BLE001 - a baseline that cannot be captured is timed as it runs
+        if not baseline:
+            raise
+        torch.cuda.synchronize()
+        rec["graph_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        rec["time_us"], rec["mode"] = timer.host_launched(fn, cases) * 1e6, "host"
+        return
     rec["graph_rel_err"], graph_worst = rel_err(captured[0], ref), worst_error(captured[0], ref)
     captured.clear()
-    if not graph_worst <= 1:
+    if not graph_worst <= 1 and not baseline:
         rec["error"] = f"graph replay worst_error {graph_worst:.3g} > 1: not counted"
         return
     rec.update(time_us=statistics.median(t.times_s) * 1e6, routing_mean_us=t.median_s * 1e6, mode="graph",
@@ -444,8 +490,8 @@ def cell(shape: str, T: int, w, args, timer: CudaGraphTimer, name: str) -> list[
                 fn = hf_fp8_fn(impl, w, block)
             else:
                 fn = eager_fn(E) if impl == "eager" else hf_fn(impl, w, E)
-            measure(rec, fn, cases, ref, timer, host_only=impl == "eager",
-                    a8=sched is not None and quantizes_activations(sched.params))
+            measure(rec, fn, cases, ref, timer, host_only=impl == "eager", baseline=sched is None,
+                    a8=quantizes_activations(sched.params) if sched else fp8)  # (transformers' FP8: 1×128 groups)
         except Exception as exc:  # noqa: BLE001 - a failing candidate is recorded, never stops the sweep
             rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             torch.cuda.synchronize()
@@ -472,6 +518,12 @@ def run(args) -> int:
     except ValueError as e:
         print(f"python -m bench kernels: {e}", file=sys.stderr)
         return 2
+    if args.hf_fp8_kernel:
+        try:
+            fp8_kernel_package(args.hf_fp8_kernel)
+        except FileNotFoundError as e:
+            print(f"python -m bench kernels: {e}", file=sys.stderr)
+            return 2
     if not torch.cuda.is_available():
         print("bench kernels: no CUDA device here (the kernels suite times GPU kernels; --render works on CPU)",
               file=sys.stderr)
@@ -485,6 +537,7 @@ def run(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{name}-kernels" + ("-fp8" if args.weights == "fp8" else "")
     jpath = out_dir / f"{stem}.json"
+    meta = {"hf_fp8_kernel": use_fp8_kernel_source(args.hf_fp8_kernel)} if args.hf_fp8_kernel else {}
     ceil = ceilings(dev)
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
     print("ceilings: " + "  ".join(f"{k} {v:.3g}" for k, v in ceil.items()), flush=True)
@@ -507,12 +560,12 @@ def run(args) -> int:
                 print(f"{shape:18s} T={T:5d} floor {b['floor_us']:8.1f}  best {b['impl']}/{b['variant']} "
                       f"{b['time_us']:8.1f} µs ({b['pct_floor']:.0f}%)  open {b['best_open_us']}  "
                       f"host {b['host_us']:.1f}  [{time.time() - t_start:.0f}s]", flush=True)
-            jpath.write_text(json.dumps(dict(ceilings=ceil, records=records), indent=1))
+            jpath.write_text(json.dumps(dict(ceilings=ceil, **meta, records=records), indent=1))
         del w
         torch.cuda.empty_cache()
         if stop:
             break
-    md = table(records, ceil, name, args.weights)
+    md = table(records, ceil, name, args.weights, meta.get("hf_fp8_kernel"))
     (out_dir / f"{stem}.md").write_text(md)
     print(md)
     return 0
@@ -538,6 +591,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--with", dest="with_", action="append", default=[], metavar="KNOB=VALUE[,KNOB=VALUE...]",
                     help="also each candidate with these knobs set, where its space admits it (e.g. pdl=true, "
                          "block_k=256,num_stages=3)")
+    ap.add_argument("--hf-fp8-kernel", metavar="DIR",
+                    help="transformers' FP8 experts baselines run the finegrained-fp8 kernel from this local copy of "
+                         "its source (the folder holding its finegrained_fp8 package) instead of the hub download")
     ap.add_argument("--render", metavar="JSON", help="rewrite the markdown table of a results JSON, then exit")
 
 
@@ -554,12 +610,16 @@ def committed_bf16() -> dict[tuple[str, int], float]:
     return {(r["shape"], r["tokens"]): r["time_us"] for r in recs if r.get("variant") == "table" and "time_us" in r}
 
 
-def table(records: list[dict], ceil: dict, name: str, weights: str = "bf16") -> str:
+def table(records: list[dict], ceil: dict, name: str, weights: str = "bf16", hf_fp8_kernel: dict | None = None
+          ) -> str:
     fp8 = weights == "fp8"
     bf16 = committed_bf16() if fp8 else {}
     lines = [f"# moetune Triton experts kernels on {name}" + (", FP8 expert weights (e4m3, 128×128 blocks)" if fp8
                                                               else ""), "",
              "ceilings measured in the same run: " + ", ".join(f"{k} {v:.3g}" for k, v in ceil.items()),
+             *([f"transformers' FP8 experts ran the finegrained-fp8 kernel from a local copy of its source (hub "
+                f"version {hf_fp8_kernel['version']}, files sha256 {hf_fp8_kernel['sha256']})"]
+               if hf_fp8_kernel else []),
              "",
              "| shape | T | floor µs | best moetune µs | % floor | kind/variant | table µs | best open-source µs "
              "| speedup | moetune host-launched µs | grouped_mm | batched_mm | eager (host) | GEMV best | GEMM best "
@@ -587,7 +647,10 @@ def table(records: list[dict], ceil: dict, name: str, weights: str = "bf16") -> 
             continue
 
         def named(name, best_of=best_of):
-            return fmt(best_of(lambda rec: rec["impl"] == name))
+            r = best_of(lambda rec: rec["impl"] == name)
+            marks = ([f"rel_err {r['rel_err']:.1e}"] if r and r.get("over_bound") else []) + (
+                ["host"] if r and r.get("mode") == "host" and name != "eager" else [])
+            return fmt(r) + (f" ({', '.join(marks)})" if marks else "")
         tab = best_of(lambda rec: rec["impl"].startswith("moetune") and rec["variant"] == "table")
         host = f"{b['host_us']:.1f}" if "host_us" in b else "–"  # the best kernel, host-launched (eager)
         tab_ratio = tab["time_us"] / b["time_us"] if tab else None
@@ -653,17 +716,19 @@ def summary_lines(summary: list[tuple], weights: str = "bf16") -> list[str]:
 
 def headline(records: list[dict]) -> list[str]:
     """The seeds' headline cell: qwen3.5-397b-a17b at T = 1, moetune's best against transformers' own FP8
-    experts (grouped_mm)."""
+    experts (grouped_mm), with the baseline's error and how it was timed."""
     rs = [r for r in records if r["shape"] == "qwen3.5-397b-a17b" and r["tokens"] == 1 and "time_us" in r]
     mine = [r["time_us"] for r in rs if r["impl"].startswith("moetune")]
-    hf = [r["time_us"] for r in rs if r["impl"] == "grouped_mm"]
+    hf = [r for r in rs if r["impl"] == "grouped_mm"]
     if not mine:
         return []
     if not hf:
         why = next((r["error"] for r in records if r["impl"] == "grouped_mm" and "error" in r), "not timed")
         return [f"qwen3.5-397b-a17b T = 1: moetune {min(mine):.1f} µs; transformers' FP8 grouped_mm: {why}"]
-    return [f"qwen3.5-397b-a17b T = 1: moetune {min(mine):.1f} µs, transformers' FP8 grouped_mm {hf[0]:.1f} µs: "
-            f"{hf[0] / min(mine):.2f}× faster."]
+    h = hf[0]
+    how = "CUDA-graph replays" if h["mode"] == "graph" else f"host-launched ({h.get('graph_error', 'eager')})"
+    return [f"qwen3.5-397b-a17b T = 1: moetune {min(mine):.1f} µs, transformers' FP8 grouped_mm {h['time_us']:.1f} µs "
+            f"({how}, rel_err {h['rel_err']:.1e}): {h['time_us'] / min(mine):.2f}× faster."]
 
 
 def render(json_path: str) -> str:
@@ -672,6 +737,6 @@ def render(json_path: str) -> str:
     d = json.loads(path.read_text())
     weights = "fp8" if path.name.endswith("-kernels-fp8.json") else "bf16"
     name = path.name.removesuffix("-kernels-fp8.json").removesuffix("-kernels.json")
-    md = table(d["records"], d["ceilings"], name, weights)
+    md = table(d["records"], d["ceilings"], name, weights, d.get("hf_fp8_kernel"))
     path.with_suffix(".md").write_text(md)
     return md

@@ -195,3 +195,86 @@ def test_the_tune_suite_tunes_a_tiny_model_into_its_scratch_table(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "vs default" in out.stdout and "floor µs" in out.stdout
     assert (tmp_path / "qwen3_moe.sqlite").exists()
+
+
+# A finegrained_fp8 package as the hub kernel's source tree lays it out (its `_ops` module is the hub build's, not in
+# the source): the three entry points transformers takes, here dequantising per block and multiplying in float32.
+_KERNEL_SOURCE = '''
+import torch
+
+from moetune.codegen.quant import dequantize_blocks
+
+from ._ops import add_op_namespace_prefix, ops
+
+NAMESPACE = add_op_namespace_prefix("matmul_grouped")
+CALLS = []
+
+
+def _w(B, Bs, block_size):
+    return dequantize_blocks(B.float(), Bs, tuple(block_size))
+
+
+def matmul_2d(A, B, Bs, block_size, output_dtype=None, activation_scale=None):
+    CALLS.append("matmul_2d")
+    return (A.float() @ _w(B, Bs, block_size).T).to(output_dtype or A.dtype)
+
+
+def matmul_batched(A, B, Bs, block_size=None, expert_ids=None):
+    CALLS.append("matmul_batched")
+    out = [A[i].float() @ _w(B[e], Bs[e], block_size).T for i, e in enumerate(expert_ids.tolist())]
+    return torch.stack(out).to(A.dtype)
+
+
+def matmul_grouped(A, B, Bs, offsets, tokens_per_expert, block_size, output_dtype=None):
+    CALLS.append("matmul_grouped")
+    out, start = A.new_zeros(A.shape[0], B.shape[1]), 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = (A[start:end].float() @ _w(B[e], Bs[e], block_size).T).to(A.dtype)
+        start = end
+    return out
+'''
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_transformers_fp8_experts_run_a_local_copy_of_the_hub_kernel(tmp_path, monkeypatch, impl):
+    """--hf-fp8-kernel DIR: transformers' own FP8Experts (behind its FP8 experts hook) runs the kernel package found
+    in DIR in place of the hub download, through the entry point of the implementation asked for, and its output
+    is the float32 reference's on the dequantised weights; the record names the source by a digest of its files
+    and the version its build.toml gives."""
+    import torch
+    from transformers.integrations import finegrained_fp8 as f8
+
+    from bench import kernels as K
+    from moetune.codegen.torch.tolerance import worst_error
+    from moetune.ir import MoEBlock, WeightFormat
+    from moetune.search.objective import expert_tensors, make_cases, reference
+
+    (tmp_path / "torch-ext" / "finegrained_fp8").mkdir(parents=True)
+    (tmp_path / "torch-ext" / "finegrained_fp8" / "__init__.py").write_text(_KERNEL_SOURCE)
+    (tmp_path / "build.toml").write_text('[general]\nname = "finegrained-fp8"\nversion = 4\n')
+    monkeypatch.setattr(f8, "_FINEGRAINED_FP8", None)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for mod in ("finegrained_fp8", "finegrained_fp8._ops"):
+        monkeypatch.delitem(sys.modules, mod, raising=False)
+    try:
+        info = K.use_fp8_kernel_source(str(tmp_path / "torch-ext"))
+        kernel = sys.modules["finegrained_fp8"]
+        assert info["version"] == 4 and len(info["sha256"]) == 16
+        assert kernel.NAMESPACE == "_finegrained_fp8_local::matmul_grouped"
+        assert f8.load_finegrained_fp8_kernel().grouped_matmul is kernel.matmul_grouped
+        block = MoEBlock(E=4, k=2, D=256, F=128, name="tiny").with_weight_format(WeightFormat.fp8_block())
+        w = expert_tensors(block, torch.device("cpu"))
+        case = make_cases(block, w, 5, 1, torch.Generator().manual_seed(3))[0]
+        out = K.hf_fp8_fn(impl, w, block)(case.x, case.ids, case.weights, w)
+        assert kernel.CALLS == [{"grouped_mm": "matmul_grouped", "batched_mm": "matmul_batched"}[impl]] * 2
+        assert worst_error(out, reference(block, case)) <= 1
+    finally:
+        for mod in ("finegrained_fp8", "finegrained_fp8._ops"):
+            sys.modules.pop(mod, None)
+
+
+def test_a_folder_without_the_kernel_package_is_one_line_and_exit_2(tmp_path):
+    out = bench("kernels", "--weights", "fp8", "--hf-fp8-kernel", str(tmp_path))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert str(tmp_path) in out.stderr and "finegrained_fp8/__init__.py" in out.stderr
