@@ -169,3 +169,40 @@ def load_experts(model: torch.nn.Module, folder: str | Path) -> torch.nn.Module:
             setattr(experts, name, torch.nn.Parameter(t.to(block.experts.gate_up_proj.device), requires_grad=False))
         block.experts = experts.eval()
     return model
+
+
+def _dequantized(w: torch.Tensor, scale_inv: torch.Tensor, block_size) -> torch.Tensor:
+    from ..codegen.quant import dequantize_blocks
+
+    return dequantize_blocks(w.float(), scale_inv, tuple(block_size))  # [N, K] float32
+
+
+def matmul_2d(A, B, Bs, block_size, output_dtype=None, activation_scale=None):
+    """finegrained-fp8's `matmul_2d` computed in float32 on the dequantised weight: A [M, K] · B [N, K]ᵀ."""
+    return (A.float() @ _dequantized(B, Bs, block_size).T).to(output_dtype or A.dtype)
+
+
+def matmul_batched(A, B, Bs, block_size=None, expert_ids=None):
+    """finegrained-fp8's `matmul_batched`, the same way: row i of A times expert `expert_ids[i]`'s weight."""
+    rows = [A[i].float() @ _dequantized(B[e], Bs[e], block_size).T for i, e in enumerate(expert_ids.tolist())]
+    return torch.stack(rows).to(A.dtype)  # [S, N]
+
+
+def matmul_grouped(A, B, Bs, offsets, tokens_per_expert, block_size, output_dtype=None):
+    """finegrained-fp8's `matmul_grouped`, the same way: A's rows sorted by expert, expert e's ending at
+    offsets[e]."""
+    out, start = A.new_zeros(A.shape[0], B.shape[1], dtype=output_dtype or A.dtype), 0  # [S, N]
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = A[start:end].float() @ _dequantized(B[e], Bs[e], block_size).T
+        start = end
+    return out
+
+
+def dequantizing_fp8_kernel():
+    """The three entry points transformers' FP8 experts take from the finegrained-fp8 hub kernel
+    (`FineGrainedFP8`), computed by dequantising each weight and multiplying in float32: transformers' own FP8
+    experts functions run on CPU where the hub kernel cannot be fetched (activations are not quantised)."""
+    from transformers.integrations.finegrained_fp8 import FineGrainedFP8
+
+    return FineGrainedFP8(matmul=matmul_2d, batched_matmul=matmul_batched, grouped_matmul=matmul_grouped)

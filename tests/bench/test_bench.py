@@ -198,11 +198,9 @@ def test_the_tune_suite_tunes_a_tiny_model_into_its_scratch_table(tmp_path):
 
 
 # A finegrained_fp8 package as the hub kernel's source tree lays it out (its `_ops` module is the hub build's, not in
-# the source): the three entry points transformers takes, here dequantising per block and multiplying in float32.
+# the source), its three entry points moetune.testing.fp8's dequantising ones, each call recorded.
 _KERNEL_SOURCE = '''
-import torch
-
-from moetune.codegen.quant import dequantize_blocks
+from moetune.testing import fp8
 
 from ._ops import add_op_namespace_prefix, ops
 
@@ -210,29 +208,14 @@ NAMESPACE = add_op_namespace_prefix("matmul_grouped")
 CALLS = []
 
 
-def _w(B, Bs, block_size):
-    return dequantize_blocks(B.float(), Bs, tuple(block_size))
+def _recorded(name):
+    def call(*args, **kwargs):
+        CALLS.append(name)
+        return getattr(fp8, name)(*args, **kwargs)
+    return call
 
 
-def matmul_2d(A, B, Bs, block_size, output_dtype=None, activation_scale=None):
-    CALLS.append("matmul_2d")
-    return (A.float() @ _w(B, Bs, block_size).T).to(output_dtype or A.dtype)
-
-
-def matmul_batched(A, B, Bs, block_size=None, expert_ids=None):
-    CALLS.append("matmul_batched")
-    out = [A[i].float() @ _w(B[e], Bs[e], block_size).T for i, e in enumerate(expert_ids.tolist())]
-    return torch.stack(out).to(A.dtype)
-
-
-def matmul_grouped(A, B, Bs, offsets, tokens_per_expert, block_size, output_dtype=None):
-    CALLS.append("matmul_grouped")
-    out, start = A.new_zeros(A.shape[0], B.shape[1]), 0
-    for e, end in enumerate(offsets.tolist()):
-        if end > start:
-            out[start:end] = (A[start:end].float() @ _w(B[e], Bs[e], block_size).T).to(A.dtype)
-        start = end
-    return out
+matmul_2d, matmul_batched, matmul_grouped = map(_recorded, ("matmul_2d", "matmul_batched", "matmul_grouped"))
 '''
 
 
