@@ -13,6 +13,8 @@ import pytest
 import torch
 
 pytest.importorskip("moetune.codegen.triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from test_triton_compile import H200_SMEM_LIMIT, _compile  # noqa: E402
 from triton_cases import make_ids  # noqa: E402
 
@@ -25,6 +27,7 @@ from moetune.codegen.torch.reference import (  # noqa: E402
 )
 from moetune.codegen.torch.tolerance import accuracy, worst_error  # noqa: E402
 from moetune.codegen.triton import BACKEND  # noqa: E402
+from moetune.codegen.triton._fp8 import _ue8m0  # noqa: E402
 from moetune.codegen.triton.grouped_gemm_fp8 import Fp8GemmParams, quant_rows, smem_bytes  # noqa: E402
 from moetune.ir import MoEBlock, Schedule, UnsupportedSchedule, WeightFormat  # noqa: E402
 from moetune.search.objective import expert_tensors  # noqa: E402
@@ -287,6 +290,43 @@ def test_non_finite_weights_propagate_as_in_the_reference(act_quant):
     out = fn(x, ids, weights, w)
     assert not torch.isfinite(ref).all()
     assert torch.equal(torch.isfinite(out).all(1), torch.isfinite(ref).all(1))
+
+
+@triton.jit
+def _decode_ue8m0(b_ptr, out_ptr):
+    offs = tl.arange(0, 256)
+    tl.store(out_ptr + offs, _ue8m0(tl.load(b_ptr + offs)))
+
+
+def test_the_ue8m0_decode_is_torchs_for_every_byte():
+    """`_fp8._ue8m0`, the one decode of ue8m0 scale bytes every FP8 kernel takes, against torch's float8_e8m0fnu
+    widening for all 256 bytes: 2^(b − 127), 0 → 2^-127, 255 → NaN."""
+    b = torch.arange(256, dtype=torch.uint8, device=DEV)
+    out = torch.empty(256, dtype=torch.float32, device=DEV)
+    _decode_ue8m0[(1,)](b, out)
+    want = b.view(torch.float8_e8m0fnu).float()
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out[:255], want[:255])
+
+
+@pytest.mark.parametrize("act_quant", ["none", "fp8_1x32"])
+@pytest.mark.parametrize("proj", ["gate_up", "down"])
+def test_ue8m0_scale_bytes_at_the_ends_of_the_format(proj, act_quant):
+    """A ue8m0 scale byte of 255 (NaN) makes NaN exactly the output rows the reference makes NaN (the tokens
+    routed to its expert) on either GEMM, whether the scale folds into the weights (w8a16) or multiplies the
+    accumulator (w8a8); a byte of 0 (2^-127) gives the reference's result."""
+    block = fp8_block(8, 2, 64, 64, scale_dtype="ue8m0")
+    x, ids, weights, w = problem(block, 6, "uniform")
+    fn = BACKEND.build(block, schedule(**SCHEDULES["w8a8_m16" if act_quant != "none" else "w8a16_m16"]))
+    e = int(ids[0, 0])
+    scales = (w.gate_up_scale if proj == "gate_up" else w.down_scale).view(torch.uint8)
+    for byte in (255, 0):
+        scales[e, 1, 0] = byte
+        ref = experts_reference(block, x, ids, weights, w)
+        out = fn(x, ids, weights, w)
+        assert torch.isnan(ref).any() == (byte == 255)
+        assert torch.equal(torch.isnan(out), torch.isnan(ref)), (byte, torch.isnan(out).any(1), torch.isinf(out).any(1))
+        fin = torch.isfinite(ref).all(1)
+        assert worst_error(out[fin], ref[fin], a8=act_quant != "none") <= 1
 
 
 def test_partial_blocks_are_refused_with_the_reason():

@@ -12,6 +12,7 @@ What they share:
     routing.py       device-side counts [E] and expert-sorted pair order [P]
     combine.py       sum of the per-pair rows back to token order
     _common.py       jit helpers used by more than one kernel file
+    _fp8.py          those of the FP8 kernel files: block scales (float32, ue8m0), e4m3 rounding of activations
     layout.py        host side: strides, launch arguments, constexprs, the target's limits
     launch.py        launching a compiled kernel without Triton's per-call dispatch
 

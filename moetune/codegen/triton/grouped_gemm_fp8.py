@@ -31,7 +31,7 @@ gate/up epilogue, which holds whole G-column groups of each row (block_n a multi
 hs [P, F / G] fp32 in pair order; with h_pass, h stored by the gate/up GEMM in the activations' dtype and
 quantised by the pre-pass's kernel over its P rows before the down GEMM (block_n free of G); or, with
 quant_on_load, each 16-bit A tile (x, and h stored in the activations' dtype) quantised as it is loaded, per
-row over each dot's G channels. Scales stored as ue8m0 are read as bytes b and widened to 2^(b − 127) exactly.
+row over each dot's G channels. Scales stored as ue8m0 are read as bytes and widened exactly (`_fp8._ue8m0`).
 
 Operand paths, as grouped_gemm.py's: pointer (`grouped_gemm_fp8_kernel`: A gathered row by row, h and y in pair
 order) and tma (`grouped_gemm_fp8_tma_kernel`, Fp8GemmParams.tma): the token rows first copied in expert order
@@ -50,7 +50,7 @@ alive until the combine is issued, so that no buffer of the chain takes a block 
 
 Interpreted (TRITON_INTERPRET=1, EMULATE), where Triton's float → e4m3 and float → bf16 casts do not round to
 nearest and its e4m3 → float cast widens the NaN bytes to ±480: e4m3 values are rounded in fp32 arithmetic
-first (`_round_e4m3`, then cast exactly), the fold's bf16 rounding likewise (`_round_bf16`), and every dot
+first (`_fp8._round_e4m3`, then cast exactly), the fold's bf16 rounding likewise (`_round_bf16`), and every dot
 operand is widened to fp32 by `_widen_e4m3` (NaN kept) and multiplied in fp32: the exact products of the
 values the GPU multiplies. On the GPU: the conversion instructions (round to nearest even, saturating to ±448)
 and tensor-core dots on the 16-bit or e4m3 operands.
@@ -75,13 +75,14 @@ from ..contract import KernelKind, sources
 from . import combine as _combine
 from . import routing
 from ._common import _act, _find_tile, _grid_release, _grid_wait, _store_y
+from ._fp8 import _quant_groups, _round_bf16, _scale_of, _ue8m0, _widen_e4m3, block_scales
 from .grouped_gemm import _desc, _grouped_tile, _nb_step, max_tiles
 from .launch import launch, pdl_launch, programmatic
 from .layout import act_args, call_args, cdiv, check_pow2, check_smem, interpreting
 
 SCRATCH = 4096  # shared memory the compiled kernels take beyond their pipelines (reductions, layout changes)
-SOURCES = ("grouped_gemm_fp8.py", "grouped_gemm.py", "_common.py", "layout.py", "routing.py", "combine.py",
-           "launch.py")
+SOURCES = ("grouped_gemm_fp8.py", "_fp8.py", "grouped_gemm.py", "_common.py", "layout.py", "routing.py",
+           "combine.py", "launch.py")
 
 ACT_QUANT = re.compile(r"fp8_1x(\d+)$")
 
@@ -301,80 +302,18 @@ def default_params(block: MoEBlock, T: int, target: Target) -> Fp8GemmParams:
 
 
 @triton.jit
-def _scale_of(ptr, mask, UE8M0: tl.constexpr):
-    """Block scales at `ptr` as fp32: fp32 values, or ue8m0 bytes b → 2^(b − 127) (exact)."""
-    if UE8M0:
-        s = (tl.load(ptr, mask=mask, other=127).to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    else:
-        s = tl.load(ptr, mask=mask, other=0.0)
-    return s
-
-
-@triton.jit
 def _w_scale(srow, s0, off, nm, BN: tl.constexpr, R: tl.constexpr, UE8M0: tl.constexpr):
     """A K step's weight scales for the tile's columns: one value when its BN columns lie in one block row
     (BN divides R; s0 is their scale's address), else one per column, [1, BN] (srow [BN]: each column's);
     `off` the step's block column offset."""
     if R % BN == 0:
         if UE8M0:
-            s = (tl.load(s0 + off).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            s = _ue8m0(tl.load(s0 + off))
         else:
             s = tl.load(s0 + off)
     else:
         s = _scale_of(srow + off, nm, UE8M0)[None, :]
     return s
-
-
-@triton.jit
-def _round_e4m3(v):
-    """v (fp32, |v| ≤ 448 or NaN) rounded to the nearest e4m3 value (ties to even, subnormals kept), in fp32
-    arithmetic: the interpreter's float → e4m3 cast is exact only on the e4m3 grid."""
-    bits = v.to(tl.int32, bitcast=True)
-    ex = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # the binade (the subnormals share 2^-6's step)
-    step = ((ex - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(ex − 3): 3 mantissa bits
-    r = ((v / step + 12582912.0) - 12582912.0) * step  # 1.5·2^23: round to an integer multiple, ties to even
-    r = tl.where(r == 0, v * 0.0, r)  # the sign of a value rounded to zero
-    return tl.where(v != v, v, r)
-
-
-@triton.jit
-def _round_bf16(v):
-    """fp32 v rounded to the nearest bf16 value (ties to even), kept in fp32: the interpreter's float → bf16
-    cast truncates."""
-    bits = v.to(tl.int32, bitcast=True)
-    r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    return tl.where(v != v, v, r)
-
-
-@triton.jit
-def _to_e4m3(v, EMULATE: tl.constexpr):
-    """fp32 v → e4m3 (values beyond ±448 saturate; NaN stays NaN: compiled, min / max return the other operand
-    of a NaN, so the clamp propagates NaN explicitly)."""
-    v = tl.clamp(v, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-    if EMULATE:
-        q = _round_e4m3(v).to(tl.float8e4nv)
-        bits = tl.where(v != v, 0x7F, q.to(tl.uint8, bitcast=True))  # the cast does not keep NaN
-        return bits.to(tl.float8e4nv, bitcast=True)
-    return v.to(tl.float8e4nv)
-
-
-@triton.jit
-def _max_nan(a, b):
-    """max that keeps NaN (torch.amax's; compiled tl.max drops it)."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _quant_groups(v, R: tl.constexpr, W: tl.constexpr, G: tl.constexpr, EMULATE: tl.constexpr):
-    """v [R, W] fp32 → (q [R, W] e4m3, s [R, W // G] fp32), per row and G columns: s = amax / 448 (1 for a
-    zero group), q = v · (1 / s) rounded to e4m3 (quant.quantize_rows). The two quotients are per group and
-    correctly rounded (div_rn: Triton's `/` on fp32 is the approximate division); a correctly rounded
-    division per value would cost more than the product."""
-    v3 = tl.reshape(v, [R, W // G, G])
-    amax = tl.reduce(tl.abs(v3), 2, _max_nan)  # [R, W // G]: NaN in a group makes its scale NaN
-    s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
-    q = _to_e4m3(v3 * tl.math.div_rn(1.0, s)[:, :, None], EMULATE)
-    return tl.reshape(q, [R, W]), s
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -398,14 +337,6 @@ def quant_rows_kernel(x_ptr, s_xt, q_ptr, s_ptr, T, D, BR: tl.constexpr, G: tl.c
              mask=rm[:, None])
     if PDL and not WAIT_FIRST:
         _grid_wait()
-
-
-@triton.jit
-def _widen_e4m3(b):
-    """e4m3 b → fp32 with its NaN bytes (0x7F, 0xFF) as NaN: the interpreter's cast widens them to ±480."""
-    v = b.to(tl.float32)
-    nan = (v.to(tl.int32, bitcast=True) | 0x7FC00000).to(tl.float32, bitcast=True)
-    return tl.where((b.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, nan, v)
 
 
 @triton.jit
@@ -744,11 +675,6 @@ def quant_rows(x: torch.Tensor, group: int, pdl: bool = False, after: bool = Fal
     return q, s
 
 
-def _scales(t: torch.Tensor) -> torch.Tensor:
-    """A scale tensor as the kernels read it: fp32, or ue8m0 as its bytes."""
-    return t if t.dtype == torch.float32 else t.view(torch.uint8)
-
-
 def build(block: MoEBlock, schedule: Schedule):
     """ExpertsFn of a grouped_gemm schedule on fp8_block weights (params: Fp8GemmParams)."""
     p = schedule.params
@@ -770,7 +696,7 @@ def build(block: MoEBlock, schedule: Schedule):
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
         a = call_args(block, x, ids, weights, w, memo)
         T, P, gs, ds, wts_f = a.T, a.P, a.gs, a.ds, a.weights
-        gsc, dsc = _scales(w.gate_up_scale), _scales(w.down_scale)
+        gsc, dsc = block_scales(w.gate_up_scale)[0], block_scales(w.down_scale)[0]
         meta = _meta(block, p, a)
         chain = "PDL" in meta
         hold: list = []  # the routing's scratch, alive until the last launch (module doc)
@@ -852,7 +778,7 @@ def _build_tma(block: MoEBlock, p: Fp8GemmParams, alpha: float, limit: float, ks
             weight_descs[key] = (_desc(gu, [E * 2 * F, D], [gs.sn, 1], [p.block_n, ks0]),
                                  _desc(dn, [E * D, F], [ds.sn, 1], [p.down_block_n, ks1]))
         gu_desc, dn_desc = weight_descs[key]
-        gsc, dsc = _scales(w.gate_up_scale), _scales(w.down_scale)
+        gsc, dsc = block_scales(w.gate_up_scale)[0], block_scales(w.down_scale)[0]
         meta = _meta(block, p, a)
         chain = "PDL" in meta
         hold: list = []  # the routing's scratch, alive until the last launch (module doc)

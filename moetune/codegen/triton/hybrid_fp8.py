@@ -41,8 +41,8 @@ from .stream_gemv_fp8 import (
     whole_blocks_refusal,
 )
 
-SOURCES = ("hybrid_fp8.py", "hybrid.py", "stream_gemv_fp8.py", "stream_gemv.py", "_common.py", "layout.py",
-           "routing.py", "combine.py", "launch.py")
+SOURCES = ("hybrid_fp8.py", "hybrid.py", "stream_gemv_fp8.py", "_fp8.py", "stream_gemv.py", "_common.py",
+           "layout.py", "routing.py", "combine.py", "launch.py")
 
 
 @dataclass(frozen=True)

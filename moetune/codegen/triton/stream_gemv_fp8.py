@@ -54,12 +54,13 @@ from ..contract import KernelKind, sources
 from . import combine as _combine
 from . import routing
 from ._common import _grid_release, _grid_wait, _prefetch_l2, _store_h, _store_y
+from ._fp8 import _ue8m0, block_scales
 from .launch import launch, pdl_launch, programmatic
 from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, next_pow2
 from .stream_gemv import FUSED_ROUTE_MAX_PAIRS, _slot_pairs, _slot_work, _token_pairs
 
-SOURCES = ("stream_gemv_fp8.py", "stream_gemv.py", "_common.py", "layout.py", "routing.py", "combine.py",
-           "launch.py")
+SOURCES = ("stream_gemv_fp8.py", "_fp8.py", "stream_gemv.py", "_common.py", "layout.py", "routing.py",
+           "combine.py", "launch.py")
 
 
 @dataclass(frozen=True)
@@ -226,13 +227,10 @@ def default_params(block: MoEBlock, T: int, target: Target) -> Fp8GemvParams:
 
 @triton.jit
 def _scale(s_ptrs, UE8M0: tl.constexpr):
-    """Dequantisation multipliers at `s_ptrs` as fp32: float32 as stored, or ue8m0 bytes b → 2^(b − 127)
-    (b = 0: 2^-127, a subnormal; b = 255: NaN)."""
+    """Dequantisation multipliers at `s_ptrs` as fp32: float32 as stored, or ue8m0 bytes (`_fp8._ue8m0`)."""
     raw = tl.load(s_ptrs)
     if UE8M0:
-        b = raw.to(tl.int32)
-        bits = tl.where(b == 0, 0x00400000, tl.where(b == 255, 0x7FC00000, b << 23))
-        return bits.to(tl.float32, bitcast=True)
+        return _ue8m0(raw)
     return raw.to(tl.float32)
 
 
@@ -507,15 +505,6 @@ def stream_gemv_fp8_kernel(
                          (ks == 0).to(tl.float32), n0, N, BN, HAS_BIAS, W_IN)
 
 
-def _scales(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A scale tensor as the kernel reads it: float32 as it is, ue8m0 (float8_e8m0fnu) as its bytes."""
-    if t.dtype == torch.float32:
-        return t, False
-    if t.element_size() == 1:
-        return t.view(torch.uint8), True
-    raise UnsupportedSchedule(f"block scales of dtype {t.dtype}: float32 or float8_e8m0fnu (ue8m0)")
-
-
 def fp8_call_args(block: MoEBlock, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors,
                   memo: dict):
     """`call_args` of a call on fp8_block weights, the reduction dimension checked contiguous: (the args, the
@@ -524,8 +513,8 @@ def fp8_call_args(block: MoEBlock, x: torch.Tensor, ids: torch.Tensor, weights: 
     if a.gs.sk != 1 or a.ds.sk != 1:
         raise UnsupportedSchedule(f"fp8 gate_up strides {w.gate_up.stride()}, down {w.down.stride()}: the "
                                   "reduction dimension (the last) must be contiguous")
-    gsc, ue8 = _scales(w.gate_up_scale)
-    dsc, _ = _scales(w.down_scale)
+    gsc, ue8 = block_scales(w.gate_up_scale)
+    dsc, _ = block_scales(w.down_scale)
     return a, gsc, dsc, ue8
 
 
