@@ -69,8 +69,8 @@ def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]
         dot_k,
         grouped_gemm_fp8_kernel,
         grouped_gemm_fp8_tma_kernel,
-        quant_rows_kernel,
     )
+    from moetune.codegen.triton.quant_rows import quant_rows_kernel, rows_per_program
 
     p = params
     g = act_group(p.act_quant)
@@ -85,7 +85,7 @@ def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]
     if p.pdl:
         m["PDL"] = True
     out = []
-    br = max(1, min(16, 4096 // g)) if a8 else 0  # the pre-pass's rows a program (quant_rows)
+    br = rows_per_program(g) if a8 else 0  # the pre-pass's rows a program
     if a8 and not p.quant_on_load:
         out.append(("quant_x", quant_rows_kernel, dict(BR=br, G=g, EMULATE=False, PDL=p.pdl),
                     pointer_types("quant_rows_kernel", 0, a8, ue8m0, False),

@@ -28,7 +28,8 @@ from moetune.codegen.torch.reference import (  # noqa: E402
 from moetune.codegen.torch.tolerance import accuracy, worst_error  # noqa: E402
 from moetune.codegen.triton import BACKEND  # noqa: E402
 from moetune.codegen.triton._fp8 import _ue8m0  # noqa: E402
-from moetune.codegen.triton.grouped_gemm_fp8 import Fp8GemmParams, quant_rows, smem_bytes  # noqa: E402
+from moetune.codegen.triton.grouped_gemm_fp8 import Fp8GemmParams, smem_bytes  # noqa: E402
+from moetune.codegen.triton.quant_rows import quant_rows  # noqa: E402
 from moetune.ir import MoEBlock, Schedule, UnsupportedSchedule, WeightFormat  # noqa: E402
 from moetune.search.objective import expert_tensors  # noqa: E402
 

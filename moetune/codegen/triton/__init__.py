@@ -11,6 +11,7 @@ Kernel files, one per schedule kind, each with its kernel, launcher, parameters,
 What they share:
     routing.py       device-side counts [E] and expert-sorted pair order [P]
     combine.py       sum of the per-pair rows back to token order
+    quant_rows.py    the w8a8 activation pre-pass: rows → e4m3 and a scale per row and group
     _common.py       jit helpers used by more than one kernel file
     _fp8.py          those of the FP8 kernel files: block scales (float32, ue8m0), e4m3 rounding of activations
     layout.py        host side: strides, launch arguments, constexprs, the target's limits

@@ -26,7 +26,7 @@ of BK bytes rather than C (`dot_k`):
                                                               fp32 accumulation per step; BK divides G too
 
 w8a8 activations follow `quant.quantize_rows` (per row, per G channels: s = amax / 448, q = x · (1 / s) rounded to
-e4m3): x by a pre-pass (`quant_rows_kernel`, T rows: every pair of a token reads its token's row), h in the
+e4m3): x by a pre-pass (quant_rows.py, T rows: every pair of a token reads its token's row), h in the
 gate/up epilogue, which holds whole G-column groups of each row (block_n a multiple of G): hq [P, F] e4m3 and
 hs [P, F / G] fp32 in pair order; with h_pass, h stored by the gate/up GEMM in the activations' dtype and
 quantised by the pre-pass's kernel over its P rows before the down GEMM (block_n free of G); or, with
@@ -79,10 +79,11 @@ from ._fp8 import _quant_groups, _round_bf16, _scale_of, _ue8m0, _widen_e4m3, bl
 from .grouped_gemm import _desc, _grouped_tile, _nb_step, max_tiles
 from .launch import launch, pdl_launch, programmatic
 from .layout import act_args, call_args, cdiv, check_pow2, check_smem, interpreting
+from .quant_rows import quant_rows
 
 SCRATCH = 4096  # shared memory the compiled kernels take beyond their pipelines (reductions, layout changes)
-SOURCES = ("grouped_gemm_fp8.py", "_fp8.py", "grouped_gemm.py", "_common.py", "layout.py", "routing.py",
-           "combine.py", "launch.py")
+SOURCES = ("grouped_gemm_fp8.py", "_fp8.py", "quant_rows.py", "grouped_gemm.py", "_common.py", "layout.py",
+           "routing.py", "combine.py", "launch.py")
 
 ACT_QUANT = re.compile(r"fp8_1x(\d+)$")
 
@@ -314,29 +315,6 @@ def _w_scale(srow, s0, off, nm, BN: tl.constexpr, R: tl.constexpr, UE8M0: tl.con
     else:
         s = _scale_of(srow + off, nm, UE8M0)[None, :]
     return s
-
-
-@triton.jit(do_not_specialize=["T"])
-def quant_rows_kernel(x_ptr, s_xt, q_ptr, s_ptr, T, D, BR: tl.constexpr, G: tl.constexpr,
-                      EMULATE: tl.constexpr, PDL: tl.constexpr = False, WAIT_FIRST: tl.constexpr = False):
-    """x [T, D] → q [T, D] e4m3, s [T, D / G] fp32: one program per BR rows and one group of G channels. With
-    PDL, launched programmatically after the routing: x is the block's input, so it runs beside the routing
-    and waits for it only at its end (a chain's kernel finishes after the one before it); WAIT_FIRST (x the
-    output of the launch before, h of the gate/up GEMM): it waits before it reads."""
-    if PDL and WAIT_FIRST:
-        _grid_wait()
-    if PDL:
-        _grid_release()
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    rm = rows < T
-    offs = tl.program_id(1) * G + tl.arange(0, G)
-    v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * s_xt + offs[None, :], mask=rm[:, None], other=0.0)
-    q, s = _quant_groups(v.to(tl.float32), BR, G, G, EMULATE)
-    tl.store(q_ptr + rows.to(tl.int64)[:, None] * D + offs[None, :], q, mask=rm[:, None])
-    tl.store(s_ptr + rows.to(tl.int64)[:, None] * (D // G) + tl.program_id(1) + tl.arange(0, 1)[None, :], s,
-             mask=rm[:, None])
-    if PDL and not WAIT_FIRST:
-        _grid_wait()
 
 
 @triton.jit
@@ -658,21 +636,6 @@ def grouped_gemm_fp8_tma_kernel(
 
 
 # ------------------------------------------------------------------------------------------------ host
-
-
-def quant_rows(x: torch.Tensor, group: int, pdl: bool = False, after: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [T, D] e4m3, s [T, D / group] fp32) of x [T, D] by `quant_rows_kernel` (quant.quantize_rows' rule);
-    `pdl`: launched programmatically after the routing, or, `after`, after the kernel that writes x (the
-    kernel's doc)."""
-    T, D = x.shape
-    q = torch.empty(T, D, dtype=torch.float8_e4m3fn, device=x.device)  # [T, D]
-    s = torch.empty(T, D // group, dtype=torch.float32, device=x.device)  # [T, D / G]
-    br = max(1, min(16, 4096 // group))
-    launch(quant_rows_kernel, (cdiv(T, br), D // group), x, x.stride(0), q, s, T, D,
-           BR=br, G=group, EMULATE=interpreting(), num_warps=4, PDL=pdl,
-           **({"WAIT_FIRST": True} if pdl and after else {}), **pdl_launch(pdl))
-    return q, s
 
 
 def build(block: MoEBlock, schedule: Schedule):
