@@ -122,12 +122,25 @@ def test_each_committed_markdown_is_rendered_from_its_json(tmp_path, stem):
         assert "against moetune's bf16 kernels" in src.with_suffix(".md").read_text()
 
 
-def test_the_committed_markdown_is_rendered_from_the_committed_json(tmp_path):
+def test_a_baseline_is_shown_with_its_error_and_how_it_was_timed():
+    """The seeds' headline cell with transformers' FP8 grouped_mm timed: its column and the headline line carry
+    its time, its error where it lies over the bound, and `host` where a CUDA graph could not hold it; the
+    source of its kernel heads the table."""
     from bench import kernels as K
 
-    copy = tmp_path / RESULTS.name
-    copy.write_text(RESULTS.read_text())
-    assert K.render(str(copy)) == RESULTS.with_name("nvidia-h200-kernels.md").read_text()
+    d = json.loads(RESULTS.with_name("nvidia-h200-kernels-fp8.json").read_text())
+    cell = [r for r in d["records"] if r["shape"] == "qwen3.5-397b-a17b" and r["tokens"] == 1]
+    mine = min(r["time_us"] for r in cell if r["impl"].startswith("moetune") and "time_us" in r)
+    base = dict(cell[0], impl="grouped_mm", variant="", schedule=None, time_us=4 * mine, mode="host",
+                graph_error="RuntimeError: capture", rel_err=0.083, over_bound=True)
+    base.pop("error", None)
+    md = K.table([r for r in cell if r["impl"] != "grouped_mm"] + [base], d["ceilings"], "x", "fp8",
+                 {"sha256": "0123456789abcdef", "version": 4})
+    assert "local copy of its source (hub version 4, files sha256 0123456789abcdef)" in md
+    row = next(line for line in md.splitlines() if line.startswith("| qwen3.5-397b-a17b | 1 |"))
+    assert f"| {4 * mine:.1f} (rel_err 8.3e-02, host) |" in row
+    assert (f"transformers' FP8 grouped_mm {4 * mine:.1f} µs (host-launched (RuntimeError: capture), rel_err "
+            "8.3e-02): 4.00× faster.") in md
 
 
 def test_the_footer_figures():
