@@ -5,6 +5,7 @@ written in the published format.
     model = fp8.to_fp8(build("qwen3_moe", dtype=torch.bfloat16), block=(8, 8))  # experts → FP8Experts
     fp8.write_checkpoint(folder, "qwen3_moe")                                     # config.json + safetensors
     fp8.load_experts(model, folder)           # each block's experts → FP8Experts holding the checkpoint's tensors
+    fp8.dequantizing_fp8_kernel()             # the hub kernel's entry points, by dequantising (no hub needed)
 
 The checkpoint is what DeepSeek-V3 and Qwen3-FP8 publish: per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`
 (Mixtral: `block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`) in float8_e4m3fn, each with its
