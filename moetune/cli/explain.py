@@ -71,6 +71,12 @@ def run(args: argparse.Namespace) -> int:
               f"leaves the block as it is; the passes below show backend-neutral defaults ("
               + "; ".join(f"{k}: {v}" for k, v in refusals.items()) + ")")
         be = None
+    note = None
+    if block.weight_format.quantized:  # weight-only or w8a8: what each bucket's schedule is checked to
+        from ..codegen.torch.tolerance import accuracy
+
+        def note(schedule):
+            return accuracy(schedule.params)
     for pass_name, ir in run_pipeline(block, target=args.target, trace=args.trace, tokens=tokens, backend=be):
-        print(f"\n== after {pass_name}\n{format_ir(ir)}")
+        print(f"\n== after {pass_name}\n{format_ir(ir, note)}")
     return 0

@@ -6,9 +6,10 @@ For a model: each MoE block's path, its IR, or the reason it was left as it is. 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .schedule import ScheduledBlock
+from .schedule import Schedule, ScheduledBlock
 
 if TYPE_CHECKING:  # torch is imported only when a model is explained, not for presets or configs
     import torch
@@ -72,8 +73,10 @@ def dequantized_note(model: torch.nn.Module, found: list[Captured]) -> str | Non
             "FP8Experts and capture reads them as fp8_block")
 
 
-def format_ir(ir: object) -> str:
-    """Readable text of an IR a pass returns: a MoEBlock as itself, a ScheduledBlock bucket by bucket."""
+def format_ir(ir: object, schedule_note: Callable[[Schedule], str | None] | None = None) -> str:
+    """Readable text of an IR a pass returns: a MoEBlock as itself, a ScheduledBlock bucket by bucket.
+    `schedule_note`: a line said of each bucket's schedule (what a layer above the IR knows of it, e.g. the
+    accuracy its kernel is checked to), printed under it when not None."""
     if not isinstance(ir, ScheduledBlock) or type(ir).__str__ is not object.__str__:
         return str(ir)
     b = ir.block
@@ -96,5 +99,8 @@ def format_ir(ir: object) -> str:
             lines.append(f"      refused {r.kind}: {r.reason}")
         if bk.schedule is not None:
             lines.append(f"      schedule: {bk.schedule.describe()}")
+            note = schedule_note(bk.schedule) if schedule_note else None
+            if note:
+                lines.append(f"      accuracy: {note}")
     return "\n".join(lines)
 

@@ -99,6 +99,24 @@ def test_explain_passes_of_an_fp8_preset_on_the_gpu_target(capsys):
     assert ("backend triton runs none of its kernels on this block" in out) == no_fp8
 
 
+def test_explain_states_the_accuracy_of_each_fp8_schedule(capsys):
+    """Under each schedule of an FP8 block, what its result is checked to: w8a8 schedules name the activation
+    groups and the looser bound, weight-only ones the dtype's; a bf16 block has no such line."""
+    from moetune.codegen.torch.tolerance import accuracy
+
+    assert main(["explain", "--preset", "qwen3.5-397b-a17b-fp8", "--passes", "--backend", "triton"]) == 0
+    out = capsys.readouterr().out.split("== after ")[-1].splitlines()
+    scheds = [(line, nxt) for line, nxt in zip(out, out[1:], strict=False) if line.startswith("      schedule: ")]
+    assert scheds and all(nxt.startswith("      accuracy: ") for _, nxt in scheds)
+    w8a8 = [nxt for line, nxt in scheds if "act_quant=fp8_1x128" in line]
+    plain = [nxt for line, nxt in scheds if "act_quant=fp8_1x128" not in line]
+    assert w8a8 and plain, out
+    assert all("per 1x128 group (w8a8): checked to rtol" in n for n in w8a8)
+    assert all(n.endswith(accuracy(None)) for n in plain)
+    assert main(["explain", "--preset", "qwen3.5-397b-a17b", "--passes", "--backend", "triton"]) == 0
+    assert "accuracy: " not in capsys.readouterr().out
+
+
 def test_fp8_floor_at_the_fp8_peak():
     from moetune.passes.targets import floor, get_target
 

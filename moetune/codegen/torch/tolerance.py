@@ -34,7 +34,8 @@ def quantizes_activations(params) -> bool:
 
 
 def accuracy(params) -> str:
-    """What a schedule's result is checked to, in words (explain and show print it)."""
+    """What a schedule's result is checked to, in words (`moetune explain --passes` prints it under each
+    schedule of an FP8 block)."""
     if quantizes_activations(params):
         rtol, atol = _A8
         return (f"activations quantised to float8_e4m3fn per 1x{params.act_quant.rpartition('x')[2]} group "
