@@ -1,8 +1,9 @@
 """Triton grouped_gemm on FP8 block-quantised weights (grouped_gemm_fp8.py), w8a16 and w8a8, against the float32
-reference on the dequantised weights over a table of cases (CPU: TRITON_INTERPRET=1; fp8 × fp8 tl.dot runs
-there); the activation quantisation bit for bit against quant.quantize_rows; e4m3 edge values and non-finite
-weights; the refusals; a representative grid compiled for sm_90 (fp8_sm90.py); and, with MOETUNE_TEST_GPU=1 on
-a GPU, the default and a sample of the space at the FP8 presets' shapes, eagerly and in CUDA-graph replay."""
+reference on the dequantised weights over a table of cases and skewed random ones (hypothesis) (CPU:
+TRITON_INTERPRET=1; fp8 × fp8 tl.dot runs there); the activation quantisation bit for bit against
+quant.quantize_rows; e4m3 edge values, ue8m0 scale bytes and non-finite weights; the refusals; a representative
+grid compiled for sm_90 (fp8_sm90.py); and, with MOETUNE_TEST_GPU=1 on a GPU, the default and a sample of the
+space at the FP8 presets' shapes, eagerly and in CUDA-graph replay."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("moetune.codegen.triton")
 import triton  # noqa: E402
@@ -133,6 +136,30 @@ def case_params(block: MoEBlock, sched: str) -> dict:
         if params.get("quant_on_load"):
             params["block_k"] = params["down_block_k"] = c
     return params
+
+
+@settings(max_examples=12, deadline=None)
+@given(E=st.integers(2, 8), k=st.integers(1, 3), T=st.integers(1, 24), nd=st.integers(1, 3), nf=st.integers(1, 3),
+       sd=st.sampled_from(["float32", "ue8m0"]), seed=st.integers(0, 2**16), sched=st.sampled_from(sorted(SCHEDULES)))
+def test_hypothesis_shapes_and_routings(E, k, T, nd, nf, sd, seed, sched):
+    """Skewed routings (experts of random popularity, so some take many rows over several tiles and some none)
+    over small shapes in whole 32×32 blocks, under any of the table's schedules that takes the shape (the others
+    refuse it with the reason, as the space does)."""
+    k = min(k, E)
+    gen = torch.Generator().manual_seed(seed)
+    pop = torch.rand(E, generator=gen) ** 3 + 1e-3
+    ids = torch.stack([torch.multinomial(pop, k, replacement=False, generator=gen) for _ in range(T)]).to(DEV)
+    block = fp8_block(E, k, 32 * nd, 32 * nf, scale_dtype=sd)
+    x, _, weights, w = problem(block, T, "uniform", seed=seed)
+    s = schedule(**SCHEDULES[sched])
+    try:
+        fn = BACKEND.build(block, s)
+    except UnsupportedSchedule as e:
+        assert str(e), sched
+        return
+    ref = experts_reference(block, x, ids, weights, w)
+    _check(fn(x, ids, weights, w), ref, s.params.act_quant != "none",
+           f"{sched} E={E} k={k} T={T} D={block.D} F={block.F} {sd}")
 
 
 def test_case_schedules_are_valid_compiled(monkeypatch):

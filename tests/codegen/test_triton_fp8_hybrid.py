@@ -1,12 +1,14 @@
 """Triton hybrid on FP8 block-quantised weights against the float32 reference on the dequantised weights (CPU:
 interpreted, 32 × 32 scale blocks to keep it quick): heavy experts through the GEMM tiles, light ones through
-the GEMV rows, in every routing case; its space, default and refusals. Its sm_90 compile is
-test_triton_fp8_stream_gemv's (`fp8_gemv_sm90.py` lists the hybrid's configurations too)."""
+the GEMV rows, in every routing case and in skewed random ones (hypothesis); its space, default and refusals.
+Its sm_90 compile is test_triton_fp8_stream_gemv's (`fp8_gemv_sm90.py` lists the hybrid's configurations too)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_triton_fp8_stream_gemv import CASES, check, fp8_block, fp8_preset, make_problem
 
 from moetune.codegen.triton import BACKEND, Fp8HybridParams
@@ -35,6 +37,23 @@ def test_against_reference(case, name, R, poisoned):
     label, E, k, D, F, T, routing, fb, sd, compute, over = case
     block, x, ids, weights, w = make_problem(E, k, D, F, T, routing, fb, sd, compute, over)
     check(block, x, ids, weights, w, sched(R, **SCHEDULES[name]), f"{label}/{name}/R={R}")
+
+
+@settings(max_examples=8, deadline=None)
+@given(E=st.integers(2, 8), k=st.integers(1, 3), T=st.integers(1, 24), nd=st.integers(1, 3), nf=st.integers(1, 3),
+       sd=st.sampled_from(["float32", "ue8m0"]), R=st.sampled_from([2, 4, 8]), seed=st.integers(0, 2**16),
+       name=st.sampled_from(sorted(SCHEDULES)))
+def test_hypothesis_shapes_and_routings(E, k, T, nd, nf, sd, R, seed, name):
+    """Skewed routings (experts of random popularity: some over R rows, some under, some none) over small shapes
+    in whole 32×32 blocks, at any row threshold."""
+    k = min(k, E)
+    gen = torch.Generator().manual_seed(seed)
+    pop = torch.rand(E, generator=gen) ** 3 + 1e-3
+    block, x, _, weights, w = make_problem(E, k, 32 * nd, 32 * nf, T, "uniform", (32, 32), sd, "bfloat16", {},
+                                           seed=seed)
+    ids = torch.stack([torch.multinomial(pop, k, replacement=False, generator=gen) for _ in range(T)]).to(x.device)
+    check(block, x, ids, weights, w, sched(R, **SCHEDULES[name]),
+          f"{name} R={R} E={E} k={k} T={T} D={block.D} F={block.F} {sd}")
 
 
 def test_both_halves_run_in_one_call():
