@@ -731,6 +731,34 @@ def headline(records: list[dict]) -> list[str]:
             f"({how}, rel_err {h['rel_err']:.1e}): {h['time_us'] / min(mine):.2f}× faster."]
 
 
+def readme_table(records: list[dict], weights: str = "bf16") -> list[str]:
+    """The README's table of a run: per cell the `table` candidate (what a compiled model runs) with its floor,
+    % of floor, the best open-source figure and the speed-up over it; for FP8 also the committed bf16 run's
+    `table` time and FP8's speed-up over it. The README quotes these lines as they are."""
+    fp8 = weights == "fp8"
+    bf16 = committed_bf16() if fp8 else {}
+    lines = ["| model | T | floor µs | moetune µs | % of floor | best open-source µs | speed-up |"
+             + (" moetune bf16 µs | × bf16 |" if fp8 else ""),
+             "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if fp8 else "")]
+    for r in records:
+        if r.get("variant") != "table" or "time_us" not in r:
+            continue
+        t, bo = r["time_us"], r["best_open_us"]
+        line = (f"| {r['shape']} | {r['tokens']} | {r['floor_us']:.1f} | {t:.1f} | {100 * r['floor_us'] / t:.0f} % | "
+                f"{bo:g} | {bo / t:.2f}× |")
+        if fp8:
+            b = bf16.get((r["shape"], r["tokens"]))
+            line += f" {b:.1f} | {b / t:.2f}× |" if b else " – | – |"
+        lines.append(line)
+    return lines
+
+
+def table_speedups(records: list[dict]) -> tuple[float, float]:
+    """(geometric mean, lowest) of the best open-source figure over the `table` candidate's time, per cell."""
+    sp = [r["best_open_us"] / r["time_us"] for r in records if r.get("variant") == "table" and "time_us" in r]
+    return math.exp(sum(map(math.log, sp)) / len(sp)), min(sp)
+
+
 def render(json_path: str) -> str:
     """The markdown table of a results JSON, written beside it (no GPU needed)."""
     path = Path(json_path)

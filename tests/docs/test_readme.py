@@ -1,4 +1,5 @@
-"""What the README promises a newcomer runs: the main job, and the Python snippet of "Use" on a tiny model."""
+"""What the README promises a newcomer runs: the main job, and the Python snippet of "Use" on a tiny model; and
+the results it shows are the committed bench runs' own, cell for cell."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,3 +53,24 @@ def test_the_use_snippet_runs_on_a_tiny_model(tmp_path, monkeypatch):
     got = scope["ep"].module()(input_ids=ids, use_cache=False).logits
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
     assert (tmp_path / "cache" / "cpu.sqlite").exists()
+
+
+@pytest.mark.parametrize("stem, weights", [("nvidia-h200-kernels", "bf16"), ("nvidia-h200-kernels-fp8", "fp8")])
+def test_the_results_tables_are_the_committed_runs(stem, weights):
+    """Each results table of the README is `bench.kernels.readme_table` of the committed run (what a compiled model
+    runs per cell, its floor, the open-source figure; FP8 beside moetune's bf16), and the geometric mean and lowest
+    speed-up the README quotes are that table's."""
+    import json
+
+    from bench import kernels as K
+
+    records = json.loads((ROOT / "bench" / "results" / f"{stem}.json").read_text())["records"]
+    rows = K.readme_table(records, weights)
+    assert "\n".join(rows) in README, f"README's {weights} table is not the committed run's: {rows[2]} …"
+    gm, low = K.table_speedups(records)
+    quoted = (f"Geometric mean speed-up **{gm:.2f}×** (slowest cell {low:.3f}×)" if weights == "bf16"
+              else f"**{gm:.2f}×** the strongest open-source FP8 MoE kernel on the geometric mean")
+    assert quoted in " ".join(README.split()), quoted
+    if weights == "fp8":
+        assert f"lowest cell {low:.2f}×" in README
+
