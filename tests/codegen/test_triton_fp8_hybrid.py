@@ -10,7 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_triton_fp8_stream_gemv import CASES, check, fp8_block, fp8_preset, make_problem
+from triton_cases import ON_GPU
 
+from moetune.codegen.torch.reference import experts_reference
 from moetune.codegen.triton import BACKEND, Fp8HybridParams
 from moetune.codegen.triton.hybrid_fp8 import KIND
 from moetune.ir import MoEBlock, Schedule, UnsupportedSchedule
@@ -64,6 +66,21 @@ def test_both_halves_run_in_one_call():
     assert counts.max() >= 4 and ((counts >= 1) & (counts < 4)).any()
     for R in (2, 4, 7):
         check(block, x, ids, weights, w, sched(R, **SCHEDULES["m16"]), f"hot expert R={R}")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter widens the e4m3 NaN byte to 480: a GPU check "
+                                       "(MOETUNE_TEST_GPU=1 on the GPU machine)")
+@pytest.mark.parametrize("R", [2, 7])
+@pytest.mark.parametrize("proj", ["gate_up", "down"])
+def test_nan_in_a_weight_propagates(proj, R):
+    """A NaN weight (e4m3 0x7F) of the hot expert makes NaN exactly the outputs the reference makes NaN, whether its
+    rows go through the GEMM tiles (R = 2) or the GEMV rows (R = 7, above its row count)."""
+    block, x, ids, weights, w = make_problem(8, 2, 64, 64, 6, "one_hot_expert", (32, 32), "float32", "bfloat16", {})
+    e = int(torch.bincount(ids.flatten(), minlength=8).argmax())
+    (w.gate_up if proj == "gate_up" else w.down).view(torch.uint8)[e, 5, 7] = 0x7F
+    out = BACKEND.build(block, sched(R, **SCHEDULES["m16"]))(x, ids, weights, w)
+    ref = experts_reference(block, x, ids, weights, w)
+    assert torch.isnan(ref).any() and torch.equal(torch.isnan(out), torch.isnan(ref))
 
 
 @pytest.mark.parametrize("bad, why", [
