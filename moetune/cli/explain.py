@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.passes:
         return 0
     from ..codegen.backend import get
+    from ..codegen.torch.tolerance import accuracy
     from ..ir.explain import format_ir
     from ..passes.pipeline import run_pipeline
     from ..runtime.default import backend_for
@@ -71,12 +72,8 @@ def run(args: argparse.Namespace) -> int:
               f"leaves the block as it is; the passes below show backend-neutral defaults ("
               + "; ".join(f"{k}: {v}" for k, v in refusals.items()) + ")")
         be = None
-    note = None
-    if block.weight_format.quantized:  # weight-only or w8a8: what each bucket's schedule is checked to
-        from ..codegen.torch.tolerance import accuracy
-
-        def note(schedule):
-            return accuracy(schedule.params)
+    # an FP8 block's schedules are weight-only or w8a8: say what each is checked to
+    note = (lambda s: accuracy(s.params)) if block.weight_format.quantized else None
     for pass_name, ir in run_pipeline(block, target=args.target, trace=args.trace, tokens=tokens, backend=be):
         print(f"\n== after {pass_name}\n{format_ir(ir, note)}")
     return 0
