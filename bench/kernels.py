@@ -115,17 +115,25 @@ def table_choice(path: str, block: MoEBlock, T: int, versions=None) -> list[tupl
     return [("table", s) for lo, hi, s in usable if lo <= T <= hi]
 
 
-def space_samples(block: MoEBlock, backend, T: int, n: int, seed: int = 0) -> list[tuple[str, Schedule]]:
-    """`n` points of the tuner's search space of T's bucket, drawn by Optuna's random sampler with `seed`
-    (points the parameter classes refuse are drawn again, up to 20·n draws)."""
+def space_samples(block: MoEBlock, backend, T: int, n: int, seed: int = 0,
+                  kinds: tuple[str, ...] = ()) -> list[tuple[str, Schedule]]:
+    """`n` points of the tuner's search space of T's bucket (of its `kinds` alone, when given), drawn by Optuna's
+    random sampler with `seed` (points the parameter classes refuse are drawn again, up to 20·n draws)."""
     if n <= 0:
         return []
+    import dataclasses
+
     import optuna
 
     from moetune.runtime.default import default_plan
     from moetune.search.space import build_space
 
     space = build_space(block, backend, default_plan(block, backend, TARGET).bucket_for(T))
+    if kinds:
+        kept = tuple(ks for ks in space.kinds if ks.kind in kinds)
+        if not kept:
+            return []
+        space = dataclasses.replace(space, kinds=kept)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
     out: list[tuple[str, Schedule]] = []
@@ -187,7 +195,8 @@ def with_knobs(block: MoEBlock, named: list[tuple[str, Schedule]],
 
 
 def candidates(block: MoEBlock, T: int, *, table: str = "", samples: int = 0, seed: int = 0,
-               versions=None, knobs: list[tuple[str, object]] = ()) -> list[tuple[str, Schedule]]:
+               versions=None, knobs: list[tuple[str, object]] = (),
+               sample_kinds: tuple[str, ...] = ()) -> list[tuple[str, Schedule]]:
     """The cell's moetune candidates, each (tag, schedule), all from the package (module doc), and with `knobs`
     each of them again with a knob set (`with_knobs`); a schedule met twice keeps its first tag."""
     from moetune.codegen.triton import BACKEND
@@ -202,7 +211,7 @@ def candidates(block: MoEBlock, T: int, *, table: str = "", samples: int = 0, se
                 named.append(("kind-default", BACKEND.default(block, kind, T)))
             except UnsupportedSchedule as e:
                 print(f"{block.name} T={T}: no {kind} default: {e}", flush=True)
-    named += space_samples(block, BACKEND, T, samples, seed)
+    named += space_samples(block, BACKEND, T, samples, seed, sample_kinds)
     named += with_knobs(block, named, list(knobs))
     out, seen = [], set()
     for tag, s in named:
@@ -469,7 +478,8 @@ def cell(shape: str, T: int, w, args, timer: CudaGraphTimer, name: str) -> list[
     ref = reference(block, cases[0])  # the tuner's float32 reference
     bo = best_open(shape, T, args.weights)
     named = candidates(block, T, table=args.table, samples=args.space_samples, seed=args.seed,
-                       knobs=getattr(args, "knobs", ()))
+                       knobs=getattr(args, "knobs", ()),
+                       sample_kinds=tuple(k for k in getattr(args, "sample_kinds", "").split(",") if k))
     named = [(tag, s) for tag, s in named if re.fullmatch(args.variants, tag)]
     cands = [(f"moetune:{s.kind}", tag, s) for tag, s in named]
     for b in args.baselines.split(","):
@@ -588,6 +598,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--space-samples", type=int, default=0, metavar="N",
                     help="also N points of the tuner's space of the cell's bucket (fixed seed)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the space samples")
+    ap.add_argument("--sample-kinds", default="", metavar="KIND[,KIND...]",
+                    help="draw the space samples from these schedule kinds alone (e.g. fused_gemv)")
     ap.add_argument("--with", dest="with_", action="append", default=[], metavar="KNOB=VALUE[,KNOB=VALUE...]",
                     help="also each candidate with these knobs set, where its space admits it (e.g. pdl=true, "
                          "block_k=256,num_stages=3)")

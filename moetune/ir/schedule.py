@@ -4,6 +4,8 @@ ScheduleKind
     grouped_gemm  expert-sorted rows in BLOCK_M tiles; tensor-core bound at many rows per expert
     stream_gemv   each selected expert's weights streamed once, no padding rows; HBM bound
     hybrid        experts with ≥ `row_threshold` rows take GEMM tiles, the rest GEMV, in one launch
+    fused_gemv    the few-rows regime in one launch: gate/up, activation, down and the k-sum, the weight
+                  stream split over every SM; offered while T·k stays small
 
 Passes fill a `ScheduledBlock` (token buckets, each with its routing statistics, floor and candidate
 spaces); the search or the default heuristic fixes one `Schedule` per bucket. Backend-specific
@@ -20,8 +22,8 @@ from typing import Any, Literal
 from .block import MoEBlock, verify
 from .errors import IRError
 
-ScheduleKind = Literal["grouped_gemm", "stream_gemv", "hybrid"]
-SCHEDULE_KINDS: tuple[ScheduleKind, ...] = ("grouped_gemm", "stream_gemv", "hybrid")
+ScheduleKind = Literal["grouped_gemm", "stream_gemv", "hybrid", "fused_gemv"]
+SCHEDULE_KINDS: tuple[ScheduleKind, ...] = ("grouped_gemm", "stream_gemv", "hybrid", "fused_gemv")
 
 
 @dataclass(frozen=True)

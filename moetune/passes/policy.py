@@ -44,12 +44,12 @@ from .stats import RoutingModel, uniform
 Regime = Literal["one_row", "mixed", "many_rows"]
 
 PREFERENCE: dict[Regime, tuple[str, ...]] = {
-    "one_row": ("stream_gemv", "hybrid", "grouped_gemm"),
-    "mixed": ("grouped_gemm", "hybrid", "stream_gemv"),
-    "many_rows": ("grouped_gemm", "hybrid", "stream_gemv"),
+    "one_row": ("fused_gemv", "stream_gemv", "hybrid", "grouped_gemm"),
+    "mixed": ("grouped_gemm", "hybrid", "stream_gemv", "fused_gemv"),
+    "many_rows": ("grouped_gemm", "hybrid", "stream_gemv", "fused_gemv"),
 }
-SCHEDULE_ORDER = ("stream_gemv", "hybrid", "grouped_gemm")  # the kinds, as reports list them
-MEMORY_BOUND_KINDS = ("stream_gemv", "hybrid")
+SCHEDULE_ORDER = ("fused_gemv", "stream_gemv", "hybrid", "grouped_gemm")  # the kinds, as reports list them
+MEMORY_BOUND_KINDS = ("fused_gemv", "stream_gemv", "hybrid")
 COST_SLACK = 1.5
 
 
@@ -65,6 +65,7 @@ class Policy:
     hybrid_thresholds: tuple[int, ...] = (4, 8, 16, 32)  # candidate R (GEMM tiles for m_e ≥ R)
     hybrid_min_heavy_rows: float = 0.2  # hybrid needs this share of rows in experts with ≥ R rows
     hybrid_min_light: float = 0.2  # … and this share of active experts with < R rows
+    fused_max_pairs: int = 64  # fused_gemv (one launch) offered while T·k ≤ this at a bucket's largest T
 
     def __post_init__(self) -> None:
         if not 0 < self.one_row_share < 0.5 < self.many_rows_share <= 1:

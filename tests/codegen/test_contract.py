@@ -40,7 +40,8 @@ def test_every_kind_implements_the_contract(name):
     protocol = {n for n, v in vars(Backend).items() if inspect.isfunction(v)}
     assert protocol >= {"available", "kinds", "space", "default", "build", "cost", "sources"}
     assert all(callable(getattr(be, n)) for n in protocol)
-    assert sorted({k.kind for k in be.KINDS}) == sorted(SCHEDULE_KINDS)
+    kinds = {k.kind for k in be.KINDS}  # the three base kinds everywhere; fused_gemv where a backend has it
+    assert kinds <= set(SCHEDULE_KINDS) and kinds >= {"grouped_gemm", "stream_gemv", "hybrid"}, kinds
     folder = CODEGEN / FOLDERS[name]
     for k in be.KINDS:
         assert isinstance(k, KernelKind)
@@ -115,7 +116,7 @@ def test_each_bucket_study_starts_from_every_kinds_default(name):
     for b in schedule_block(block, "h200", tokens=(1, 1024)).buckets:
         space = build_space(block, be, b)
         first = default_schedules(block, be, space, (b.lo + b.hi) // 2)
-        assert sorted(s.kind for s in first) == sorted(ks.kind for ks in space.kinds), b.label
+        assert sorted({s.kind for s in first}) == sorted(ks.kind for ks in space.kinds), b.label  # (and launch twins)
 
 
 @pytest.mark.parametrize("name", BACKENDS)

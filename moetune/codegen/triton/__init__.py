@@ -4,6 +4,7 @@ Kernel files, one per schedule kind, each with its kernel, launcher, parameters,
 (the per-kind contract, moetune.codegen.contract):
     stream_gemv.py   weight-streaming GEMV (schedule kind stream_gemv)
     stream_gemv_fp8.py  the same on FP8 block-quantised weights (stream_gemv, weight format fp8_block)
+    fused_gemv.py    the few-rows regime in one launch, unquantised and FP8 weights (fused_gemv)
     grouped_gemm.py  grouped GEMM over expert-sorted rows (grouped_gemm)
     grouped_gemm_fp8.py  the grouped GEMM on FP8 block-quantised weights, w8a16 and w8a8 (grouped_gemm, fp8_block)
     hybrid.py        GEMM tiles for heavy experts + GEMV for light ones in one launch (hybrid)
@@ -27,7 +28,8 @@ import os
 
 from ..backend import register
 from ..contract import KernelBackend
-from . import grouped_gemm, grouped_gemm_fp8, hybrid, hybrid_fp8, stream_gemv, stream_gemv_fp8
+from . import fused_gemv, grouped_gemm, grouped_gemm_fp8, hybrid, hybrid_fp8, stream_gemv, stream_gemv_fp8
+from .fused_gemv import FusedGemvParams
 from .grouped_gemm import GemmParams
 from .hybrid import HybridParams
 from .hybrid_fp8 import Fp8HybridParams
@@ -39,7 +41,7 @@ class TritonBackend(KernelBackend):
     name = "triton"
     library = "triton"
     KINDS = (stream_gemv.KIND, grouped_gemm.KIND, hybrid.KIND, stream_gemv_fp8.KIND, grouped_gemm_fp8.KIND,
-             hybrid_fp8.KIND)
+             hybrid_fp8.KIND, fused_gemv.KIND)
     TARGET = "h200"
 
     def available(self) -> str | None:
@@ -52,5 +54,5 @@ class TritonBackend(KernelBackend):
 
 BACKEND = register(TritonBackend())
 
-__all__ = ["BACKEND", "Fp8GemvParams", "Fp8HybridParams", "GemmParams", "GemvParams", "HybridParams",
+__all__ = ["BACKEND", "Fp8GemvParams", "FusedGemvParams", "Fp8HybridParams", "GemmParams", "GemvParams", "HybridParams",
            "TritonBackend"]

@@ -7,9 +7,10 @@ the routing model at the bucket's ends and representative token count; they know
 
 from __future__ import annotations
 
-from . import grouped_gemm, hybrid, stream_gemv
+from . import fused_gemv, grouped_gemm, hybrid, stream_gemv
 
 RULES = (
+    ("fused_gemv", fused_gemv.rule),
     ("stream_gemv", stream_gemv.rule),
     ("hybrid", hybrid.rule),
     ("grouped_gemm", grouped_gemm.rule),
