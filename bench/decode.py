@@ -204,7 +204,8 @@ def _impl_name(impl: str) -> str:
 
 class StepClock:
     """A logits processor that marks each forward of a `generate` call as its logits arrive (a CUDA event on a
-    GPU, the host clock on the CPU) and notes the experts implementation the forward ran."""
+    GPU, the host clock on the CPU) and notes the experts implementation the prefill and the first decode step
+    ran."""
 
     def __init__(self, model: torch.nn.Module, cuda: bool):
         self.model, self.cuda = model, cuda
@@ -220,7 +221,8 @@ class StepClock:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self.marks.append(self.mark())
-        self.impls.append(",".join(sorted(set(self.model.get_experts_implementation().values()))))
+        if len(self.marks) <= 2:  # the prefill's and the decode steps' (one for all of them: host time kept out)
+            self.impls.append(",".join(sorted(set(self.model.get_experts_implementation().values()))))
         return scores
 
     def intervals_ms(self, start) -> list[float]:
@@ -254,7 +256,8 @@ class ProfileWindow:
 
 def generation_config(new: int, compile_mode: str, cuda: bool, keep_logits: bool = False):
     """Greedy generation of exactly `new` tokens with a static KV cache, the decode steps under transformers'
-    compile config (`compile_mode`: a torch.compile mode, or "none")."""
+    compile config (`compile_mode`: a torch.compile mode, or "none"), its dynamic shapes left to torch (a graph for
+    the first batch size, one for all others)."""
     from transformers import CompileConfig, GenerationConfig
 
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0,
@@ -428,7 +431,7 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, new: int, mode: str, *, w
     cuda = ids.device.type == "cuda"
     for _ in range(warmup):
         generate_once(model, ids, generation_config(new, mode, cuda))
-    runs = [generate_once(model, ids, generation_config(new, mode, cuda, keep_logits=keep_logits and i == timed - 1))
+    runs = [generate_once(model, ids, generation_config(new, mode, cuda, keep_logits and i == timed - 1))
             for i in range(timed)]
     steps_ms = [s for r in runs for s in r["steps_ms"]]
     ms = statistics.median(steps_ms)
