@@ -396,17 +396,20 @@ def _model(args, dev: str, batches: list[int], say) -> tuple[torch.nn.Module, di
         layers = args.layers
         if layers is None:
             vocab = args.vocab or preset_config(name, 1, None).vocab_size
-            fit = info["fit"] = fit_layers(name, args.vocab, args.mem_gb, max(batches), args.prompt + args.new,
+            mem_gb = min(args.mem_gb, torch.cuda.mem_get_info()[0] / 2**30) if dev == "cuda" else args.mem_gb
+            fit = info["fit"] = fit_layers(name, args.vocab, mem_gb, max(batches), args.prompt + args.new,
                                            fp8=weights == "fp8", logits_bytes=max(batches) * args.new * vocab * 4)
             layers = fit["layers"]
             if layers == 0:
-                print(f"python -m bench decode: not one layer of {name} fits --mem-gb {args.mem_gb:g} "
+                print(f"python -m bench decode: not one layer of {name} fits {mem_gb:.1f} GiB (--mem-gb, or the "
+                      f"device's free memory) "
                       f"({fit['bytes'] / 2**30:.1f} GiB without layers); raise --mem-gb or give --layers",
                       file=sys.stderr)
                 return None
         info["layers"] = layers
         say(f"building {name}: first {layers} of {info['layers_of']} layers, {weights}, on {dev}"
-            + (f" (estimate {info['fit']['bytes'] / 2**30:.1f} of {args.mem_gb:g} GiB)" if info["fit"] else ""))
+            + (f" (estimate {info['fit']['bytes'] / 2**30:.1f} of {info['fit']['budget'] / 2**30:.1f} GiB)"
+               if info["fit"] else ""))
         model = build_preset(name, layers, args.vocab, dev, moe_only=False)
     if weights == "fp8":  # a tiny family's sizes are no multiple of 128: blocks of 8
         fp8_experts(model, FP8_BLOCK if info["block"] is not None else (8, 8))
@@ -647,7 +650,7 @@ def add_arguments(ap) -> None:
     g.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
                    help="bf16, or the experts as transformers' FP8Experts (e4m3, a float32 scale per 128×128 block)")
     g.add_argument("--mem-gb", type=float, default=120.0, help="GiB the model, cache and transients may take when "
-                   "--layers picks the depth")
+                   "the depth is picked (no --layers); at most the device's free memory")
     g.add_argument("--prompt", type=int, default=128, help="prompt tokens per sequence")
     g.add_argument("--new", type=int, default=128, help="new tokens per sequence")
     g.add_argument("--batch", default="1,4,16,64", help="batch sizes (sequences in flight), comma-separated")
