@@ -13,7 +13,8 @@ import sys
 SUITES = {  # name: one line (the suite module's is bench/<name>.py, imported only when run)
     "kernels": "the 48-cell table: moetune's kernels (table, defaults, space samples) against transformers' "
                "and the floor",
-    "decode": "one decode step of a preset's real model class, transformers' experts against moetune's",
+    "decode": "a preset's real model generating (static KV cache, compiled decode steps): tokens/s and MoE share, "
+              "transformers' experts against moetune's",
     "host": "host time of one eager experts call of a compiled tiny model, by the path it takes",
     "dense": "cuBLAS bmm on the same work with perfectly balanced experts (a bound for the grouped GEMM)",
     "tune": "a short `moetune tune` of a preset into a scratch table: each bucket's winner against its "
