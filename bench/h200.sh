@@ -21,7 +21,7 @@ case "${1:-}" in
     timeout -k 10 -s INT 433 python3 -m bench kernels --out "$OUT/bench" --budget-s 393 ;;
   tests)
     MOETUNE_TEST_GPU=1 python3 -m pytest -q -x -p no:cacheprovider \
-      tests/codegen/test_triton_{stream_gemv,grouped_gemm,hybrid,routing,backend,launch}.py \
+      tests/codegen/test_triton_{stream_gemv,fused_gemv,grouped_gemm,hybrid,routing,backend,launch}.py \
       tests/runtime/test_cuda_graph.py > "$OUT/gputests.log" 2>&1
     rc=$?; tail -n 2 "$OUT/gputests.log"; exit $rc ;;
   tests-fp8)

@@ -44,7 +44,7 @@ from .stats import RoutingModel, uniform
 Regime = Literal["one_row", "mixed", "many_rows"]
 
 PREFERENCE: dict[Regime, tuple[str, ...]] = {
-    "one_row": ("fused_gemv", "stream_gemv", "hybrid", "grouped_gemm"),
+    "one_row": ("stream_gemv", "fused_gemv", "hybrid", "grouped_gemm"),
     "mixed": ("grouped_gemm", "hybrid", "stream_gemv", "fused_gemv"),
     "many_rows": ("grouped_gemm", "hybrid", "stream_gemv", "fused_gemv"),
 }

@@ -98,7 +98,8 @@ def test_with_a_knob_each_candidate_that_has_it_is_timed_again_with_it_set():
                and not (k == "stream_gemv" and s.params.down_mode != "token")]  # (refused: expert mode)
         assert sorted(flipped) == sorted((k, f"{t}+pdl=True") for k, t in has), (T, sorted(flipped))
         table_kind = "stream_gemv" if T == 1 else "grouped_gemm"  # (the GEMV's T = 64 default: expert mode)
-        assert {k for k, _ in flipped} == {"stream_gemv", "grouped_gemm"} - ({"stream_gemv"} if T == 64 else set())
+        assert {k for k, _ in flipped} == {"stream_gemv", "grouped_gemm", "fused_gemv"} - (
+            {"stream_gemv"} if T == 64 else set())
         table_pdl = plain[table_kind, "table"].params.pdl  # (whatever the shipped entry holds: set, no twin)
         assert ((table_kind, "table+pdl=True") in flipped) == (not table_pdl), sorted(flipped)
     with pytest.raises(ValueError, match="KNOB=VALUE"):

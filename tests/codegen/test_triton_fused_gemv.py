@@ -19,6 +19,7 @@ from test_triton_fp8_stream_gemv import check as fp8_check  # noqa: E402
 from test_triton_fp8_stream_gemv import make_problem as fp8_problem  # noqa: E402
 from triton_cases import CASES, DEV, ON_GPU, check_against_reference, make_problem, of_kind, within  # noqa: E402
 
+from moetune.codegen.backend import get  # noqa: E402
 from moetune.codegen.torch.reference import experts_reference  # noqa: E402
 from moetune.codegen.triton import BACKEND, FusedGemvParams  # noqa: E402
 from moetune.codegen.triton.fused_gemv import KIND  # noqa: E402
@@ -120,17 +121,21 @@ def test_space_refuses_what_the_block_cannot_hold():
 
 
 def test_the_policy_offers_it_in_the_few_rows_regime_only():
-    """The rule proposes fused_gemv while T·k ≤ Policy.fused_max_pairs at a bucket's largest T; the plan of a
-    preset on the Triton backend defaults to it at T = 1 and never past that many pairs; explain names it."""
+    """The rule proposes fused_gemv while T·k ≤ Policy.fused_max_pairs at a bucket's largest T, on a GPU target
+    only; the plan of a preset on the Triton backend offers it at T = 1 beside the streaming GEMV (the default:
+    the search picks the one launch where it times faster) and never past that many pairs."""
     from moetune.passes.policy import POLICY
     from moetune.runtime.default import default_plan
 
     block = preset("qwen3-30b-a3b")
     plan = default_plan(block, BACKEND, "h200")
-    assert plan.bucket_for(1).schedule.kind == "fused_gemv"
+    one = plan.bucket_for(1)
+    assert one.schedule.kind == "stream_gemv" and "fused_gemv" in [c.kind for c in one.candidates]
     for b in plan.buckets:
         offered = [c.kind for c in b.candidates]
         assert ("fused_gemv" in offered) == (b.hi * block.k <= POLICY.fused_max_pairs), (b.label, offered)
+    cpu = default_plan(block, get("torch"), "cpu").bucket_for(1)
+    assert "fused_gemv" in {r.kind for r in cpu.refusals} and "cpu target" in str(cpu.refusals)
 
 
 @GPU

@@ -19,11 +19,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 INT64_PTRS = {"ids_ptr"}
-INT32_PTRS = {"counts_ptr", "sorted_ptr", "hist_ptr"}
+INT32_PTRS = {"counts_ptr", "sorted_ptr", "hist_ptr", "sync_ptr"}
 FP32_PTRS = {"y_ptr", "dst"}
-UNIT_STRIDES = {"sk"}  # contiguous reduction axis of the standard layout
+UNIT_STRIDES = {"sk", "gsk", "dsk"}  # contiguous reduction axis of the standard layout
 # sizes and strides that are multiples of 16 on every real shape (the JIT marks such ints itself)
-ALIGNED_INTS = {"s_xt", "se", "sn", "up", "sbe", "bup", "s_hp", "s_yt", "N", "K", "k_split", "s_ot"}
+ALIGNED_INTS = {"s_xt", "se", "sn", "up", "sbe", "bup", "s_hp", "s_yt", "N", "K", "k_split", "s_ot",
+                "gse", "gsn", "gup", "gsbe", "gbup", "dse", "dsn", "dsbe", "D", "F"}
 
 
 def tma_descs(bm: int, bn: int, bk: int, one_dot: bool = False) -> dict:
@@ -135,6 +136,7 @@ def representative() -> list[tuple[str, object, dict, dict]]:
 def schedule_kernels(block, tokens: int, schedule) -> list[tuple[str, object, dict, dict]]:
     """(projection, kernel, constexprs, options) of every kernel a Triton schedule launches on `block` at
     `tokens` (the launchers' constexprs; options may carry `descs`, the TMA boxes)."""
+    from moetune.codegen.triton.fused_gemv import _GAP, fused_gemv_kernel
     from moetune.codegen.triton.grouped_gemm import grouped_gemm_kernel, grouped_gemm_tma_kernel
     from moetune.codegen.triton.hybrid import hybrid_kernel
     from moetune.codegen.triton.stream_gemv import stream_gemv_kernel
@@ -143,6 +145,14 @@ def schedule_kernels(block, tokens: int, schedule) -> list[tuple[str, object, di
     be = max(16, 1 << (E - 1).bit_length())
     base = dict(ACT=0, HAS_BIAS=False, W_IN=False, UPCAST=False)
     p = schedule.params
+    if schedule.kind == "fused_gemv":  # bf16 weights: 64 elements a 128-byte line
+        P = tokens * k
+        kl = 1 << max(0, (-(-block.F // 64) - 1).bit_length())
+        cx = dict(base, K_TOP=k, KP=1 << (k - 1).bit_length(), BLOCK_E=be, BP=max(16, 1 << (P - 1).bit_length()),
+                  FUSED=P <= 64, BF=p.block_f, BK=p.block_k, BD=p.block_d, DBK=p.down_block_k, RB=1, CB=1,
+                  FP8=False, UE8M0=False, STAGES=p.num_stages, PDL=p.pdl, PREFETCH=p.prefetch,
+                  KL=kl if p.prefetch else 1, LINE=64, SPIN=True, GAP=_GAP)
+        return [("fused", fused_gemv_kernel, cx, dict(num_warps=p.num_warps, num_stages=p.num_stages))]
     if schedule.kind == "stream_gemv":
         m = dict(base, K_TOP=k, KP=1 << (k - 1).bit_length(), BLOCK_E=be, BP=16,
                  FUSED=p.fused_route and tokens * k <= 64, ROWS=p.rows, STAGES=p.num_stages)

@@ -21,15 +21,16 @@ def kinds(b):
 
 
 def test_rule_order():
-    assert [n for n, _ in RULES] == ["stream_gemv", "hybrid", "grouped_gemm"]
+    assert [n for n, _ in RULES] == ["fused_gemv", "stream_gemv", "hybrid", "grouped_gemm"]
 
 
 BLOCK = MoEBlock(128, 8, 2048, 768, T_max=4096, name="q30")
 # (lo, hi, expected kinds) for uniform routing on h200: rows per active expert 1.0, ~2.3-3.8, 49
-# (one-row buckets keep grouped GEMM on a GPU target only: rules/grouped_gemm.py)
+# (one-row buckets keep grouped GEMM on a GPU target only: rules/grouped_gemm.py; the one-launch GEMV is a
+# GPU's, while T·k ≤ 64: rules/fused_gemv.py)
 SPEC_CASES = [
-    (1, 1, ["stream_gemv", "grouped_gemm"], "h200"),
-    (2, 3, ["stream_gemv", "grouped_gemm"], "h200"),
+    (1, 1, ["fused_gemv", "stream_gemv", "grouped_gemm"], "h200"),
+    (2, 3, ["fused_gemv", "stream_gemv", "grouped_gemm"], "h200"),
     (24, 64, ["stream_gemv", "hybrid", "grouped_gemm"], "h200"),
     (512, 1024, ["grouped_gemm"], "h200"),
     (1, 1, ["stream_gemv"], "cpu"),
@@ -51,7 +52,7 @@ def test_specialise_before_expected(lo, hi, expected, target):
     b = after.bucket_for(lo)
     assert kinds(b) == expected
     refused = {r.kind for r in b.refusals}
-    assert refused == {"stream_gemv", "hybrid", "grouped_gemm"} - set(expected)
+    assert refused == {"fused_gemv", "stream_gemv", "hybrid", "grouped_gemm"} - set(expected)
     assert all(r.reason for r in b.refusals)
 
 

@@ -4,7 +4,9 @@ Worth trying while the bucket's (token, expert) pairs at its largest T stay with
 there the block is a weight stream too short to hide a second launch, its ramp and its tail, and every
 program can find its expert from the router's ids itself. Past it, the pairs are many enough that two
 launches of a full grid cost less than the one barrier between gate/up and down. The streaming GEMV's row
-limit (rules/stream_gemv.py) holds here too: each row is an FMA dot product off the matrix units.
+limit (rules/stream_gemv.py) holds here too: each row is an FMA dot product off the matrix units. A GPU
+target only: the one launch replaces a kernel boundary by counters in global memory that the programs of a
+GPU grid poll; a CPU or a TPU core runs its grid's steps in order, with no launch gaps to save.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ KIND = "fused_gemv"
 
 
 def rule(block: MoEBlock, bucket: Bucket, ctx: PassContext) -> CandidateSpace | Refusal:
+    if ctx.target.kind != "gpu":
+        return Refusal(KIND, "fused_gemv", f"one launch saves GPU launch gaps; {ctx.target.name} is a "
+                                           f"{ctx.target.kind} target")
     pairs, most = bucket.hi * block.k, ctx.policy.fused_max_pairs
     if pairs > most:
         return Refusal(KIND, "fused_gemv", f"at T={bucket.hi} the block has {pairs} (token, expert) pairs, above "
