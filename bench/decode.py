@@ -335,8 +335,10 @@ def profile_moe(model: torch.nn.Module, ids: torch.Tensor, steps: int) -> dict:
             prof.stop()
     events = prof.events()
     mine = [e for e in events if e.name == SCOPE and e.device_type == DeviceType.CPU]
-    if cuda:
-        moe = sum(e.device_time_total for e in mine)
+    if cuda:  # a scope's span on the GPU timeline (its first kernel's start to its last one's end): kernels that
+        # no aten op launches (Triton's) count too; the scope's linked kernels where no span is recorded
+        spans = [e for e in events if e.name == SCOPE and e.device_type == DeviceType.CUDA]
+        moe = sum(e.time_range.elapsed_us() for e in spans) if spans else sum(e.device_time_total for e in mine)
         kernels = sum(e.time_range.elapsed_us() for e in events
                       if e.device_type == DeviceType.CUDA and not e.is_user_annotation and e.name != SCOPE)
     else:
