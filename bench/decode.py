@@ -335,12 +335,16 @@ def profile_moe(model: torch.nn.Module, ids: torch.Tensor, steps: int) -> dict:
             prof.stop()
     events = prof.events()
     mine = [e for e in events if e.name == SCOPE and e.device_type == DeviceType.CPU]
-    if cuda:  # a scope's span on the GPU timeline (its first kernel's start to its last one's end): kernels that
-        # no aten op launches (Triton's) count too; the scope's linked kernels where no span is recorded
-        spans = [e for e in events if e.name == SCOPE and e.device_type == DeviceType.CUDA]
-        moe = sum(e.time_range.elapsed_us() for e in spans) if spans else sum(e.device_time_total for e in mine)
-        kernels = sum(e.time_range.elapsed_us() for e in events
-                      if e.device_type == DeviceType.CUDA and not e.is_user_annotation and e.name != SCOPE)
+    if cuda:
+        work = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation and e.name != SCOPE]
+        kernels = sum(e.time_range.elapsed_us() for e in work)
+        spans = [e.time_range for e in events if e.name == SCOPE and e.device_type == DeviceType.CUDA]
+        if spans:  # the kernels inside a scope's span on the GPU timeline (one stream: the scope's own), so that
+            # kernels no aten op launches (Triton's) count too, and the host's gaps inside the span do not
+            moe = sum(e.time_range.elapsed_us() for e in work if any(
+                s.start <= e.time_range.start and e.time_range.end <= s.end for s in spans))
+        else:  # the scope's linked kernels
+            moe = sum(e.device_time_total for e in mine)
     else:
         moe = sum(e.cpu_time_total for e in mine)
         kernels = sum(e.cpu_time_total for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None)

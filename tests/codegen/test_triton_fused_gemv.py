@@ -152,7 +152,8 @@ def test_presets_on_gpu_eager_back_to_back_and_in_graphs(name, T):
     gen = torch.Generator().manual_seed(T)
     dt = torch.bfloat16
     for params in (BACKEND.default(base, "fused_gemv", T).params, FusedGemvParams(pdl=True, block_f=16,
-                                                                                  block_d=2, block_k=256)):
+                                                                                  block_d=2, block_k=256,
+                                                                                  prefetch=True)):
         try:
             fn = BACKEND.build(base, Schedule("fused_gemv", backend="triton", params=params))
         except UnsupportedSchedule as e:

@@ -59,13 +59,13 @@ _GAP = 32  # int32 words between the counters: each in a 128-byte line of its ow
 
 @dataclass(frozen=True)
 class FusedGemvParams:
-    block_f: int = 16  # gate/up rows (of F) per item; FP8: divides the scale block's rows
+    block_f: int = 8  # gate/up rows (of F) per item; FP8: divides the scale block's rows
     block_k: int = 256  # gate/up chunk along D; FP8: a multiple or a divisor of the block's columns
     block_d: int = 4  # down rows (of D) per item (× next_pow2(k) weight streams); FP8: divides the block's rows
     down_block_k: int = 128  # down chunk along F; FP8: divides the block's columns
     num_warps: int = 4
     num_stages: int = 4  # depth of the cp.async pipeline of both K loops
-    prefetch: bool = True  # a down item asks L2 for its weight lines before it waits for h
+    prefetch: bool = False  # a down item asks L2 for its weight lines before it waits for h
     pdl: bool = False  # a programmatic dependent launch (sm_90)
 
     def __post_init__(self) -> None:
@@ -149,15 +149,17 @@ def space(block: MoEBlock, target: Target) -> ParamSpace:
 
 
 def default_params(block: MoEBlock, T: int, target: Target) -> FusedGemvParams:
-    """16-row gate/up items with 16-byte loads per thread along D; down items of 32 rows over all of a token's
-    weight streams (block_d · next_pow2(k) = 32), chunks of 128 along F; on FP8 the tiles within one scale
-    block, the gate/up chunk two column blocks long (stream_gemv_fp8's FMA default)."""
+    """8-row gate/up items with 16-byte loads per thread along D (16 rows double the accumulators and cost the
+    grid a resident program per SM); down items of 32 rows over all of a token's weight streams
+    (block_d · next_pow2(k) = 32), chunks of 128 along F; no L2 prefetch of the down weights (its requests
+    compete with the gate/up stream); on FP8 the tiles within one scale block, the gate/up chunk two column
+    blocks long (stream_gemv_fp8's FMA default)."""
     bd = max(2, 32 // next_pow2(block.k))
     sb = _scale_block(block)
     if sb is None:
-        return FusedGemvParams(block_f=16, block_k=256, block_d=bd, down_block_k=128)
+        return FusedGemvParams(block_f=8, block_k=256, block_d=bd, down_block_k=128)
     r, c = sb
-    return FusedGemvParams(block_f=min(16, r), block_k=2 * c if c <= 128 else c, block_d=min(bd, r),
+    return FusedGemvParams(block_f=min(8, r), block_k=2 * c if c <= 128 else c, block_d=min(bd, r),
                            down_block_k=min(128, c))
 
 
