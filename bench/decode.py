@@ -601,8 +601,8 @@ def report_generation(result: dict) -> None:
 def readme_table(paths) -> str:
     """Markdown: tokens/s of whole models per batch size, transformers' fastest experts implementation against
     moetune, from `decode.json` files (generate mode)."""
-    lines = ["| model | layers | weights | batch | transformers tokens/s (experts) | moetune tokens/s | speed-up |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | layers | weights | device | batch | transformers tokens/s (experts) | moetune tokens/s | "
+             "speed-up |", "|---|---|---|---|---|---|---|---|"]
     for p in paths:
         res = json.loads(Path(p).read_text())
         for b in res["batches"]:
@@ -612,7 +612,8 @@ def readme_table(paths) -> str:
             if not hf or not mine:
                 continue
             a, m = hf[0], mine[0]
-            lines.append(f"| {res['model']} | {res['layers']} of {res['layers_of']} | {res['weights']} | {b} | "
+            dev = res.get("device", "").removeprefix("NVIDIA ")
+            lines.append(f"| {res['model']} | {res['layers']} of {res['layers_of']} | {res['weights']} | {dev} | {b} | "
                          f"{a['tokens_per_s']:,.0f} ({a['variant'].split(':', 1)[1]}) | {m['tokens_per_s']:,.0f} | "
                          f"{m['speedup']:.2f}× |")
     return "\n".join(lines)

@@ -60,8 +60,9 @@ def test_the_readme_table_has_a_row_per_batch(results):
     mine = {r["batch"]: r for r in res["rows"] if r["variant"] == "moetune"}
     for line, b in zip(lines[2:], res["batches"], strict=True):
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert cells[:4] == ["qwen3_moe", "2 of 2", "bf16", str(b)]
-        assert cells[4].endswith("(grouped_mm)") and cells[6] == f"{mine[b]['speedup']:.2f}×"
+        assert cells[:3] == ["qwen3_moe", "2 of 2", "bf16"] and cells[3] == res["device"].removeprefix("NVIDIA ")
+        assert cells[4] == str(b)
+        assert cells[5].endswith("(grouped_mm)") and cells[7] == f"{mine[b]['speedup']:.2f}×"
 
 
 def run(model, ids, keep_logits=True):
