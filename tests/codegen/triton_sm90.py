@@ -24,7 +24,7 @@ FP32_PTRS = {"y_ptr", "dst"}
 UNIT_STRIDES = {"sk", "gsk", "dsk"}  # contiguous reduction axis of the standard layout
 # sizes and strides that are multiples of 16 on every real shape (the JIT marks such ints itself)
 ALIGNED_INTS = {"s_xt", "se", "sn", "up", "sbe", "bup", "s_hp", "s_yt", "N", "K", "k_split", "s_ot",
-                "gse", "gsn", "gup", "gsbe", "gbup", "dse", "dsn", "dsbe", "D", "F"}
+                "gse", "gsn", "gup", "gsbe", "gbup", "dse", "dsn", "dsbe"}
 
 
 def tma_descs(bm: int, bn: int, bk: int, one_dot: bool = False) -> dict:
