@@ -151,7 +151,8 @@ def schedule_kernels(block, tokens: int, schedule) -> list[tuple[str, object, di
         cx = dict(base, K_TOP=k, KP=1 << (k - 1).bit_length(), BLOCK_E=be, BP=max(16, 1 << (P - 1).bit_length()),
                   FUSED=P <= 64, BF=p.block_f, BK=p.block_k, BD=p.block_d, DBK=p.down_block_k, RB=1, CB=1,
                   FP8=False, UE8M0=False, STAGES=p.num_stages, PDL=p.pdl, PREFETCH=p.prefetch,
-                  KL=kl if p.prefetch else 1, LINE=64, SPIN=True, GAP=_GAP)
+                  KL=kl if p.prefetch else 1, LINE=64, SPIN=True, GAP=_GAP,
+                  SLOT=p.down_mode == "slot")
         return [("fused", fused_gemv_kernel, cx, dict(num_warps=p.num_warps, num_stages=p.num_stages))]
     if schedule.kind == "stream_gemv":
         m = dict(base, K_TOP=k, KP=1 << (k - 1).bit_length(), BLOCK_E=be, BP=16,
