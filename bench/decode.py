@@ -57,6 +57,7 @@ Writes DIR/decode.json (generate) or DIR/decode-step.json (step) and prints a ta
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -351,6 +352,26 @@ def profile_moe(model: torch.nn.Module, ids: torch.Tensor, steps: int) -> dict:
     return dict(moe_us=moe / steps, kernels_us=kernels / steps, profiled_steps=steps, scopes=len(mine))
 
 
+class ExpertsOff:
+    """Within the context every experts module of `model` returns zeros of its input's shape (the router, the
+    attention and the rest of the step unchanged): a step without the experts, so that a variant's MoE time is its
+    step time less this one's under the same compile."""
+
+    def __init__(self, model: torch.nn.Module):
+        from moetune.testing import moe_blocks
+
+        self.experts = [block.experts for _, block in moe_blocks(model)]
+
+    def __enter__(self):
+        for m in self.experts:
+            m.forward = lambda hidden, *args, **kw: torch.zeros_like(hidden)
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.experts:
+            del m.forward
+
+
 def first_divergence(ref: dict, other: dict) -> dict:
     """Where the greedy tokens of `other` first leave those of `ref` (each a `generate_once` result of the same
     prompts): {identical, tokens} and, where they differ, the decode step (0-based), the sequence, both tokens,
@@ -451,7 +472,7 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, new: int, mode: str, *, w
                tokens_per_s=b / ms * 1e3)
     if profile_steps:
         p = profile_moe(model, ids, profile_steps)
-        row.update(moe_us_per_step=p["moe_us"], kernels_us_per_step=p["kernels_us"], moe_share=p["moe_us"] / (ms * 1e3),
+        row.update(moe_us_per_step=p["moe_us"], kernels_us_per_step=p["kernels_us"],
                    moe_share_kernels=p["moe_us"] / max(p["kernels_us"], 1e-9), profiled_steps=profile_steps,
                    profiled_scopes=p["scopes"])
     return row, dict(sequences=runs[-1]["sequences"], logits=runs[-1]["logits"])
@@ -491,8 +512,15 @@ def generation(args) -> dict:
     runs: dict[tuple[str, int], dict] = {}
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     done: set[str] = set()
-    for variant, impl in [("transformers", i) for i in impls] + [("moetune", None)]:
-        if variant == "moetune":
+    plan = [("transformers", i) for i in impls] + [("moetune", None)]
+    plan += [("no-experts", None)] if args.ablation else []
+    for variant, impl in plan:
+        off = None
+        if variant == "no-experts":
+            moetune.uncompile(model)
+            model.set_experts_implementation(as_built)
+            off = ExpertsOff(model).__enter__()
+        elif variant == "moetune":
             moetune.compile(model, cache=cache or None)
             left = [c.reason for c in model._moetune_state.captured if c.block is None]
             result.update(moetune_plans=len(plans(model)), moetune_left=left)
@@ -511,7 +539,8 @@ def generation(args) -> dict:
         for b in batches:
             try:
                 row, run = measure(model, prompts[:b].to(dev), args.new, mode, warmup=warmup, timed=args.timed,
-                                   profile_steps=steps, keep_logits=b * args.new * vocab * 4 <= args.compare_gb * 2**30)
+                                   profile_steps=0 if off else steps,
+                                   keep_logits=not off and b * args.new * vocab * 4 <= args.compare_gb * 2**30)
             except Exception as exc:  # noqa: BLE001 - a variant that fails is recorded, the others still run
                 row = dict(variant=label or _label(variant, impl), batch=b, error=f"{type(exc).__name__}: {exc}"[:400])
                 result["rows"].append(row)
@@ -519,13 +548,16 @@ def generation(args) -> dict:
                 if cuda:
                     torch.cuda.empty_cache()
                 continue
-            label = label or (variant if variant == "moetune" else f"transformers:{row['decode_impl']}")
+            label = label or (variant if variant != "transformers" else f"transformers:{row['decode_impl']}")
             result["rows"].append(dict(variant=label, requested=impl or "moetune", **row))
             if block is not None:
                 result["rows"][-1]["moe_floor_us_h200"] = moe_layers * floor(block, "h200", b).time_s * 1e6
             runs[(label, b)] = run
             say(f"{label:28s} batch {b:4d}: prefill {row['prefill_ms']:8.2f} ms, {row['ms_per_step']:8.3f} ms/step, "
-                f"{row['tokens_per_s']:9.1f} tok/s" + (f", MoE {row['moe_us_per_step']:8.1f} µs/step" if steps else ""))
+                f"{row['tokens_per_s']:9.1f} tok/s" + (f", MoE {row['moe_us_per_step']:8.1f} µs/step (profile)"
+                                                       if "moe_us_per_step" in row else ""))
+        if off:
+            off.__exit__(None, None, None)
         done.add(label or _label(variant, impl))
         if cuda:
             torch.cuda.empty_cache()
@@ -549,6 +581,11 @@ def _finish(result: dict, runs: dict) -> None:
     result["comparison"] = []
     for b in result["batches"]:
         rows = [r for r in result["rows"] if r["batch"] == b and "ms_per_step" in r]
+        bare = [r for r in rows if r["variant"] == "no-experts"]
+        for r in rows:  # the MoE time by ablation: the step less the same step without the experts
+            if bare and r["variant"] != "no-experts":
+                r["moe_us_ablation"] = (r["ms_per_step"] - bare[0]["ms_per_step"]) * 1e3
+                r["moe_share"] = r["moe_us_ablation"] / (r["ms_per_step"] * 1e3)
         hf = [r for r in rows if r["variant"].startswith("transformers")]
         mine = [r for r in rows if r["variant"] == "moetune"]
         if not hf:
@@ -582,20 +619,25 @@ def report_generation(result: dict) -> None:
         if "error" in r:
             print(f"{r['variant']} batch {r['batch']}: failed: {r['error']}")
     head = (f"{'model':18s} {'layers':>7s} {'batch':>5s} {'variant':26s} {'ms/step':>9s} {'tokens/s':>10s} "
-            f"{'MoE µs/step':>11s} {'MoE share':>9s} {'vs (a)':>7s}")
+            f"{'MoE µs/step':>11s} {'MoE share':>9s} {'profiled':>9s} {'vs (a)':>7s}")
     print(head)
+
+    def num(v, width):
+        return f"{v:{width}.1f}" if v is not None else f"{'–':>{width}s}"
+
     for r in result["rows"]:
         if "ms_per_step" not in r:
             continue
-        moe = r.get("moe_us_per_step")
         share = r.get("moe_share")
         speed = r.get("speedup")
         best = "*" if r.get("best_transformers") else ""
         print(f"{result['model']:18s} {result['layers']:>3d}/{result['layers_of']:<3d} {r['batch']:5d} "
               f"{r['variant'] + best:26s} {r['ms_per_step']:9.3f} {r['tokens_per_s']:10.1f} "
-              + (f"{moe:11.1f} {100 * share:8.1f}%" if moe is not None else f"{'–':>11s} {'–':>9s}")
-              + (f" {speed:6.2f}×" if speed is not None else f" {'':>7s}"))
-    print("(a) = the fastest transformers variant at the batch size (*); MoE share = MoE µs over the timed decode step")
+              f"{num(r.get('moe_us_ablation'), 11)} {num(None if share is None else 100 * share, 8)}% "
+              f"{num(r.get('moe_us_per_step'), 9)}" + (f" {speed:6.2f}×" if speed is not None else f" {'':>7s}"))
+    print("(a) = the fastest transformers variant at the batch size (*); MoE µs/step = the step less the no-experts "
+          "step (same compile), MoE share = that over the step; profiled = the experts' kernels per step of an "
+          "uncompiled, profiled generate")
 
 
 def readme_table(paths) -> str:
@@ -671,6 +713,9 @@ def add_arguments(ap) -> None:
     g.add_argument("--profile-steps", type=int, default=4, help="decode steps profiled for the MoE share (0: none)")
     g.add_argument("--compare-gb", type=float, default=16.0,
                    help="largest logits (GiB, float32, on the host) kept per run for the token check's logit gap")
+    g.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time each batch with the experts returning zeros (no-experts): a variant's MoE µs per "
+                        "step is its step less that one")
     g.add_argument("--quick", action="store_true", help="1 warm-up generation and at most 2 profiled steps")
     g.add_argument("--hf-fp8-kernel", metavar="DIR",
                    help="transformers' FP8 experts run the finegrained-fp8 kernel from this local copy of its source "

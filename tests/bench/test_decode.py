@@ -37,13 +37,20 @@ def test_generate_mode_writes_every_variant_and_batch(results):
     rows = [r for r in res["rows"] if "error" not in r]
     assert len(rows) == len(res["rows"])
     # on the CPU generate keeps grouped_mm at decode: "grouped_mm" is the default's own, measured once
-    assert sorted({r["variant"] for r in rows}) == ["moetune", "transformers:grouped_mm"]
+    # and the same model with its experts returning zeros: each variant's MoE time is its step less that one
+    assert sorted({r["variant"] for r in rows}) == ["moetune", "no-experts", "transformers:grouped_mm"]
+    bare = {r["batch"]: r for r in rows if r["variant"] == "no-experts"}
     for r in rows:
         assert r["batch"] in (1, 2) and r["decode_steps"] == 3  # new − 1 intervals between 4 tokens' logits
         assert r["step_ms_min"] <= r["ms_per_step"] <= r["step_ms_max"] and r["prefill_ms"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["ms_per_step"] * 1e3)
+        if r["variant"] == "no-experts":
+            assert "moe_us_per_step" not in r and "moe_us_ablation" not in r
+            continue
         assert r["moe_us_per_step"] > 0 and 0 < r["moe_share_kernels"] < 1
         assert r["profiled_scopes"] == 2 * 2  # every experts call of the 2 profiled steps, 2 MoE layers each
+        assert r["moe_us_ablation"] == pytest.approx((r["ms_per_step"] - bare[r["batch"]]["ms_per_step"]) * 1e3)
+        assert r["moe_share"] == pytest.approx(r["moe_us_ablation"] / (r["ms_per_step"] * 1e3))
     for r in rows:
         if r["variant"] == "moetune":
             hf = next(h for h in rows if h["batch"] == r["batch"] and h.get("best_transformers"))

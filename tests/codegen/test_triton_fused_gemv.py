@@ -145,8 +145,8 @@ def test_the_policy_offers_it_in_the_few_rows_regime_only():
                                   "gpt-oss-120b", "qwen3-30b-a3b-fp8", "qwen3.5-397b-a17b-fp8", "deepseek-v3-fp8"])
 @pytest.mark.parametrize("T", [1, 2, 4, 8])
 def test_presets_on_gpu_eager_back_to_back_and_in_graphs(name, T):
-    """Each preset's shape at its default, with pdl and in the slot mode: two calls back to back (the second's programs may start
-    while the first's end), then 3 replays of a CUDA graph of 2 calls, each within the bound."""
+    """Each preset's shape at its default, with pdl and in the slot mode: two calls back to back (the second's
+    programs may start while the first's end), then 3 replays of a CUDA graph of 2 calls, each within the bound."""
     base = preset(name)
     if T * base.k > 64:
         pytest.skip("past the few-rows regime")
