@@ -640,11 +640,19 @@ def report_generation(result: dict) -> None:
           "uncompiled, profiled generate")
 
 
+def _moe_pair(a: dict, m: dict) -> str:
+    """The MoE µs per step of two rows by ablation, with the share of each one's step, or "–" where not measured."""
+    if "moe_us_ablation" not in a or "moe_us_ablation" not in m:
+        return "–"
+    return (f"{a['moe_us_ablation']:,.0f} ({100 * a['moe_share']:.0f} %) → {m['moe_us_ablation']:,.0f} "
+            f"({100 * m['moe_share']:.0f} %), {a['moe_us_ablation'] / max(m['moe_us_ablation'], 1e-9):.1f}×")
+
+
 def readme_table(paths) -> str:
     """Markdown: tokens/s of whole models per batch size, transformers' fastest experts implementation against
     moetune, from `decode.json` files (generate mode)."""
     lines = ["| model | layers | weights | device | batch | transformers tokens/s (experts) | moetune tokens/s | "
-             "speed-up |", "|---|---|---|---|---|---|---|---|"]
+             "speed-up | MoE µs per step, transformers → moetune |", "|---|---|---|---|---|---|---|---|---|"]
     for p in paths:
         res = json.loads(Path(p).read_text())
         for b in res["batches"]:
@@ -657,7 +665,7 @@ def readme_table(paths) -> str:
             dev = res.get("device", "").removeprefix("NVIDIA ")
             lines.append(f"| {res['model']} | {res['layers']} of {res['layers_of']} | {res['weights']} | {dev} | {b} | "
                          f"{a['tokens_per_s']:,.0f} ({a['variant'].split(':', 1)[1]}) | {m['tokens_per_s']:,.0f} | "
-                         f"{m['speedup']:.2f}× |")
+                         f"{m['speedup']:.2f}× | {_moe_pair(a, m)} |")
     return "\n".join(lines)
 
 
