@@ -74,3 +74,19 @@ def test_the_results_tables_are_the_committed_runs(stem, weights):
     if weights == "fp8":
         assert f"lowest cell {low:.2f}×" in README
 
+
+
+# the decode runs whose tokens/s table opens the README's results
+DECODE_RUNS = ("nvidia-h100-80gb-hbm3-decode-qwen3-30b-a3b",)
+
+
+def test_the_first_results_table_is_whole_models_decoding():
+    """The README's first table is `bench.decode.readme_table` of the committed decode runs: tokens/s of whole
+    models, before any table of one block."""
+    from bench import decode
+
+    table = decode.readme_table([ROOT / "bench" / "results" / f"{stem}.json" for stem in DECODE_RUNS])
+    results = README[README.index("## Results"):]
+    assert table in results, "README's decode table is not the committed runs'"
+    first = next(line for line in results.splitlines() if line.startswith("|"))
+    assert first == table.splitlines()[0]
