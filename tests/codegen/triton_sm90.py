@@ -19,8 +19,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 INT64_PTRS = {"ids_ptr"}
-INT32_PTRS = {"counts_ptr", "sorted_ptr", "hist_ptr", "sync_ptr"}
-FP32_PTRS = {"y_ptr", "dst"}
+INT32_PTRS = {"counts_ptr", "sorted_ptr", "hist_ptr", "sync_ptr", "ready_ptr", "cnt_ptr"}
+FP32_PTRS = {"y_ptr", "dst"}  # with fp32_out
+PARTIAL_PTRS = {"part_ptr"}  # fp32 always
 UNIT_STRIDES = {"sk", "gsk", "dsk"}  # contiguous reduction axis of the standard layout
 # sizes and strides that are multiples of 16 on every real shape (the JIT marks such ints itself)
 ALIGNED_INTS = {"s_xt", "se", "sn", "up", "sbe", "bup", "s_hp", "s_yt", "N", "K", "k_split", "s_ot",
@@ -53,6 +54,8 @@ def compile_sm90(kernel, constexprs: dict, *, fp32_out: bool = False, descs: dic
                 sig[n] = "*i64"
             elif n in INT32_PTRS:
                 sig[n] = "*i32"
+            elif n in PARTIAL_PTRS:
+                sig[n] = "*fp32"
             elif n in FP32_PTRS and fp32_out:
                 sig[n] = "*fp32"
             else:

@@ -259,7 +259,7 @@ def _slot_down_row(h_row, w_e, sn, sk, s_e, ssn, ssk, n0, N, K, BN: tl.constexpr
 
 @triton.jit
 def _slot_down_item(ids_ptr, wts_ptr, counts_ptr, sorted_ptr, w_ptr, se, sn, sk, s_ptr, sse, ssn, ssk,
-                    b_ptr, sbe, sbn, h_ptr, s_hp, y_ptr, out_ptr, s_ot, ready_ptr, cnt_ptr, P, E, D, F, slot, n0,
+                    b_ptr, sbe, sbn, h_ptr, s_hp, part_ptr, out_ptr, s_ot, ready_ptr, cnt_ptr, P, E, D, F, slot, n0,
                     db, nd, nf, K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, BP: tl.constexpr,
                     FUSED: tl.constexpr, BD: tl.constexpr, DBK: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
                     FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr,
@@ -282,7 +282,7 @@ def _slot_down_item(ids_ptr, wts_ptr, counts_ptr, sorted_ptr, w_ptr, se, sn, sk,
         wt = tl.load(wts_ptr + pairs).to(tl.float32)  # [1]
         y = _slot_down_row(h_ptr + pair.to(tl.int64) * s_hp, w_ptr + ec * se, sn, sk, s_ptr + ec * sse, ssn, ssk,
                            n0, D, F, BD, DBK, RB, CB, FP8, UE8M0, STAGES)
-        _store_y(y_ptr, pairs, one, y[None, :], wt, b_ptr + ec * sbe, sbn, 1.0, n0, D, BD, HAS_BIAS, W_IN)
+        _store_y(part_ptr, pairs, one, y[None, :], wt, b_ptr + ec * sbe, sbn, 1.0, n0, D, BD, HAS_BIAS, W_IN)
     tl.debug_barrier()  # every thread's partials before the releases below
     for c in range(0, m):
         pairs = _slot_pairs(sorted_ptr, st, match, mrank, c, one, FUSED, 1, BP)
@@ -290,7 +290,7 @@ def _slot_down_item(ids_ptr, wts_ptr, counts_ptr, sorted_ptr, w_ptr, se, sn, sk,
         p, ok, _, _ = _token_pairs(ids_ptr, wts_ptr, t, E, K_TOP, KP)
         need = tl.sum(ok.to(tl.int32), axis=0)
         if tl.atomic_add(cnt_ptr + t * nd + db, 1, sem="acq_rel") == need - 1:  # the token's last partial
-            ys = tl.load(y_ptr + p.to(tl.int64)[:, None] * D + offs[None, :], mask=ok[:, None] & (offs < D)[None, :],
+            ys = tl.load(part_ptr + p.to(tl.int64)[:, None] * D + offs[None, :], mask=ok[:, None] & (offs < D)[None, :],
                          other=0.0, cache_modifier=".cg")  # [KP, BD]
             tl.store(out_ptr + t.to(tl.int64) * s_ot + offs, tl.sum(ys, axis=0).to(out_ptr.dtype.element_ty),
                      mask=offs < D)
@@ -351,7 +351,7 @@ def fused_gemv_kernel(
     x_ptr, s_xt, ids_ptr, wts_ptr, counts_ptr, sorted_ptr,
     gw_ptr, gse, gsn, gsk, gup, gs_ptr, gsse, gssn, gssk, gsup, gb_ptr, gsbe, gsbn, gbup,
     dw_ptr, dse, dsn, dsk, ds_ptr, dsse, dssn, dssk, db_ptr, dsbe, dsbn,
-    h_ptr, s_hp, out_ptr, s_ot, sync_ptr, ready_ptr, cnt_ptr, y_ptr,
+    h_ptr, s_hp, out_ptr, s_ot, sync_ptr, ready_ptr, cnt_ptr, part_ptr,
     T, P, E, D, F, n_gate, alpha, limit,
     K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, BP: tl.constexpr, FUSED: tl.constexpr,
     BF: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, DBK: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
@@ -378,7 +378,7 @@ def fused_gemv_kernel(
         slot = i // nd
         db = i - slot * nd
         _slot_down_item(ids_ptr, wts_ptr, counts_ptr, sorted_ptr, dw_ptr, dse, dsn, dsk, ds_ptr, dsse, dssn, dssk,
-                        db_ptr, dsbe, dsbn, h_ptr, s_hp, y_ptr, out_ptr, s_ot, ready_ptr, cnt_ptr, P, E, D, F, slot,
+                        db_ptr, dsbe, dsbn, h_ptr, s_hp, part_ptr, out_ptr, s_ot, ready_ptr, cnt_ptr, P, E, D, F, slot,
                         db * BD, db, nd, tl.cdiv(F, BF), K_TOP, KP, BLOCK_E, BP, FUSED, BD, DBK, RB, CB, FP8, UE8M0,
                         HAS_BIAS, W_IN, STAGES, PDL, SPIN)
         tl.debug_barrier()
