@@ -19,6 +19,7 @@ SUITES = {  # name: one line (the suite module's is bench/<name>.py, imported on
     "dense": "cuBLAS bmm on the same work with perfectly balanced experts (a bound for the grouped GEMM)",
     "tune": "a short `moetune tune` of a preset into a scratch table: each bucket's winner against its "
             "default and the floor",
+    "readfloor": "kernels that only read the selected experts' bytes at small T: the floor a launch reaches",
     "jax": "moetune's Pallas GPU kernels for JAX against jax.lax.ragged_dot and moetune's PyTorch path",
 }
 

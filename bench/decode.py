@@ -644,6 +644,8 @@ def _moe_pair(a: dict, m: dict) -> str:
     """The MoE µs per step of two rows by ablation, with the share of each one's step, or "–" where not measured."""
     if "moe_us_ablation" not in a or "moe_us_ablation" not in m:
         return "–"
+    if min(a["moe_us_ablation"], m["moe_us_ablation"]) <= 0:  # the step no longer than without the experts
+        return "not resolved (a step no longer than the no-experts one: host-bound)"
     return (f"{a['moe_us_ablation']:,.0f} ({100 * a['moe_share']:.0f} %) → {m['moe_us_ablation']:,.0f} "
             f"({100 * m['moe_share']:.0f} %), {a['moe_us_ablation'] / max(m['moe_us_ablation'], 1e-9):.1f}×")
 

@@ -143,7 +143,9 @@ CHOICES = (
     ("num_stages", (2, 3, 4, 5)),
     ("prefetch", (True, False)),
     ("pdl", (False, True)),
-    ("down_mode", ("token", "slot")),
+    # the slot mode is not searched by default: it timed slower than the token mode on every preset measured
+    # (bench/README.md); a schedule may still name it
+    ("down_mode", ("token",)),
 )
 
 
