@@ -16,8 +16,9 @@ set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
   && export PYTHONPATH=$PWD/.site:$PWD
-# the GPU tests in JOBS processes on the one GPU where pytest-xdist is among the wheels (compiling dominates them)
-par=(); python3 -c "import xdist" 2>/dev/null && par=(-n "${JOBS:-6}")
+# the GPU tests in JOBS processes on the one GPU where pytest-xdist is among the wheels (compiling dominates them;
+# the FP8 tests hold whole presets' weights, so two at a time)
+par=(); fp8par=(); python3 -c "import xdist" 2>/dev/null && par=(-n "${JOBS:-6}") && fp8par=(-n "${JOBS:-2}")
 case "${1:-}" in
   "")
     timeout -k 10 -s INT 433 python3 -m bench kernels --out "$OUT/bench" --budget-s 393 ;;
@@ -27,7 +28,7 @@ case "${1:-}" in
       tests/runtime/test_cuda_graph.py > "$OUT/gputests.log" 2>&1
     rc=$?; tail -n 2 "$OUT/gputests.log"; exit $rc ;;
   tests-fp8)
-    MOETUNE_TEST_GPU=1 python3 -m pytest -q -x -p no:cacheprovider "${par[@]}" \
+    MOETUNE_TEST_GPU=1 python3 -m pytest -q -x -p no:cacheprovider "${fp8par[@]}" \
       tests/codegen/test_triton_fp8_{stream_gemv,grouped_gemm,hybrid}.py tests/jax/test_jax_xla_call.py \
       > "$OUT/gputests-fp8.log" 2>&1
     rc=$?; tail -n 2 "$OUT/gputests-fp8.log"; exit $rc ;;
