@@ -2,8 +2,9 @@
 
 The realistic floor of a launch at a given byte count, ramp and tail included: for each case (a preset's selected
 experts' weight bytes at T tokens, from `moetune.passes.stats.uniform_distinct` and the block's bytes per expert),
-one Triton kernel reading all of them, and two kernels reading the gate/up and the down shares one after the
-other, each at several grid shapes (the best kept); and 1, 2 and 3 empty kernels (the fixed cost of a replay).
+one streaming read (`bench.kernels.read_kernel`, the read ceiling's kernel) of all of them, and two reading the
+gate/up and the down shares one after the other, each at several grid shapes (the best kept); and 1, 2 and 3 empty
+kernels (the fixed cost of a replay).
 Timed by the package's timer (`moetune.search.timing.CudaGraphTimer`: a CUDA graph, a 256 MB read before every
 replay, CUDA events); distinct windows of one buffer per kernel.
 
@@ -28,25 +29,15 @@ CELLS = "qwen3-30b-a3b-fp8:1,qwen3-30b-a3b:1,qwen3.5-397b-a17b-fp8:1,qwen3.5-397
 GRIDS = ((4, 4096, 8), (8, 4096, 8), (2, 8192, 8), (16, 2048, 4), (8, 8192, 8))  # (programs per SM, BLOCK, warps)
 
 
-def _kernels():
+def _empty_kernel():
     import triton
     import triton.language as tl
-
-    @triton.jit
-    def read(src, dst, n, BLOCK: tl.constexpr):
-        """Streaming read of src [n] bytes by a fixed grid, one sum per program."""
-        pid = tl.program_id(0)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            acc += tl.load(src + offs, mask=offs < n, other=0, eviction_policy="evict_first").to(tl.float32)
-        tl.store(dst + pid, tl.sum(acc, axis=0))
 
     @triton.jit
     def empty(dst):
         tl.store(dst + tl.program_id(0), 1.0)
 
-    return read, empty
+    return empty
 
 
 def cell_bytes(name: str, T: int) -> tuple[int, int]:
@@ -65,7 +56,9 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("bench readfloor: no CUDA device here (it times GPU reads)", file=sys.stderr)
         return 2
-    read, empty = _kernels()
+    from bench.kernels import read_kernel as read
+
+    empty = _empty_kernel()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     cells = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cells.split(",")]

@@ -44,7 +44,6 @@ def test_against_reference(case, name, poisoned):
 FP8_SCHEDULES = {
     "two_blocks": sched(block_f=16, block_k=64, block_d=16, down_block_k=32),
     "half_block": sched(block_f=32, block_k=16, block_d=8, down_block_k=16, prefetch=False, pdl=True),
-    "slot": sched(block_f=16, block_k=64, block_d=32, down_block_k=32, down_mode="slot"),
 }
 
 
@@ -59,8 +58,7 @@ def test_fp8_against_reference(case, name, poisoned):
     poisoned.clear()
     fp8_check(block, x, ids, weights, w, FP8_SCHEDULES[name], f"{label}/{name}")
     P = T * k
-    partials = 4 * P * D if FP8_SCHEDULES[name].params.down_mode == "slot" else 0
-    assert sum(poisoned) <= 4 * (P * F + T * D + 4 * P) + 4 * 64 * max(16, E) + partials, f"{label}/{name}: workspace"
+    assert sum(poisoned) <= 4 * (P * F + T * D + 4 * P) + 4 * 64 * max(16, E), f"{label}/{name}: workspace"
 
 
 def counters_of(fn) -> torch.Tensor:
@@ -145,17 +143,17 @@ def test_the_policy_offers_it_in_the_few_rows_regime_only():
                                   "gpt-oss-120b", "qwen3-30b-a3b-fp8", "qwen3.5-397b-a17b-fp8", "deepseek-v3-fp8"])
 @pytest.mark.parametrize("T", [1, 2, 4, 8])
 def test_presets_on_gpu_eager_back_to_back_and_in_graphs(name, T):
-    """Each preset's shape at its default, with pdl and in the slot mode: two calls back to back (the second's
-    programs may start while the first's end), then 3 replays of a CUDA graph of 2 calls, each within the bound."""
+    """Each preset's shape at its default and with pdl: two calls back to back (the second's programs may start
+    while the first's end), then 3 replays of a CUDA graph of 2 calls, each within the bound."""
     base = preset(name)
     if T * base.k > 64:
         pytest.skip("past the few-rows regime")
     w = expert_tensors(base, DEV, 0)
     gen = torch.Generator().manual_seed(T)
     dt = torch.bfloat16
-    for params in (BACKEND.default(base, "fused_gemv", T).params,
-                   FusedGemvParams(pdl=True, block_f=16, block_d=2, block_k=256, prefetch=True),
-                   FusedGemvParams(down_mode="slot", block_f=8, block_d=16, block_k=256)):
+    for params in (BACKEND.default(base, "fused_gemv", T).params, FusedGemvParams(pdl=True, block_f=16,
+                                                                                  block_d=2, block_k=256,
+                                                                                  prefetch=True)):
         try:
             fn = BACKEND.build(base, Schedule("fused_gemv", backend="triton", params=params))
         except UnsupportedSchedule as e:

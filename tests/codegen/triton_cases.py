@@ -73,14 +73,11 @@ SCHEDULES = {
         block_m=16, block_n=32, block_k=64, gemv_block_n=16, gemv_block_k=64, down_block_n=64,
         down_block_k=64, down_gemv_block_n=32, down_gemv_block_k=64)),
     # one launch: gate/up items of 16 F rows, down items of 16 D rows (the last partly past D = 200, F = 72),
-    # the down's L2 requests on; small items with them off and a programmatic launch; the slot mode
+    # the down's L2 requests on; and small items with them off and a programmatic launch
     "fused_gemv": Schedule("fused_gemv", backend="triton", params=FusedGemvParams(
         block_f=16, block_k=64, block_d=16, down_block_k=32, prefetch=True)),
     "fused_gemv_small": Schedule("fused_gemv", backend="triton", params=FusedGemvParams(
         block_f=8, block_k=32, block_d=4, down_block_k=16, num_warps=2, prefetch=False, pdl=True)),
-    # the down split by expert slot: fp32 partials, each token summed by its last partial's item
-    "fused_gemv_slot": Schedule("fused_gemv", backend="triton", params=FusedGemvParams(
-        block_f=16, block_k=64, block_d=16, down_block_k=32, down_mode="slot")),
 }
 
 

@@ -19,9 +19,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 INT64_PTRS = {"ids_ptr"}
-INT32_PTRS = {"counts_ptr", "sorted_ptr", "hist_ptr", "sync_ptr", "ready_ptr", "cnt_ptr"}
-FP32_PTRS = {"y_ptr", "dst"}  # with fp32_out
-PARTIAL_PTRS = {"part_ptr"}  # fp32 always
+INT32_PTRS = {"counts_ptr", "sorted_ptr", "hist_ptr", "sync_ptr"}
+FP32_PTRS = {"y_ptr", "dst"}
 UNIT_STRIDES = {"sk", "gsk", "dsk"}  # contiguous reduction axis of the standard layout
 # sizes and strides that are multiples of 16 on every real shape (the JIT marks such ints itself)
 ALIGNED_INTS = {"s_xt", "se", "sn", "up", "sbe", "bup", "s_hp", "s_yt", "N", "K", "k_split", "s_ot",
@@ -54,8 +53,6 @@ def compile_sm90(kernel, constexprs: dict, *, fp32_out: bool = False, descs: dic
                 sig[n] = "*i64"
             elif n in INT32_PTRS:
                 sig[n] = "*i32"
-            elif n in PARTIAL_PTRS:
-                sig[n] = "*fp32"
             elif n in FP32_PTRS and fp32_out:
                 sig[n] = "*fp32"
             else:
@@ -154,8 +151,7 @@ def schedule_kernels(block, tokens: int, schedule) -> list[tuple[str, object, di
         cx = dict(base, K_TOP=k, KP=1 << (k - 1).bit_length(), BLOCK_E=be, BP=max(16, 1 << (P - 1).bit_length()),
                   FUSED=P <= 64, BF=p.block_f, BK=p.block_k, BD=p.block_d, DBK=p.down_block_k, RB=1, CB=1,
                   FP8=False, UE8M0=False, STAGES=p.num_stages, PDL=p.pdl, PREFETCH=p.prefetch,
-                  KL=kl if p.prefetch else 1, LINE=64, SPIN=True, GAP=_GAP,
-                  SLOT=p.down_mode == "slot")
+                  KL=kl if p.prefetch else 1, LINE=64, SPIN=True, GAP=_GAP)
         return [("fused", fused_gemv_kernel, cx, dict(num_warps=p.num_warps, num_stages=p.num_stages))]
     if schedule.kind == "stream_gemv":
         m = dict(base, K_TOP=k, KP=1 << (k - 1).bit_length(), BLOCK_E=be, BP=16,

@@ -18,28 +18,14 @@ before every down ticket):
                  down[e_tj] · h[t·k + j] over the token's k experts in one [KP, BD, BK] tile per chunk, written
                  once in x.dtype (deterministic: no atomics on data).
 
-With `down_mode="slot"` the down work is split by expert instead of by token, so a down item waits for its own
-expert's gate/up items only, not for every one:
-
-  down item      (slot, D-block of BD rows): waits until the slot's `ready` counter counts its F-blocks, then
-                 y[pair, D-block] = w · down[e] · h[pair] (fp32 partials, the [BD, BK] tile of one expert) for
-                 each of the slot's rows; then for each row's token one increment of the token's D-block counter:
-                 the item that brings it to the token's number of valid pairs sums the token's partials in a
-                 fixed order (deterministic) and writes out[t, D-block].
-
-The gate/up items come in slot order, so by the time the first down ticket is handed out the first slots are
-long done: the down items start while the last gate/up items stream. The last down item writes the zero rows of
-tokens with no valid pair.
-
 The weight stream is split over every SM by the F-blocks of the gate/up items and the D-blocks of the down
 items; the down items' L2 requests overlap the gate/up stream, so the one barrier between the two costs the last
 items' latency, not a second ramp. With `pdl` (sm_90) the launch is a programmatic dependent one (_common's
 module doc): the programs are resident while the kernel before (the router) ends, and wait for it before they
 read anything.
 
-The counters (ticket, done, finished; in the slot mode a `ready` counter per slot and one per token and D-block)
-live in a small int32 workspace of the built function per device, zeroed once; the last down item to finish
-resets them (a token's D-block counter: the item that sums it), so a CUDA graph replays the kernel with no memset. One
+The three counters (ticket, done, finished) live in a small int32 workspace of the built function per device,
+zeroed once; the last down item to finish resets them, so a CUDA graph replays the kernel with no memset. One
 built function must not run on two streams at once (the counters are its own).
 """
 
@@ -47,7 +33,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
 
 import torch
 import triton
@@ -59,7 +44,7 @@ from ...passes.targets import Target
 from ..common import ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
 from . import routing
-from ._common import _grid_release, _grid_wait, _prefetch_l2, _row_gate_up, _store_h, _store_y
+from ._common import _grid_release, _grid_wait, _prefetch_l2, _row_gate_up, _store_h
 from ._fp8 import _scale_of
 from .launch import launch, pdl_launch, programmatic
 from .layout import act_args, call_args, cdiv, check_pow2, interpreting, next_pow2
@@ -82,17 +67,12 @@ class FusedGemvParams:
     num_stages: int = 4  # depth of the cp.async pipeline of both K loops
     prefetch: bool = False  # a down item asks L2 for its weight lines before it waits for h
     pdl: bool = False  # a programmatic dependent launch (sm_90)
-    # "token": a down item = (token, D-block) over the token's k experts, after every gate/up item; "slot": a down
-    # item = (expert slot, D-block), after that slot's gate/up items only, fp32 partials summed per token
-    down_mode: Literal["token", "slot"] = "token"
 
     def __post_init__(self) -> None:
         check_pow2("FusedGemvParams", block_f=self.block_f, block_k=self.block_k, block_d=self.block_d,
                    down_block_k=self.down_block_k, num_warps=self.num_warps)
         if self.num_stages < 1:
             raise UnsupportedSchedule(f"FusedGemvParams.num_stages = {self.num_stages}: ≥ 1")
-        if self.down_mode not in ("token", "slot"):
-            raise UnsupportedSchedule(f"FusedGemvParams.down_mode = {self.down_mode!r}: 'token' or 'slot'")
         regs = 2 * self.block_f * self.block_k // (32 * self.num_warps)
         if regs > 128:
             raise UnsupportedSchedule(
@@ -107,7 +87,7 @@ def _scale_block(block: MoEBlock) -> tuple[int, int] | None:
 def check(p: FusedGemvParams, block: MoEBlock, target: Target) -> None:
     """What `block` refuses: a down tile over the registers (one stream per expert of a token), and on FP8
     weights tiles that straddle a scale block."""
-    streams = next_pow2(block.k) if p.down_mode == "token" else 1
+    streams = next_pow2(block.k)
     regs = streams * p.block_d * p.down_block_k // (32 * p.num_warps)
     if regs > 128:
         raise UnsupportedSchedule(
@@ -143,9 +123,6 @@ CHOICES = (
     ("num_stages", (2, 3, 4, 5)),
     ("prefetch", (True, False)),
     ("pdl", (False, True)),
-    # the slot mode is not searched by default: it timed slower than the token mode on every preset measured
-    # (bench/README.md); a schedule may still name it
-    ("down_mode", ("token",)),
 )
 
 
@@ -239,86 +216,6 @@ def _down_item(h_ptr, s_hp, p, ok, ec, wt, w_ptr, se, sn, sk, s_ptr, sse, ssn, s
 
 
 @triton.jit
-def _slot_down_row(h_row, w_e, sn, sk, s_e, ssn, ssk, n0, N, K, BN: tl.constexpr, BK: tl.constexpr,
-                   RB: tl.constexpr, CB: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr, STAGES: tl.constexpr):
-    """One row of one expert: y [BN] = dequant(W[n0:n0+BN]) · h_row, fp32 ([BN, BK] tile per chunk; FP8: BN
-    divides RB and BK divides CB, so one scale per chunk multiplies the h chunk). h is read from L2 (.cg)."""
-    offs_n = n0 + tl.arange(0, BN)
-    nm = offs_n < N
-    wrow = w_e + offs_n[:, None] * sn  # [BN, 1]
-    acc = tl.zeros([BN, BK], dtype=tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        offs_k = k0 + tl.arange(0, BK)
-        km = offs_k < K
-        hv = tl.load(h_row + offs_k, mask=km, other=0.0, cache_modifier=".cg").to(tl.float32)  # [BK]
-        if FP8:
-            hv = hv * _scale_of(s_e + (n0 // RB) * ssn + (k0 // CB) * ssk, True, UE8M0)
-        wv = tl.load(wrow + offs_k[None, :] * sk, mask=nm[:, None] & km[None, :], other=0.0,
-                     eviction_policy="evict_first")  # [BN, BK]
-        acc += wv.to(tl.float32) * hv[None, :]
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _slot_down_item(ids_ptr, wts_ptr, counts_ptr, sorted_ptr, w_ptr, se, sn, sk, s_ptr, sse, ssn, ssk,
-                    b_ptr, sbe, sbn, h_ptr, s_hp, part_ptr, out_ptr, s_ot, ready_ptr, cnt_ptr, P, E, D, F, slot, n0,
-                    db, nd, nf, K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, BP: tl.constexpr,
-                    FUSED: tl.constexpr, BD: tl.constexpr, DBK: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
-                    FP8: tl.constexpr, UE8M0: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr,
-                    STAGES: tl.constexpr, PDL: tl.constexpr, SPIN: tl.constexpr):
-    """Down item (slot, D-block) of the slot mode (module doc): the slot's rows' fp32 partials y[pair, D-block],
-    then per row one increment of its token's counter; the item that completes a token sums its partials."""
-    ec, st, m, match, mrank = _slot_work(ids_ptr, counts_ptr, P, E, slot, FUSED, BP, BLOCK_E)
-    seen = tl.atomic_add(ready_ptr + slot, 0, sem="acquire")
-    while seen < nf:
-        _nap(SPIN)
-        seen = tl.atomic_add(ready_ptr + slot, 0, sem="acquire")
-    tl.debug_barrier()
-    if PDL:  # the kernel after may start its launch now (it waits for this one before it reads)
-        _grid_release()
-    offs = n0 + tl.arange(0, BD)
-    one = tl.full([1], 1, tl.int1)
-    for c in range(0, m):
-        pairs = _slot_pairs(sorted_ptr, st, match, mrank, c, one, FUSED, 1, BP)  # [1]
-        pair = tl.sum(pairs, axis=0)
-        wt = tl.load(wts_ptr + pairs).to(tl.float32)  # [1]
-        y = _slot_down_row(h_ptr + pair.to(tl.int64) * s_hp, w_ptr + ec * se, sn, sk, s_ptr + ec * sse, ssn, ssk,
-                           n0, D, F, BD, DBK, RB, CB, FP8, UE8M0, STAGES)
-        _store_y(part_ptr, pairs, one, y[None, :], wt, b_ptr + ec * sbe, sbn, 1.0, n0, D, BD, HAS_BIAS, W_IN)
-    tl.debug_barrier()  # every thread's partials before the releases below
-    for c in range(0, m):
-        pairs = _slot_pairs(sorted_ptr, st, match, mrank, c, one, FUSED, 1, BP)
-        t = tl.sum(pairs, axis=0) // K_TOP
-        p, ok, _, _ = _token_pairs(ids_ptr, wts_ptr, t, E, K_TOP, KP)
-        need = tl.sum(ok.to(tl.int32), axis=0)
-        if tl.atomic_add(cnt_ptr + t * nd + db, 1, sem="acq_rel") == need - 1:  # the token's last partial
-            ys = tl.load(part_ptr + p.to(tl.int64)[:, None] * D + offs[None, :], mask=ok[:, None] & (offs < D)[None, :],
-                         other=0.0, cache_modifier=".cg")  # [KP, BD]
-            tl.store(out_ptr + t.to(tl.int64) * s_ot + offs, tl.sum(ys, axis=0).to(out_ptr.dtype.element_ty),
-                     mask=offs < D)
-            tl.atomic_xchg(cnt_ptr + t * nd + db, 0, sem="relaxed")
-
-
-@triton.jit
-def _zero_unrouted(ids_ptr, out_ptr, s_ot, T, E, D, K_TOP: tl.constexpr, KP: tl.constexpr):
-    """out[t] = 0 for every token t with no valid expert id (no partial of the slot mode reaches it)."""
-    BT: tl.constexpr = 16
-    BZ: tl.constexpr = 256
-    jk = tl.arange(0, KP)
-    for t0 in range(0, T, BT):
-        tt = t0 + tl.arange(0, BT)
-        e = tl.load(ids_ptr + tt[:, None] * K_TOP + jk[None, :], mask=(tt < T)[:, None] & (jk < K_TOP)[None, :],
-                    other=-1)  # [BT, KP]
-        empty = (tl.sum(((e >= 0) & (e < E)).to(tl.int32), axis=1) == 0) & (tt < T)  # [BT]
-        if tl.sum(empty.to(tl.int32), axis=0) > 0:
-            for d0 in range(0, D, BZ):
-                dd = d0 + tl.arange(0, BZ)
-                z = tl.zeros([BT, BZ], dtype=out_ptr.dtype.element_ty)
-                tl.store(out_ptr + tt.to(tl.int64)[:, None] * s_ot + dd[None, :], z,
-                         mask=empty[:, None] & (dd < D)[None, :])
-
-
-@triton.jit
 def _gate_up_item(x_ptr, s_xt, ids_ptr, wts_ptr, counts_ptr, sorted_ptr, w_ptr, se, sn, sk, up,
                   s_ptr, sse, ssn, ssk, sup, b_ptr, sbe, sbn, bup, h_ptr, s_hp, P, E, D, F, item, alpha, limit,
                   K_TOP: tl.constexpr, BLOCK_E: tl.constexpr, BP: tl.constexpr, FUSED: tl.constexpr,
@@ -353,13 +250,13 @@ def fused_gemv_kernel(
     x_ptr, s_xt, ids_ptr, wts_ptr, counts_ptr, sorted_ptr,
     gw_ptr, gse, gsn, gsk, gup, gs_ptr, gsse, gssn, gssk, gsup, gb_ptr, gsbe, gsbn, gbup,
     dw_ptr, dse, dsn, dsk, ds_ptr, dsse, dssn, dssk, db_ptr, dsbe, dsbn,
-    h_ptr, s_hp, out_ptr, s_ot, sync_ptr, ready_ptr, cnt_ptr, part_ptr,
+    h_ptr, s_hp, out_ptr, s_ot, sync_ptr,
     T, P, E, D, F, n_gate, alpha, limit,
     K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, BP: tl.constexpr, FUSED: tl.constexpr,
     BF: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, DBK: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
     FP8: tl.constexpr, UE8M0: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, W_IN: tl.constexpr,
     UPCAST: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, KL: tl.constexpr,
-    LINE: tl.constexpr, SPIN: tl.constexpr, GAP: tl.constexpr, SLOT: tl.constexpr,
+    LINE: tl.constexpr, SPIN: tl.constexpr, GAP: tl.constexpr,
 ):
     if PDL:  # the kernel before may still run: nothing it writes (x, ids, the counters) is read before this
         _grid_wait()
@@ -370,28 +267,7 @@ def fused_gemv_kernel(
                       alpha, limit, K_TOP, BLOCK_E, BP, FUSED, BF, BK, RB, CB, FP8, UE8M0, ACT, HAS_BIAS, W_IN,
                       STAGES)
         tl.debug_barrier()  # every thread's h stores before the one release below
-        if SLOT:
-            tl.atomic_add(ready_ptr + ticket // tl.cdiv(F, BF), 1, sem="release")
-        else:
-            tl.atomic_add(sync_ptr + GAP, 1, sem="release")
-    elif SLOT:
-        nd = tl.cdiv(D, BD)
-        i = ticket - n_gate
-        slot = i // nd
-        db = i - slot * nd
-        _slot_down_item(ids_ptr, wts_ptr, counts_ptr, sorted_ptr, dw_ptr, dse, dsn, dsk, ds_ptr, dsse, dssn, dssk,
-                        db_ptr, dsbe, dsbn, h_ptr, s_hp, part_ptr, out_ptr, s_ot, ready_ptr, cnt_ptr, P, E, D, F, slot,
-                        db * BD, db, nd, tl.cdiv(F, BF), K_TOP, KP, BLOCK_E, BP, FUSED, BD, DBK, RB, CB, FP8, UE8M0,
-                        HAS_BIAS, W_IN, STAGES, PDL, SPIN)
-        tl.debug_barrier()
-        n_down = (n_gate // tl.cdiv(F, BF)) * nd
-        if tl.atomic_add(sync_ptr + 2 * GAP, 1, sem="acq_rel") == n_down - 1:  # the last item: reset
-            _zero_unrouted(ids_ptr, out_ptr, s_ot, T, E, D, K_TOP, KP)
-            for s0 in range(0, n_gate // tl.cdiv(F, BF), 128):
-                so = s0 + tl.arange(0, 128)
-                tl.store(ready_ptr + so, tl.zeros([128], dtype=tl.int32), mask=so < n_gate // tl.cdiv(F, BF))
-            tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
-            tl.atomic_xchg(sync_ptr + 2 * GAP, 0, sem="release")
+        tl.atomic_add(sync_ptr + GAP, 1, sem="release")
     else:
         nd = tl.cdiv(D, BD)
         i = ticket - n_gate
@@ -433,16 +309,10 @@ def build(block: MoEBlock, schedule: Schedule):
     pdl = programmatic(p.pdl)
     spin = not interpreting()
 
-    slot_mode = p.down_mode == "slot"
-    nd = cdiv(D, p.block_d)
-
-    def counters(device: torch.device, T: int) -> torch.Tensor:
-        """ticket, done, finished (3 lines); in the slot mode E ready counters, then one per token and D-block
-        for at least T tokens (a larger T grows the workspace)."""
-        need = 3 * _GAP + (E + T * nd if slot_mode else 0)
+    def counters(device: torch.device) -> torch.Tensor:
         buf = syncs.get(device)
-        if buf is None or buf.numel() < need:
-            buf = torch.zeros(need, dtype=torch.int32, device=device)
+        if buf is None:
+            buf = torch.zeros(3 * _GAP, dtype=torch.int32, device=device)
             if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
                 syncs[device] = buf  # (one made while a graph is captured is the graph's; not kept)
         return buf
@@ -461,24 +331,21 @@ def build(block: MoEBlock, schedule: Schedule):
         fused = P <= MAX_PAIRS
         counts, sorted_pairs = (ids_f, ids_f) if fused else routing.route(ids, E)
         n_gate = min(P, E) * cdiv(F, p.block_f)
-        n_down = (min(P, E) if slot_mode else T) * nd
+        n_down = T * cdiv(D, p.block_d)
         h = torch.empty(P, F, dtype=x.dtype, device=x.device)  # [P, F]
-        ws = counters(x.device, T)
-        ready, cnt = (ws[3 * _GAP:3 * _GAP + E], ws[3 * _GAP + E:]) if slot_mode else (ws, ws)
-        y = torch.empty(P, D, dtype=torch.float32, device=x.device) if slot_mode else h  # [P, D] partials
         line = 128 // w.down.element_size()
         prefetch = p.prefetch and ds.sk == 1 and not interpreting()
         meta = dict(a.meta, KP=next_pow2(k), BP=max(16, next_pow2(P)) if fused else 16, FUSED=fused,
                     BF=p.block_f, BK=p.block_k, BD=p.block_d, DBK=p.down_block_k, RB=RB, CB=CB, FP8=fp8,
                     UE8M0=ue8, STAGES=p.num_stages, PDL=pdl, PREFETCH=prefetch,
-                    KL=next_pow2(cdiv(F, line)) if prefetch else 1, LINE=line, SPIN=spin, GAP=_GAP, SLOT=slot_mode)
+                    KL=next_pow2(cdiv(F, line)) if prefetch else 1, LINE=line, SPIN=spin, GAP=_GAP)
         gss = (gsc.stride(0), gsc.stride(1), gsc.stride(2), (F // RB) * gsc.stride(1)) if fp8 else (0, 0, 0, 0)
         dss = (dsc.stride(0), dsc.stride(1), dsc.stride(2)) if fp8 else (0, 0, 0)
         launch(fused_gemv_kernel, (n_gate + n_down,),
             x, x.stride(0), ids_f, a.weights, counts, sorted_pairs,
             w.gate_up, gs.se, gs.sn, gs.sk, gs.up, gsc, *gss, a.gate_up_bias, gs.sbe, gs.sbn, gs.bup,
             w.down, ds.se, ds.sn, ds.sk, dsc, *dss, a.down_bias, ds.sbe, ds.sbn,
-            h, h.stride(0), out, out.stride(0), ws, ready, cnt, y,
+            h, h.stride(0), out, out.stride(0), counters(x.device),
             T, P, E, D, F, n_gate, alpha, limit,
             num_warps=p.num_warps, num_stages=p.num_stages, **meta, **pdl_launch(pdl))
         return out
@@ -496,8 +363,6 @@ def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float
     P = tokens * block.k
     flops = 2.0 * 3 * P * block.D * block.F
     by = distinct * block.weight_bytes_per_expert + 2 * tokens * block.D * ab + 2 * P * block.F * ab
-    if schedule.params.down_mode == "slot":
-        by += 2 * P * block.D * 4  # the fp32 partials out and back
     if P > MAX_PAIRS:
         by += routing.cost(P, block.E)[1]
     return flops, by
