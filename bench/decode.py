@@ -21,7 +21,9 @@ transformers compiles the decode steps' forward, prefill stays eager; `none` on 
 Per (variant, batch), after `--warmup` generations (compilation and graph recording excluded), `--timed`
 generations: prefill ms (from the `generate` call to its first logits), decode ms per step (the median of the
 intervals between consecutive steps' logits, CUDA events on a GPU), tokens/s = batch / (ms per step).
-Compilation state is reset between variants, so each compiles as a user's process would.
+Each variant runs in a process of its own (`--isolate`, the default on a GPU; `--variants` picks them and their
+order), as a user's job would: in one process, what a variant compiled, recorded and allocated stays behind for the
+next (bench/README.md measures the difference); without it, compilation state is still reset between variants.
 
 MoE share: `--profile-steps` decode steps of one more, uncompiled generation run under `torch.profiler`, each
 experts module's call inside a `record_function` scope opened and closed by forward (pre-)hooks, which exist
@@ -512,8 +514,7 @@ def generation(args) -> dict:
     runs: dict[tuple[str, int], dict] = {}
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     done: set[str] = set()
-    plan = [("transformers", i) for i in impls] + [("moetune", None)]
-    plan += [("no-experts", None)] if args.ablation else []
+    plan = [(v, i) for v in variants(args) for i in (impls if v == "transformers" else [None])]
     for variant, impl in plan:
         off = None
         if variant == "no-experts":
@@ -565,15 +566,67 @@ def generation(args) -> dict:
         _write(result, args.out)
     moetune.uncompile(model)
     _finish(result, runs)
+    _write(result, args.out, runs if args.keep_runs else None)
+    report_generation(result)
+    return result
+
+
+VARIANTS = ("transformers", "moetune", "no-experts")
+
+
+def variants(args) -> list[str]:
+    """The variants of `args` in the order they run (--variants; no-experts only with --ablation)."""
+    out = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in out if v not in VARIANTS]
+    if bad:
+        raise ValueError(f"--variants {args.variants!r}: {', '.join(bad)} not among {', '.join(VARIANTS)}")
+    return [v for v in out if args.ablation or v != "no-experts"]
+
+
+def isolated(args, argv: list[str]) -> dict:
+    """The generate mode with each variant in a process of its own (`argv`: this command's arguments after
+    `python -m bench`), as a user's job would run it: nothing one variant compiled, recorded or allocated is
+    there when the next runs. The children's rows and token runs merged into one result, as `generation` gives."""
+    import subprocess
+    import tempfile
+
+    say = _say(time.time())
+    result, runs = None, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for v in variants(args):
+            out = Path(tmp) / v
+            cmd = [sys.executable, "-m", "bench", *argv, "--variants", v, "--no-isolate", "--keep-runs",
+                   "--out", str(out)]
+            say(f"{v}: a process of its own")
+            rc = subprocess.run(cmd, check=False).returncode
+            if not (out / "decode.json").exists():
+                say(f"{v}: its process ended with exit code {rc} and no results")
+                continue
+            part = json.loads((out / "decode.json").read_text())
+            if result is None:
+                result = part
+            else:
+                result["rows"] += part["rows"]
+                for k in ("moetune_plans", "moetune_left"):
+                    if k in part:
+                        result[k] = part[k]
+            runs.update(torch.load(out / "runs.pt"))
+    if result is None:
+        return {}
+    result["isolated"] = True
+    _finish(result, runs)
     _write(result, args.out)
     report_generation(result)
     return result
 
 
-def _write(result: dict, out: Path | None) -> None:
+def _write(result: dict, out: Path | None, runs: dict | None = None) -> None:
+    """decode.json in `out`; with `runs`, each (variant, batch)'s sequences and logits in runs.pt beside it."""
     if out:
         out.mkdir(parents=True, exist_ok=True)
         (out / "decode.json").write_text(json.dumps(result, indent=1))
+        if runs is not None:
+            torch.save(runs, out / "runs.pt")
 
 
 def _finish(result: dict, runs: dict) -> None:
@@ -726,6 +779,12 @@ def add_arguments(ap) -> None:
     g.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True,
                    help="also time each batch with the experts returning zeros (no-experts): a variant's MoE µs per "
                         "step is its step less that one")
+    g.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"what is timed, in this order (comma-separated, of {', '.join(VARIANTS)})")
+    g.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="each variant in a process of its own (default on a GPU): what one compiled and recorded is "
+                        "gone when the next runs")
+    g.add_argument("--keep-runs", action="store_true", help=argparse.SUPPRESS)  # an isolated child's token runs
     g.add_argument("--quick", action="store_true", help="1 warm-up generation and at most 2 profiled steps")
     g.add_argument("--hf-fp8-kernel", metavar="DIR",
                    help="transformers' FP8 experts run the finegrained-fp8 kernel from this local copy of its source "
@@ -752,6 +811,14 @@ def run(args) -> int:
         except FileNotFoundError as e:
             print(f"python -m bench decode: {e}", file=sys.stderr)
             return 2
+    try:
+        variants(args)
+    except ValueError as e:
+        print(f"python -m bench decode: {e}", file=sys.stderr)
+        return 2
+    isolate = args.isolate if args.isolate is not None else torch.cuda.is_available()
+    if isolate and not args.render:
+        return 0 if isolated(args, sys.argv[1:]) else 1
     return 0 if generation(args) else 1
 
 

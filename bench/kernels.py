@@ -414,11 +414,12 @@ def floor_us(block: MoEBlock, T: int, distinct: float) -> float:
 
 
 def measure(rec: dict, fn, cases: list[Case], ref: torch.Tensor, timer: CudaGraphTimer, host_only: bool,
-            a8: bool = False, baseline: bool = False) -> None:
-    """Check `fn` against `ref` (eager, then its graph replays; `a8`: with the bound of quantised activations),
-    time it, and fill `rec`. A moetune candidate outside the bound is not timed; a `baseline` is timed whatever
-    its error (the record carries it, `over_bound` set), and one that a CUDA graph cannot hold is timed
-    host-launched (`graph_error` says why)."""
+            a8: bool = False, baseline: bool = False, check_ref: torch.Tensor | None = None) -> None:
+    """Check `fn` against `check_ref` (eager, then its graph replays; `a8`: a w8a8 result against the reference
+    on its rounded activations, with their bound; None: `ref`), time it, and fill `rec` (`rel_err` against
+    `ref`, the float32 reference, so that every implementation's is comparable). A moetune candidate outside
+    the bound is not timed; a `baseline` is timed whatever its error (the record carries it, `over_bound` set),
+    and one that a CUDA graph cannot hold is timed host-launched (`graph_error` says why)."""
     from functools import partial
 
     from moetune.codegen.torch.tolerance import worst_error
@@ -427,7 +428,8 @@ def measure(rec: dict, fn, cases: list[Case], ref: torch.Tensor, timer: CudaGrap
     c0 = cases[0]
     out = fn(c0.x, c0.ids, c0.weights, c0.w)
     torch.cuda.synchronize()
-    rec["rel_err"], rec["worst_err"] = rel_err(out, ref), worst_error(out, ref)
+    check_ref = ref if check_ref is None else check_ref
+    rec["rel_err"], rec["worst_err"] = rel_err(out, ref), worst_error(out, check_ref)
     del out
     rec["extra_mem_bytes"] = extra_memory(fn, c0)
     if not rec["worst_err"] <= 1:
@@ -455,7 +457,7 @@ def measure(rec: dict, fn, cases: list[Case], ref: torch.Tensor, timer: CudaGrap
         rec["graph_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         rec["time_us"], rec["mode"] = timer.host_launched(fn, cases) * 1e6, "host"
         return
-    rec["graph_rel_err"], graph_worst = rel_err(captured[0], ref), worst_error(captured[0], ref)
+    rec["graph_rel_err"], graph_worst = rel_err(captured[0], ref), worst_error(captured[0], check_ref)
     captured.clear()
     if not graph_worst <= 1 and not baseline:
         rec["error"] = f"graph replay worst_error {graph_worst:.3g} > 1: not counted"
@@ -465,7 +467,7 @@ def measure(rec: dict, fn, cases: list[Case], ref: torch.Tensor, timer: CudaGrap
 
 
 def cell(shape: str, T: int, w, args, timer: CudaGraphTimer, name: str) -> list[dict]:
-    from moetune.codegen.torch.tolerance import quantizes_activations
+    from moetune.codegen.quant import activation_group
     from moetune.codegen.triton import BACKEND
     from moetune.search.objective import make_cases, reference
 
@@ -475,7 +477,14 @@ def cell(shape: str, T: int, w, args, timer: CudaGraphTimer, name: str) -> list[
     cases = make_cases(block, w, T, N_ROUT, torch.Generator().manual_seed(1000 + T))
     distinct = statistics.mean(len(torch.unique(c.ids)) for c in cases)
     fl = floor_us(block, T, distinct)
-    ref = reference(block, cases[0])  # the tuner's float32 reference
+    refs = {None: reference(block, cases[0])}  # the tuner's float32 references, by activation group (w8a8)
+
+    def ref_at(group):
+        if group not in refs:
+            refs[group] = reference(block, cases[0], group)
+        return refs[group]
+
+    ref = refs[None]
     bo = best_open(shape, T, args.weights)
     named = candidates(block, T, table=args.table, samples=args.space_samples, seed=args.seed,
                        knobs=getattr(args, "knobs", ()),
@@ -500,8 +509,10 @@ def cell(shape: str, T: int, w, args, timer: CudaGraphTimer, name: str) -> list[
                 fn = hf_fp8_fn(impl, w, block)
             else:
                 fn = eager_fn(E) if impl == "eager" else hf_fn(impl, w, E)
+            # (transformers' FP8 experts: activations per 1 × the weight block's columns)
+            group = activation_group(sched.params) if sched else block.weight_format.block[1] if fp8 else None
             measure(rec, fn, cases, ref, timer, host_only=impl == "eager", baseline=sched is None,
-                    a8=quantizes_activations(sched.params) if sched else fp8)  # (transformers' FP8: 1×128 groups)
+                    a8=group is not None, check_ref=ref_at(group))
         except Exception as exc:  # noqa: BLE001 - a failing candidate is recorded, never stops the sweep
             rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             torch.cuda.synchronize()

@@ -9,12 +9,34 @@ them): a matrix [out, in] of float8_e4m3fn values `q` and one dequantisation mul
 
 Activations (the w8a8 schedules): each row quantised per group of `group` consecutive channels, the
 same scales with a 1 × group block, the values multiplied by the scale's reciprocal (`quantize_rows`). A
-zero block gets scale 1 (its values are zeros).
+zero block gets scale 1 (its values are zeros). A schedule names its activation rule as `act_quant`: "none"
+(weight-only, w8a16) or "fp8_1x<group>" (`act_group`).
 """
 
 from __future__ import annotations
 
+import re
+
 import torch
+
+from ..ir import UnsupportedSchedule
+
+ACT_QUANT = re.compile(r"fp8_1x(\d+)$")
+
+
+def act_group(act_quant: str) -> int | None:
+    """Channels per activation scale of `act_quant` ("fp8_1x128" → 128; "none" → None)."""
+    if act_quant == "none":
+        return None
+    m = ACT_QUANT.match(act_quant)
+    if m is None:
+        raise UnsupportedSchedule(f"act_quant = {act_quant!r}: 'none' or 'fp8_1x<group>'")
+    return int(m.group(1))
+
+
+def activation_group(params) -> int | None:
+    """`act_group` of a schedule's parameters (None where they quantise no activations or have no such field)."""
+    return act_group(getattr(params, "act_quant", "none"))
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(float8_e4m3fn).max

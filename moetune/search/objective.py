@@ -22,9 +22,9 @@ import torch
 
 from ..codegen.backend import Backend
 from ..codegen.common import ExpertsFn, ExpertTensors
-from ..codegen.quant import quantize_blocks, quantize_gate_up
+from ..codegen.quant import activation_group, quantize_blocks, quantize_gate_up
 from ..codegen.torch.reference import experts_reference
-from ..codegen.torch.tolerance import quantizes_activations, worst_error
+from ..codegen.torch.tolerance import worst_error
 from ..ir import MoEBlock, MoetuneError, Schedule, UnsupportedSchedule
 from .timing import Case, Timer, Timing
 
@@ -127,9 +127,10 @@ def make_cases(block: MoEBlock, w: ExpertTensors, tokens: int, n: int, gen: torc
     return cases
 
 
-def reference(block: MoEBlock, case: Case) -> torch.Tensor:
-    """The float32 reference of `case`, [T, D] (moetune.codegen.torch.experts_reference)."""
-    return experts_reference(block, case.x, case.ids, case.weights, case.w)
+def reference(block: MoEBlock, case: Case, act_group: int | None = None) -> torch.Tensor:
+    """The float32 reference of `case`, [T, D] (moetune.codegen.torch.experts_reference; `act_group`: of a
+    w8a8 schedule, its activations rounded by the same rule)."""
+    return experts_reference(block, case.x, case.ids, case.weights, case.w, act_group)
 
 
 # ------------------------------------------------------------------------------------------ outcome
@@ -221,7 +222,7 @@ class Objective:
         self.strict, self.keep_going = strict, keep_going
         self.warm_in_build = (self.w.gate_up.device.type != "cpu") if warm_in_build is None else warm_in_build
         self._gen = torch.Generator().manual_seed(seed + 7919)
-        self._pool: dict[int, list[tuple[Case, torch.Tensor]]] = {}
+        self._pool: dict[int, list[tuple[Case, dict[int | None, torch.Tensor]]]] = {}  # T → (case, refs by group)
         self._turn = 0
         self._fns: dict[Schedule, ExpertsFn] = {}  # candidates that passed their check, reused by the final round
         self.timer_wall: list[float] = []  # wall time of every timer call
@@ -231,17 +232,19 @@ class Objective:
     POOL = 4
     FRESH_REFERENCE_BYTES = 2 << 30
 
-    def _check_case(self, T: int) -> tuple[Case, torch.Tensor]:
+    def _check_case(self, T: int, act_group: int | None) -> tuple[Case, torch.Tensor]:
         b = self.block
         if T * b.k * 3 * b.D * b.F * 4 <= self.FRESH_REFERENCE_BYTES:
             case = make_cases(b, self.w, T, 1, self._gen, self.sampler)[0]
-            return case, reference(b, case)
+            return case, reference(b, case, act_group)
         pool = self._pool.get(T)
         if pool is None:
-            cases = make_cases(b, self.w, T, self.POOL, self._gen, self.sampler)
-            pool = self._pool[T] = [(c, reference(b, c)) for c in cases]
+            pool = self._pool[T] = [(c, {}) for c in make_cases(b, self.w, T, self.POOL, self._gen, self.sampler)]
         self._turn += 1
-        return pool[self._turn % len(pool)]
+        case, refs = pool[self._turn % len(pool)]
+        if act_group not in refs:
+            refs[act_group] = reference(b, case, act_group)
+        return case, refs[act_group]
 
     # stage 1: build (thread-safe; run ahead of timing in a pool)
     def build(self, schedule: Schedule) -> Built:
@@ -301,8 +304,9 @@ class Objective:
         """(the failed check's outcome or None, the worst error in units of the tolerance)."""
         fn = built.fn
         worst = 0.0
+        group = activation_group(schedule.params)
         for T in self.check_tokens:
-            case, ref = self._check_case(T)
+            case, ref = self._check_case(T, group)
             try:
                 with torch.inference_mode():
                     out = fn(case.x, case.ids, case.weights, case.w)  # [T, D]
@@ -314,8 +318,7 @@ class Objective:
             if not bool(torch.isfinite(out).all()):
                 return Outcome(schedule, "nonfinite", reason=f"T={T}: output has NaN or inf",
                                build_s=built.seconds), worst
-            err = worst_error(out, ref, tf32=self.device.startswith("cuda"),
-                              a8=quantizes_activations(schedule.params))
+            err = worst_error(out, ref, tf32=self.device.startswith("cuda"), a8=group is not None)
             worst = max(worst, err)
             if not err <= 1:
                 return Outcome(schedule, "wrong", reason=f"T={T}: worst error {err:.3g}× the {out.dtype} "

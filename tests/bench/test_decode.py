@@ -117,3 +117,23 @@ def test_fit_layers_keeps_to_the_budget():
     base, layers = decode.model_bytes("qwen3-30b-a3b", None)
     assert 0 < part["layers"] < 48 and part["bytes"] <= part["budget"] == 30 * 2**30
     assert part["bytes"] + layers[part["layers"]] > part["budget"]  # one layer more would not fit
+
+
+def test_isolated_variants_run_in_processes_of_their_own_and_merge(tmp_path):
+    argv = ["decode", "--family", "qwen3_moe", "--prompt", "8", "--new", "4", "--batch", "1", "--compile", "none",
+            "--warmup", "0", "--profile-steps", "1", "--variants", "moetune,no-experts,transformers"]
+    args = parse(*argv[1:], "--out", str(tmp_path))
+    res = decode.isolated(args, argv)
+    assert res["isolated"] and json.loads((tmp_path / "decode.json").read_text()) == json.loads(json.dumps(res))
+    assert [r["variant"] for r in res["rows"]] == ["moetune", "no-experts", "transformers:grouped_mm"]
+    assert all("error" not in r for r in res["rows"]) and res["moetune_plans"] == 2
+    mine = res["rows"][0]
+    assert mine["baseline"] == "transformers:grouped_mm" and mine["speedup"] > 0 and "moe_us_ablation" in mine
+    # the token check runs on the children's kept runs: the two processes' greedy tokens compared
+    assert [(c["batch"], c["tokens"], c["ref"]) for c in res["comparison"]] == [(1, 4, "transformers:grouped_mm")]
+    assert not (tmp_path / "runs.pt").exists()
+
+
+def test_an_unknown_variant_is_a_usage_error(capsys):
+    assert decode.run(parse("--family", "qwen3_moe", "--variants", "moetune,vllm")) == 2
+    assert "vllm not among transformers, moetune, no-experts" in capsys.readouterr().err

@@ -64,8 +64,8 @@ def compile_fp8(kernel, constexprs: dict, types: dict, descs: dict | None = None
 def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]]:
     """(projection, kernel, constexprs, pointer types, options) of every kernel an Fp8GemmParams schedule
     launches on `block` (the launcher's constexprs)."""
+    from moetune.codegen.quant import act_group
     from moetune.codegen.triton.grouped_gemm_fp8 import (
-        act_group,
         dot_k,
         grouped_gemm_fp8_kernel,
         grouped_gemm_fp8_tma_kernel,

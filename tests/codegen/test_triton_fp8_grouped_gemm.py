@@ -21,7 +21,7 @@ import triton.language as tl  # noqa: E402
 from test_triton_compile import H200_SMEM_LIMIT, _compile  # noqa: E402
 from triton_cases import make_ids  # noqa: E402
 
-from moetune.codegen.quant import fake_quantize_rows, quantize_rows  # noqa: E402
+from moetune.codegen.quant import activation_group, fake_quantize_rows, quantize_rows  # noqa: E402
 from moetune.codegen.torch.reference import (  # noqa: E402
     apply_activation,
     expert_matrix,
@@ -114,6 +114,11 @@ CASES = [  # name, E, k, D, F, T, routing, block overrides
 ]
 
 
+def reference(block, x, ids, weights, w, params) -> torch.Tensor:
+    """The float32 reference a schedule of `params` is checked against: a w8a8 one's on its rounded activations."""
+    return experts_reference(block, x, ids, weights, w, activation_group(params))
+
+
 def _check(out, ref, a8: bool, name: str) -> None:
     assert torch.isfinite(out).all(), f"{name}: unwritten (NaN) or non-finite output elements"
     err = worst_error(out, ref, a8=a8, tf32=ON_GPU)
@@ -157,7 +162,7 @@ def test_hypothesis_shapes_and_routings(E, k, T, nd, nf, sd, seed, sched):
     except UnsupportedSchedule as e:
         assert str(e), sched
         return
-    ref = experts_reference(block, x, ids, weights, w)
+    ref = reference(block, x, ids, weights, w, s.params)
     _check(fn(x, ids, weights, w), ref, s.params.act_quant != "none",
            f"{sched} E={E} k={k} T={T} D={block.D} F={block.F} {sd}")
 
@@ -179,7 +184,7 @@ def test_against_reference(case, sched, poisoned):
     block = fp8_block(E, k, D, F, **over)
     s = schedule(**case_params(block, sched))
     x, ids, weights, w = problem(block, T, kind)
-    ref = experts_reference(block, x, ids, weights, w)
+    ref = reference(block, x, ids, weights, w, s.params)
     poisoned.clear()
     out = BACKEND.build(block, s)(x, ids, weights, w)
     assert out.shape == (T, D) and out.dtype == x.dtype
@@ -216,16 +221,16 @@ def test_k_steps_spanning_scale_blocks(sched, kind):
     over = dict(scale_dtype="ue8m0") if sched.endswith("exact") else {}
     block = fp8_block(8, 2, 128, 256, **over)
     x, ids, weights, w = problem(block, 7, kind)
-    ref = experts_reference(block, x, ids, weights, w)
     s = schedule(**WIDE_K[sched])
+    ref = reference(block, x, ids, weights, w, s.params)
     out = BACKEND.build(block, s)(x, ids, weights, w)
     _check(out, ref, s.params.act_quant != "none", f"{kind}/{sched}")
 
 
 def w8a8_rule(block, x, ids, weights, w, group: int, h_dtype=torch.float32) -> torch.Tensor:
-    """float32 result of the w8a8 rule itself: the reference's computation with x and h each rounded through
-    quant.fake_quantize_rows (per row, per `group` channels) before their GEMM (h first rounded to `h_dtype`:
-    the 16-bit h that quant_on_load and h_pass store)."""
+    """float32 result of the w8a8 rule, written out apart from the reference (the weight on the output): x and
+    h each rounded through quant.fake_quantize_rows (per row, per `group` channels) before their GEMM, h first
+    rounded to `h_dtype` (the 16-bit h that quant_on_load and h_pass store)."""
     out = torch.zeros(x.shape[0], block.D, device=x.device)  # [T, D]
     for e in torch.unique(ids[(ids >= 0) & (ids < block.E)]).tolist():
         tok, pos = torch.where(ids == e)
@@ -247,15 +252,16 @@ def test_w8a8_is_the_activation_rounding_rule():
     block = fp8_block(4, 2, D, F, block=(128, 128))
     x, ids, weights, w = problem(block, T, "uniform", seed=3)
     ref = experts_reference(block, x, ids, weights, w)
-    rules = {False: w8a8_rule(block, x, ids, weights, w, 128),
+    rules = {False: experts_reference(block, x, ids, weights, w, act_group=128),
              True: w8a8_rule(block, x, ids, weights, w, 128, h_dtype=x.dtype)}
+    torch.testing.assert_close(rules[False], w8a8_rule(block, x, ids, weights, w, 128), rtol=1e-5, atol=1e-5)
     errs = {}
     for tag, aq, extra in (("w8a16", "none", dict(block_n=128)), ("w8a8", "fp8_1x128", dict(block_n=256)),
                            ("w8a8_on_load", "fp8_1x128", dict(block_n=128, quant_on_load=True)),
                            ("w8a8_h_pass", "fp8_1x128", dict(block_n=64, h_pass=True))):
         s = schedule(block_m=16, block_k=128, down_block_n=128, down_block_k=128, act_quant=aq, **extra)
         out = BACKEND.build(block, s)(x, ids, weights, w)
-        _check(out, ref, aq != "none", f"{D}x{F}/{tag}")
+        _check(out, rules[False] if aq != "none" else ref, aq != "none", f"{D}x{F}/{tag}")
         errs[tag] = rel_err(out, ref)
         if aq != "none":
             rule = rules[s.params.quant_on_load or s.params.h_pass]
@@ -290,8 +296,8 @@ def test_e4m3_edge_values(act_quant):
     w.down.view(torch.uint8)[:, :, 3] = 0x7E
     w.gate_up_scale[:, 1] *= 1e-3
     w.down_scale[:, :, 0] *= 64.0
-    ref = experts_reference(block, x, ids, weights, w)
     s = schedule(**SCHEDULES["w8a8_m16" if act_quant != "none" else "w8a16_m16"])
+    ref = reference(block, x, ids, weights, w, s.params)
     out = BACKEND.build(block, s)(x, ids, weights, w)
     _check(out, ref, act_quant != "none", f"edges/{act_quant}")
 
@@ -306,7 +312,7 @@ def test_non_finite_weights_propagate_as_in_the_reference(act_quant):
     fn = BACKEND.build(block, s)
     e = int(ids[0, 0])
     w.gate_up.view(torch.uint8)[e, 5, 9] = 0x7F  # NaN
-    ref = experts_reference(block, x, ids, weights, w)
+    ref = reference(block, x, ids, weights, w, s.params)
     out = fn(x, ids, weights, w)
     assert torch.isnan(ref).any()
     assert torch.equal(torch.isnan(out), torch.isnan(ref))
@@ -314,7 +320,7 @@ def test_non_finite_weights_propagate_as_in_the_reference(act_quant):
     assert worst_error(out[fin.all(1)], ref[fin.all(1)], a8=act_quant != "none") <= 1
     w.gate_up.view(torch.uint8)[e, 5, 9] = 0x01
     w.down_scale[e, 1, 0] = float("inf")
-    ref = experts_reference(block, x, ids, weights, w)
+    ref = reference(block, x, ids, weights, w, s.params)
     out = fn(x, ids, weights, w)
     assert not torch.isfinite(ref).all()
     assert torch.equal(torch.isfinite(out).all(1), torch.isfinite(ref).all(1))
@@ -344,12 +350,13 @@ def test_ue8m0_scale_bytes_at_the_ends_of_the_format(proj, act_quant):
     accumulator (w8a8); a byte of 0 (2^-127) gives the reference's result."""
     block = fp8_block(8, 2, 64, 64, scale_dtype="ue8m0")
     x, ids, weights, w = problem(block, 6, "uniform")
-    fn = BACKEND.build(block, schedule(**SCHEDULES["w8a8_m16" if act_quant != "none" else "w8a16_m16"]))
+    s = schedule(**SCHEDULES["w8a8_m16" if act_quant != "none" else "w8a16_m16"])
+    fn = BACKEND.build(block, s)
     e = int(ids[0, 0])
     scales = (w.gate_up_scale if proj == "gate_up" else w.down_scale).view(torch.uint8)
     for byte in (255, 0):
         scales[e, 1, 0] = byte
-        ref = experts_reference(block, x, ids, weights, w)
+        ref = reference(block, x, ids, weights, w, s.params)
         out = fn(x, ids, weights, w)
         assert torch.isnan(ref).any() == (byte == 255)
         assert torch.equal(torch.isnan(out), torch.isnan(ref)), (byte, torch.isnan(out).any(1), torch.isinf(out).any(1))
@@ -530,14 +537,15 @@ class TestGpu:
     def test_default_and_sample_eager_and_graph(self, preset, T):
         block, w = _preset_weights(preset)
         x, ids, weights = inputs(block, T, "uniform")
-        ref = experts_reference(block, x, ids, weights, w)
+        refs = {g: experts_reference(block, x, ids, weights, w, g) for g in (None, 128)}  # w8a16, w8a8 per 1×128
+        ref = refs[None]
         space = BACKEND.space(block, "grouped_gemm")
         points = [BACKEND.default(block, "grouped_gemm", T).params] + [space.make(**g) for g in GPU_SAMPLE]
         for p in points:
             fn = BACKEND.build(block, Schedule("grouped_gemm", backend="triton", params=p))
             a8 = p.act_quant != "none"
             out = fn(x, ids, weights, w)
-            _check(out, ref, a8, f"{preset}/T{T}/{p}")
+            _check(out, refs[activation_group(p)], a8, f"{preset}/T{T}/{p}")
             assert rel_err(out, ref) < (4.5e-2 if a8 else 1e-2), f"{preset}/T{T}/{p}: {rel_err(out, ref):.3g}"
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())

@@ -17,8 +17,9 @@ import jax.numpy as jnp  # noqa: E402
 
 import moetune.jax as mj  # noqa: E402
 from moetune.codegen.pallas._common import to_jax  # noqa: E402
+from moetune.codegen.quant import activation_group  # noqa: E402
 from moetune.codegen.torch import experts_reference  # noqa: E402
-from moetune.codegen.torch.tolerance import quantizes_activations, worst_error  # noqa: E402
+from moetune.codegen.torch.tolerance import worst_error  # noqa: E402
 from moetune.codegen.triton import GemvParams  # noqa: E402
 from moetune.ir import MoEBlock, Schedule, WeightFormat, WeightLayout  # noqa: E402
 from moetune.jax.xla_call import XlaBridged  # noqa: E402
@@ -71,9 +72,10 @@ def _check(block, backend, T, routing, seed=0, **kw):
     assert out.shape == (T, block.D) and out.dtype == jnp.dtype(block.weight_format.compute_dtype)
     x, ids, wts = case
     sch = mj.route(block, T, backend=backend, table=kw.get("table"), target=kw.get("target")).schedule
-    a8 = sch is not None and quantizes_activations(sch.params)  # a w8a8 schedule: the bound of its rounding
+    group = activation_group(sch.params) if sch is not None else None  # w8a8: its rounding's reference and bound
     tf32 = backend == "triton" and DEVICE != "cpu"  # compiled, Triton's float32 tl.dot rounds its inputs to TF32
-    err = worst_error(torch.from_dlpack(out), experts_reference(block, x, ids.long(), wts, w), a8=a8, tf32=tf32)
+    ref = experts_reference(block, x, ids.long(), wts, w, group)
+    err = worst_error(torch.from_dlpack(out), ref, a8=group is not None, tf32=tf32)
     assert err <= 1.0, (backend, T, routing, err)
 
 
@@ -145,8 +147,9 @@ def test_the_recorded_call_replays_each_calls_inputs(name):  # pragma: no cover 
         for _ in range(3):
             for x, ids, wts in cases:
                 got = torch.from_dlpack(f(to_jax(x), to_jax(ids), to_jax(wts), *wj)) - x.float()
-                ref = experts_reference(block, x, ids.long(), wts, w)
-                err = worst_error(got.to(x.dtype), ref, tf32=True, a8=quantizes_activations(sch.params))
+                group = activation_group(sch.params)
+                ref = experts_reference(block, x, ids.long(), wts, w, group)
+                err = worst_error(got.to(x.dtype), ref, tf32=True, a8=group is not None)
                 assert err <= 1.0, (T, err)
 
 

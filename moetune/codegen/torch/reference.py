@@ -5,7 +5,9 @@
 
 Written for clarity, not speed: a loop over the experts in fp32. Block-quantised weights (fp8_block) are
 dequantised to float32 expert by expert (moetune.codegen.quant): the reference of an FP8 block is the
-float32 computation on the weights the FP8 values and scales stand for.
+float32 computation on the weights the FP8 values and scales stand for. A w8a8 schedule (activations
+quantised per 1 × group, `act_group`) is held to the same computation with each GEMM's input rows through
+that rule first (`quantize_rows`): its products see the rounded values, and so does its reference.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from ...ir import Activation, MoEBlock
 from ..common import ExpertTensors
-from ..quant import dequantize_blocks
+from ..quant import dequantize_blocks, fake_quantize_rows
 
 
 def apply_activation(act: Activation, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -42,20 +44,23 @@ def expert_matrix(block: MoEBlock, m: torch.Tensor, scales: torch.Tensor | None,
 
 
 def experts_reference(
-    block: MoEBlock, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors
+    block: MoEBlock, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors,
+    act_group: int | None = None,
 ) -> torch.Tensor:
     """Float32 result [T, D] of the routed experts for x [T, D], ids [T, k], weights [T, k].
 
     Computed expert by expert: each selected expert's weights are widened to float32 once and multiply
     all of its rows (no per-row copy of the weights). Ids outside [0, E) (expert-parallel sentinels)
-    contribute nothing.
+    contribute nothing. `act_group`: the w8a8 rule's group; x's rows (before a weight on the input, which
+    scales a row's products) and the hidden rows are quantised per 1 × act_group and back.
     """
+    quant = (lambda a: fake_quantize_rows(a, act_group)) if act_group else (lambda a: a)
     out = torch.zeros(x.shape[0], block.D, dtype=torch.float32, device=x.device)  # [T, D]
     valid = (ids >= 0) & (ids < block.E)  # [T, k]
     tr = block.layout.transposed
     for e in torch.unique(ids[valid]).tolist():
         tok, pos = torch.where(ids == e)  # the m rows routed to expert e
-        xs = x[tok].float()  # [m, D]
+        xs = quant(x[tok].float())  # [m, D]
         wt = weights[tok, pos].float()[:, None]  # [m, 1]
         if block.weight_application == "input":
             xs = xs * wt
@@ -63,7 +68,7 @@ def experts_reference(
         gu = xs @ (gu_w if tr else gu_w.t())  # [m, 2F]
         if block.layout.has_bias:
             gu = gu + w.gate_up_bias[e].float()
-        h = apply_activation(block.activation, *split_gate_up(block, gu))  # [m, F]
+        h = quant(apply_activation(block.activation, *split_gate_up(block, gu)))  # [m, F]
         dn_w = expert_matrix(block, w.down[e], w.down_scale, e)  # [D, F] or [F, D]
         y = h @ (dn_w if tr else dn_w.t())  # [m, D]
         if block.layout.has_bias:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ..quant import activation_group
+
 _TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (5e-3, 5e-3)}
-_A8 = (6e-2, 6e-2)  # activations rounded to e4m3 (3 mantissa bits) per 1×128 group before each GEMM
+_A8 = (6e-2, 6e-2)  # w8a8 against the reference on the same rounded activations (tolerances' doc)
 
 
 def tolerances(dtype: torch.dtype, *, tf32: bool = False, a8: bool = False) -> tuple[float, float]:
@@ -17,9 +19,15 @@ def tolerances(dtype: torch.dtype, *, tf32: bool = False, a8: bool = False) -> t
     dtype (8 / 11 mantissa bits) around float32-accumulated GEMMs. `atol` is in units of the output's
     scale, max(1, max|ref|): a rounding error of the hidden row reaches every output element of its
     token, small ones included.
-    `a8`: a schedule that quantises its activations to float8_e4m3fn per 1×128 group (w8a8, `act_quant`):
-    the GEMM inputs carry e4m3's rounding, not the dtype's. Weight-only FP8 schedules keep the dtype's bound:
-    their reference is the float32 computation on the dequantised weights, exact up to the dtype.
+    `a8`: a schedule that quantises its activations to float8_e4m3fn per 1×G group (w8a8, `act_quant`),
+    compared with `experts_reference(..., act_group=G)`, whose products see the same rounded x and h. What
+    is left beyond the dtype's rounding: an element of h on an e4m3 rounding boundary may round to the other
+    neighbour where the kernel computed it in another order or stored it in 16 bits first (one e4m3 step,
+    up to 2⁻³ of that element), a few elements of a row. Between implementations of different activation
+    rules (transformers' FP8 experts, w8a8 per 1×128, against a w8a16 result) the bound is the same figure
+    taken as the whole rounding's at the models' sizes: each compared with its own rule's reference is the
+    sharper check. Weight-only FP8 schedules keep the dtype's bound: their reference is the float32
+    computation on the dequantised weights, exact up to the dtype.
     """
     if a8:
         return _A8
@@ -28,18 +36,15 @@ def tolerances(dtype: torch.dtype, *, tf32: bool = False, a8: bool = False) -> t
     return _TOL[torch.float16 if tf32 and dtype == torch.float32 else dtype]
 
 
-def quantizes_activations(params) -> bool:
-    """Whether a schedule's parameters quantise activations (their `act_quant` is set and not "none")."""
-    return getattr(params, "act_quant", "none") != "none"
-
-
 def accuracy(params) -> str:
     """What a schedule's result is checked to, in words (`moetune explain --passes` prints it under each
     schedule of an FP8 block)."""
-    if quantizes_activations(params):
+    group = activation_group(params)
+    if group is not None:
         rtol, atol = _A8
-        return (f"activations quantised to float8_e4m3fn per 1x{params.act_quant.rpartition('x')[2]} group "
-                f"(w8a8): checked to rtol {rtol:g}, atol {atol:g} of the output's scale against float32")
+        return (f"activations quantised to float8_e4m3fn per 1x{group} group "
+                f"(w8a8): checked to rtol {rtol:g}, atol {atol:g} of the output's scale against float32 on the "
+                "same rounded activations")
     return "activations in the model's dtype: checked to the dtype's bound against float32"
 
 

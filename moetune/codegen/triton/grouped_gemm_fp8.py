@@ -58,7 +58,6 @@ and tensor-core dots on the 16-bit or e4m3 operands.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from functools import partial
 
@@ -72,6 +71,7 @@ from ...passes.stats import uniform_distinct
 from ...passes.targets import Target
 from ..common import ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
+from ..quant import act_group
 from . import combine as _combine
 from . import routing
 from ._common import _act, _find_tile, _grid_release, _grid_wait, _store_y
@@ -84,19 +84,6 @@ from .quant_rows import quant_rows
 SCRATCH = 4096  # shared memory the compiled kernels take beyond their pipelines (reductions, layout changes)
 SOURCES = ("grouped_gemm_fp8.py", "_fp8.py", "quant_rows.py", "grouped_gemm.py", "_common.py", "layout.py",
            "routing.py", "combine.py", "launch.py")
-
-ACT_QUANT = re.compile(r"fp8_1x(\d+)$")
-
-
-def act_group(act_quant: str) -> int | None:
-    """Channels per activation scale of `act_quant` ("fp8_1x128" → 128; "none" → None)."""
-    if act_quant == "none":
-        return None
-    m = ACT_QUANT.match(act_quant)
-    if m is None:
-        raise UnsupportedSchedule(f"Fp8GemmParams.act_quant = {act_quant!r}: 'none' or 'fp8_1x<group>'")
-    return int(m.group(1))
-
 
 @dataclass(frozen=True)
 class Fp8GemmParams:
