@@ -26,6 +26,11 @@ way to and which the runtime uses only where no measured entry covers a bucket (
 how; its table says plainly that its times are estimates).
 
 Every flag, the backend's availability here and the table file are checked before tuning starts.
+
+Exit status: 0 when the tune ran, whether or not a candidate beat the default heuristic, and where the budget or
+`--time-limit` left buckets untuned (the last line names them); 1 only where a bucket could not be tuned at all
+(every candidate failed its check against the reference or its timing, or none could be built; the last line
+names the buckets and why); 2 for a usage error (one line on stderr, before any tuning).
 """
 
 from __future__ import annotations
@@ -301,10 +306,40 @@ def run(args: argparse.Namespace) -> int:
           f"spread of the default is not written: the default serves its bucket, and is written as its entry where "
           f"no usable entry covered it or where it beat the bucket's entry here); "
           f"total {time.monotonic() - t0:.0f} s")
-    left = [r for r in results if r.stopped.startswith("not tuned: time limit")]
-    if left:
-        print(f"{len(left)} bucket(s) left untuned by the time limit: rerun with --resume to tune only those")
-    return 0 if all(r.winner is not None for r in results) else 1
+    rc, summary = exit_status(results)
+    print(summary)
+    return rc
+
+
+_LEFT = ("not tuned: time limit", "not tuned: budget spent")
+
+
+def exit_status(results: list) -> tuple[int, str]:
+    """The exit status of a tune and the line that says why. 0: the tune ran, whether a candidate beat the
+    default or the default serves its bucket, and where the budget or `--time-limit` left buckets untuned (their
+    default serves them; `--resume` tunes only those). 1 only where a bucket could not be tuned at all: every
+    candidate it tried failed its check against the reference or its timing, or it had none to try."""
+    def failed(r) -> bool:
+        if r.winner is not None or r.stopped.startswith(_LEFT):
+            return False
+        return r.stopped.startswith("not tuned:") or (r.evaluated > 0 and sum(r.failures.values()) >= r.evaluated)
+
+    bad = [r for r in results if failed(r)]
+    left = [r for r in results if r.winner is None and r.stopped.startswith(_LEFT)]
+    kept = sum(r.winner is not None and "kept the default" in r.stopped for r in results)
+    won = sum(r.winner is not None for r in results)
+    span = lambda rs: ", ".join(f"[{r.bucket[0]},{r.bucket[1]}]" for r in rs)  # noqa: E731
+    text = (f"{won} of {len(results)} bucket(s) with a winner, {kept} of them the default heuristic (no candidate "
+            "beat it)"
+            + (f", {len(left)} left untuned by the budget or the time limit (their default serves them; rerun "
+               f"with --resume to tune only those): {span(left)}" if left else ""))
+    if not bad:
+        return 0, f"exit status 0: the tune ran; {text}"
+    why = "; ".join(f"[{r.bucket[0]},{r.bucket[1]}] "
+                    + (r.stopped.removeprefix("not tuned: ") if r.stopped.startswith("not tuned:") else
+                       f"every candidate failed ({', '.join(f'{v} {k}' for k, v in sorted(r.failures.items()))})")
+                    for r in bad)
+    return 1, f"exit status 1: {len(bad)} bucket(s) could not be tuned at all: {why}; {text}"
 
 
 # ----------------------------------------------------------------------------------------- TPU targets
@@ -399,7 +434,13 @@ def _verify_only(args: argparse.Namespace, tpu, tokens: tuple[int, int], at_toke
           "replaces only a slower estimate; it never replaces a measured entry, which always replaces it; a "
           "compiled model uses an estimate only where no measured entry covers its bucket, and says so); "
           f"total {time.monotonic() - t0:.0f} s")
-    return 0 if all(r.winner is not None for r in results) else 1
+    bad = [r for r in results if r.winner is None]
+    if not bad:
+        print("exit status 0: every bucket has an estimate")
+        return 0
+    print(f"exit status 1: {len(bad)} bucket(s) without a verified, lowered candidate: "
+          + ", ".join(f"[{r.bucket[0]},{r.bucket[1]}]" for r in bad))
+    return 1
 
 
 def estimate_lines(results: list, target: str) -> list[str]:

@@ -31,6 +31,7 @@ def tuned(tmp_path_factory):
 def test_tune_prints_a_line_per_bucket_and_the_final_table(tuned):
     rc, out, path = tuned
     assert rc == 0, out
+    assert out.splitlines()[-1].startswith("exit status 0: the tune ran; ")
     block = tiny_block(FAMILY)
     assert block.signature_hash() in out and "cpu:" in out  # the block and the device are named
     lines = out.splitlines()

@@ -703,3 +703,35 @@ def test_resume_keeps_a_split_bucket(tmp_path):
     assert kept.stopped.startswith("kept: current table entries")
     assert [(p[0], p[1], p[2]) for p in kept.parts] == [(lo, lo, whole.schedule(tb.BLOCK)), (lo + 1, hi, other)]
     assert not be.built  # nothing searched: every bucket was current
+
+
+def test_the_exit_status_fails_only_a_bucket_that_could_not_be_tuned_at_all(tmp_path):
+    from moetune.cli.tune import exit_status
+    from moetune.search import BucketResult, tune_block
+
+    every = {(k, t, s): "wrong" for k in ("grouped_gemm", "stream_gemv", "hybrid") for t in (16, 32, 64)
+             for s in (1, 2, 3)}
+    tb.toy("toy-exit-broken", faults=every)
+    rs = tune_block(tb.BLOCK, "toy-exit-broken", "cpu", (1, 4), timer=FakeTimer(tb.cost),
+                    options=TuneOptions(device="cpu"), budget_s=5)
+    assert rs and all(r.winner is None and r.evaluated > 0 for r in rs)
+    rc, line = exit_status(rs)
+    assert rc == 1 and line.startswith(f"exit status 1: {len(rs)} bucket(s) could not be tuned at all: [1,")
+    assert "every candidate failed (" in line and " wrong" in line
+    # the default heuristic beating every candidate is a good run: the default serves the bucket
+    tb.toy("toy-exit-flat")
+    flat = tune_block(tb.BLOCK, "toy-exit-flat", "cpu", (1, 4), timer=FakeTimer(lambda s: 7e-6),
+                      options=TuneOptions(device="cpu", patience=4, batch=2), budget_s=5)
+    assert all(r.winner == r.default for r in flat)
+    rc, line = exit_status(flat)
+    n = len(flat)
+    assert rc == 0 and line == (f"exit status 0: the tune ran; {n} of {n} bucket(s) with a winner, {n} of them the "
+                                "default heuristic (no candidate beat it)")
+    # a bucket the budget left untuned is named, with --resume; one with nothing to try fails the run
+    left = BucketResult.untuned(tb.bucket(9, 16), 12, "budget spent: this bucket's share is 0.0 s")
+    rc, line = exit_status([*flat, left])
+    assert rc == 0 and line.endswith("left untuned by the budget or the time limit (their default serves them; "
+                                     "rerun with --resume to tune only those): [9,16]")
+    none = BucketResult.untuned(tb.bucket(17, 32), 24, "no kind runs here")
+    rc, line = exit_status([*flat, left, none])
+    assert rc == 1 and "could not be tuned at all: [17,32] no kind runs here;" in line
