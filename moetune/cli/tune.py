@@ -311,22 +311,19 @@ def run(args: argparse.Namespace) -> int:
     return rc
 
 
-_LEFT = ("not tuned: time limit", "not tuned: budget spent")
-
-
 def exit_status(results: list) -> tuple[int, str]:
     """The exit status of a tune and the line that says why. 0: the tune ran, whether a candidate beat the
     default or the default serves its bucket, and where the budget or `--time-limit` left buckets untuned (their
     default serves them; `--resume` tunes only those). 1 only where a bucket could not be tuned at all: every
     candidate it tried failed its check against the reference or its timing, or it had none to try."""
     def failed(r) -> bool:
-        if r.winner is not None or r.stopped.startswith(_LEFT):
+        if r.winner is not None or r.left:
             return False
         return r.stopped.startswith("not tuned:") or (r.evaluated > 0 and sum(r.failures.values()) >= r.evaluated)
 
     bad = [r for r in results if failed(r)]
-    left = [r for r in results if r.winner is None and r.stopped.startswith(_LEFT)]
-    kept = sum(r.winner is not None and "kept the default" in r.stopped for r in results)
+    left = [r for r in results if r.left]
+    kept = sum(r.winner is not None and r.winner == r.default for r in results)
     won = sum(r.winner is not None for r in results)
     span = lambda rs: ", ".join(f"[{r.bucket[0]},{r.bucket[1]}]" for r in rs)  # noqa: E731
     text = (f"{won} of {len(results)} bucket(s) with a winner, {kept} of them the default heuristic (no candidate "

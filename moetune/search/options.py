@@ -89,12 +89,14 @@ class BucketResult:
     parts: tuple[tuple[int, int, Schedule, float, int], ...] = ()
     elapsed_s: float = 0.0  # wall time this bucket took
     spread_s: float | None = None  # the spread of the winner's and the default's final timings (finalists.spread)
+    left: bool = False  # not tuned for want of time (the budget or the time limit): a resume tunes it
 
     @classmethod
-    def untuned(cls, bucket: Bucket, tokens: int, why: str, elapsed_s: float = 0.0) -> BucketResult:
-        """A bucket left to the runtime's default: `why` says what happened."""
+    def untuned(cls, bucket: Bucket, tokens: int, why: str, elapsed_s: float = 0.0, *,
+                left: bool = False) -> BucketResult:
+        """A bucket left to the runtime's default: `why` says what happened; `left`: for want of time."""
         return cls((bucket.lo, bucket.hi), tokens, None, math.inf, bucket.floor, stopped=f"not tuned: {why}",
-                   elapsed_s=elapsed_s)
+                   elapsed_s=elapsed_s, left=left)
 
     @classmethod
     def kept(cls, bucket: Bucket, tokens: int, entries, block) -> BucketResult:

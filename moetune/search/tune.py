@@ -379,7 +379,7 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
             r = BucketResult.kept(b, rep, kept[(b.lo, b.hi)], block)
         elif options.time_limit_s is not None and results and now - t0 + last_s > options.time_limit_s:
             r = BucketResult.untuned(b, rep, f"time limit {options.time_limit_s:.0f} s (the last bucket took "
-                                     f"{last_s:.1f} s, {now - t0:.1f} s spent); rerun with resume")
+                                     f"{last_s:.1f} s, {now - t0:.1f} s spent); rerun with resume", left=True)
         else:
             left_s = end - time.monotonic()
             ests = [costs.estimate(works[(c.lo, c.hi)]) for c in todo[todo.index(b):]]
@@ -394,7 +394,7 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
                 one = f"one candidate here takes about {est:.1f} s, " if est is not None else ""
                 r = BucketResult.untuned(b, rep, f"budget spent: {one}this bucket's share is {max(share_s, 0):.1f} s "
                                          f"({spent:.1f} s of the {total:.1f} s budget used, {len(ests)} bucket"
-                                         f"{'s' if len(ests) != 1 else ''} left)")
+                                         f"{'s' if len(ests) != 1 else ''} left)", left=True)
             else:
                 inputs = bucket_inputs(block, b, w, routings=routings, seed=options.seed, sampler=sampler)
                 share = Share(max(share_s - (left_s - (end - time.monotonic())), 1e-3), est)

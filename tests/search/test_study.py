@@ -728,7 +728,7 @@ def test_the_exit_status_fails_only_a_bucket_that_could_not_be_tuned_at_all(tmp_
     assert rc == 0 and line == (f"exit status 0: the tune ran; {n} of {n} bucket(s) with a winner, {n} of them the "
                                 "default heuristic (no candidate beat it)")
     # a bucket the budget left untuned is named, with --resume; one with nothing to try fails the run
-    left = BucketResult.untuned(tb.bucket(9, 16), 12, "budget spent: this bucket's share is 0.0 s")
+    left = BucketResult.untuned(tb.bucket(9, 16), 12, "budget spent: this bucket's share is 0.0 s", left=True)
     rc, line = exit_status([*flat, left])
     assert rc == 0 and line.endswith("left untuned by the budget or the time limit (their default serves them; "
                                      "rerun with --resume to tune only those): [9,16]")
