@@ -20,7 +20,8 @@ kernels cannot read is refused with the reason: static activation scales, per-te
 another shape. Attributes are read defensively and the format is judged from the tensors' dtypes and
 shapes, so FP8Experts of other transformers versions are captured or refused by what they hold.
 
-Whatever is not captured comes back with `block=None` and the reason; the model is never changed.
+Whatever is not captured comes back with `block=None` and the reason, which starts with the block's path and
+class ("model.layers.0.mlp (Qwen3MoeSparseMoeBlock): ..."); the model is never changed.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _deepseek_v3(m: torch.nn.Module) -> Router:
 
 
 # Router class (qualified name) → the Router spec built from that module's attributes.
-# Read from transformers 5.24; the router check confirms each entry on every captured block.
+# Read from transformers 5.17 and 5.24; the router check confirms each entry on every captured block.
 ROUTERS: dict[str, Callable[[torch.nn.Module], Router]] = {
     _tf("mixtral", "MixtralTopKRouter"):
         lambda m: Router("softmax_topk", renormalize=True, compute_dtype="model", weights_dtype="float32"),
@@ -128,15 +129,17 @@ def capture(model: torch.nn.Module, *, check: bool = True, T_max: int = 4096) ->
         router = mod._modules.get("gate")
         if router is None:
             router = mod._modules.get("router")
+        where = f"{path} ({type(mod).__name__})"  # every reason starts with it
         try:
             block = _describe(modules, path, mod, experts, router, T_max)
             if check:
                 check_router(block, router, experts)
         except MoetuneError as e:  # CaptureError, or IRError from a MoEBlock that breaks an invariant
-            found.append(Captured(path, type(mod).__name__, None, str(e), experts, router))
+            why = str(e) if str(e).startswith(where) else f"{where}: {e}"
+            found.append(Captured(path, type(mod).__name__, None, why, experts, router))
             continue
         except Exception as e:  # the model's own router failed on the check's inputs: leave the block
-            why = f"{path}: router check could not run {type(router).__name__}: {type(e).__name__}: {e}"
+            why = f"{where}: router check could not run {type(router).__name__}: {type(e).__name__}: {e}"
             found.append(Captured(path, type(mod).__name__, None, why, experts, router))
             continue
         found.append(Captured(path, type(mod).__name__, block, None, experts, router))
@@ -216,7 +219,7 @@ def _describe(modules: dict[str, torch.nn.Module], path: str, block_mod: torch.n
 
     fmt = None
     if fp8:
-        fmt = _fp8_format(where, experts, router, gate_up, down, E, D, F)
+        fmt = _fp8_format(where, experts, router, spec, gate_up, down, E, D, F)
         wdt = fmt.compute_dtype
     else:
         wdt = str(gate_up.dtype).replace("torch.", "")
@@ -295,7 +298,7 @@ def _fp8_block_size(where: str, experts: torch.nn.Module, down_scale: torch.Tens
                        f"{list(down_scale.shape)} does not divide D={D}, F={F} into whole blocks")
 
 
-def _fp8_format(where: str, experts: torch.nn.Module, router: torch.nn.Module, gate_up: torch.Tensor,
+def _fp8_format(where: str, experts: torch.nn.Module, router: torch.nn.Module, spec: Router, gate_up: torch.Tensor,
                 down: torch.Tensor, E: int, D: int, F: int) -> WeightFormat:
     """The fp8_block WeightFormat of an FP8Experts module, or CaptureError naming what does not fit."""
     scheme = getattr(experts, "activation_scheme", "dynamic")
@@ -326,8 +329,12 @@ def _fp8_format(where: str, experts: torch.nn.Module, router: torch.nn.Module, g
     if len(sdt) != 1 or next(iter(sdt)) not in _SCALE_DTYPES:
         raise CaptureError(f"{where}: FP8 block scales are {' and '.join(sorted(sdt))}; supported: "
                            f"{', '.join(_SCALE_DTYPES)} (both tensors alike)")
-    # activations are in the model's dtype: its config's, else the router's (DeepSeek-V3 keeps a float32 one)
-    compute = str(getattr(getattr(experts, "config", None), "dtype", None) or _dt(router.weight))
+    # activations are in the model's dtype: that of a router computing in it (its weight meets them in one
+    # matrix product), else the config's, else the router's (DeepSeek-V3 keeps a float32 one)
+    if spec.compute_dtype == "model":
+        compute = _dt(router.weight)
+    else:
+        compute = str(getattr(getattr(experts, "config", None), "dtype", None) or _dt(router.weight))
     compute = compute.replace("torch.", "")
     if compute not in DTYPES:
         raise CaptureError(f"{where}: FP8 experts in a {compute} model; supported: {', '.join(DTYPES)}")
@@ -408,7 +415,7 @@ def check_router(block: MoEBlock, router: torch.nn.Module, experts: torch.nn.Mod
     """
     if experts.gate_up_proj.is_meta or router.weight.is_meta:
         return  # nothing to run on
-    where = f"{block.name} ({type(router).__name__})"
+    where = type(router).__name__
     spec = block.router
     weight, bias, score_bias = router_tensors(router, spec)
     dtype = getattr(torch, block.weight_format.compute_dtype)
@@ -416,11 +423,7 @@ def check_router(block: MoEBlock, router: torch.nn.Module, experts: torch.nn.Mod
     gen = torch.Generator().manual_seed(seed)
     for T in _CHECK_TOKENS:
         x = torch.randn(T, block.D, generator=gen).to(dtype=dtype, device=device)  # [T, D]
-        out = router(x)
-        if not (isinstance(out, tuple) and len(out) == 3):
-            raise CaptureError(f"{where}: router returned {type(out).__name__}, "
-                               "expected (logits, weights, ids)")
-        _, their_w, their_ids = out  # [T, k], [T, k]
+        their_w, their_ids = router_weights_and_ids(router(x), where)  # [T, k], [T, k]
         if tuple(their_ids.shape) != (T, block.k) or tuple(their_w.shape) != (T, block.k):
             raise CaptureError(f"{where}: router returned ids {list(their_ids.shape)} and weights "
                                f"{list(their_w.shape)}, expected [{T}, {block.k}] (k = router.top_k)")
@@ -433,6 +436,18 @@ def check_router(block: MoEBlock, router: torch.nn.Module, experts: torch.nn.Mod
         ids, w = route(spec, logits, score_bias, block.k)  # [T, k], [T, k]
         _compare(where, spec, selection_scores(spec, logits, score_bias), ids, w,
                  their_ids.long(), their_w.float(), _tolerance(their_w.dtype))
+
+
+def router_weights_and_ids(out: object, where: str = "router") -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) of a router's output: a triple with the weights in the middle and the integer ids at
+    one end, the logits at the other; (logits, weights, ids) and (ids, weights, logits) both occur."""
+    if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
+        raise CaptureError(f"{where}: router returned {type(out).__name__}, expected (logits, weights, ids)")
+    ends = [t for t in (out[0], out[2]) if not (t.is_floating_point() or t.is_complex())]
+    if len(ends) != 1:
+        raise CaptureError(f"{where}: router returned tensors of {', '.join(_dt(t) for t in out)}, expected "
+                           "(logits, weights, ids) or (ids, weights, logits) with integer ids")
+    return out[1], ends[0]
 
 
 def _compare(where: str, spec: Router, scores: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,

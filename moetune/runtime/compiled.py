@@ -270,17 +270,28 @@ def compile(
     backend  "torch" | "triton"; None: triton for CUDA weights when usable, else torch
     target   the table's target name; None: from the weights' device ("cpu", "h200", …)
 
-    Blocks capture refuses stay as they are (`moetune.explain(model)` gives the reason). Compiling
+    Blocks capture refuses stay as they are, named with their reasons in one warning. Compiling
     copies no weight: the kernels read each experts module's parameters at call time.
     """
     state = _compile(model, cache, backend, target=target, check=check, T_max=T_max)
-    if not state.plan_ids and state.captured:
-        warnings.warn(
-            f"moetune.compile: no MoE block of {type(model).__name__} was captured; the model runs "
-            f"unchanged (moetune.explain(model) gives the reasons)",
-            stacklevel=2,
-        )
+    left = [c for c in state.captured if c.block is None]
+    if left:
+        name = type(model).__name__
+        what = (f"no MoE block of {name} was captured; the model runs unchanged" if not state.plan_ids else
+                f"{len(left)} of {len(state.captured)} MoE blocks of {name} were not captured and run "
+                f"transformers' experts")
+        warnings.warn(f"moetune.compile: {what}: {_reasons(left)}", stacklevel=2)
     return model
+
+
+def _reasons(left: list) -> str:
+    """The reasons of the blocks left as is, one per distinct reason with the paths of its blocks: each
+    reason reads "path (block class): why" (capture's form)."""
+    paths: dict[str, list[str]] = {}
+    for c in left:
+        why = c.reason or f"{c.path} ({c.block_class}): not captured"
+        paths.setdefault(why.removeprefix(c.path), []).append(c.path)
+    return "; ".join(f"{', '.join(ps)}{why}" for why, ps in paths.items())
 
 
 def _compile(
@@ -310,8 +321,8 @@ def _compile(
                 if all(kinds.values()):  # e.g. a weight format none of the backend's kernels reads
                     why = "; ".join(f"{k}: {v}" for k, v in kinds.items())
                     c = state.captured[i] = dataclasses.replace(
-                        c, block=None, reason=f"{c.path}: backend {be.name} runs none of its kernels on this "
-                                              f"block ({why}); left as is")
+                        c, block=None, reason=f"{c.path} ({c.block_class}): backend {be.name} runs none of its "
+                                              f"kernels on this block ({why}); left as is")
             if c.block is None and c.experts is not None:
                 c.experts._moetune_left = c.reason  # runs transformers' own experts, never a first-call compile
             if c.block is None or c.experts is None:

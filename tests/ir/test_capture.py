@@ -9,7 +9,7 @@ from moetune import testing as tm
 from moetune.codegen.common import ExpertTensors
 from moetune.codegen.torch.reference import experts_reference
 from moetune.ir import Activation, CaptureError, Router, SharedExperts, WeightLayout
-from moetune.ir.capture import ROUTERS, capture, check_router, qualname, router_tensors
+from moetune.ir.capture import ROUTERS, capture, check_router, qualname, router_tensors, router_weights_and_ids
 from moetune.ir.routing import route, router_logits, selection_scores
 
 DTYPES = ["float32", "bfloat16"]
@@ -178,7 +178,8 @@ def test_reference_router_on_real_hidden_states(tiny, family, dtype):
         for h in hooks:
             h.remove()
     for c in found:
-        x, (_, their_w, their_ids) = seen[c.path]
+        x, out = seen[c.path]
+        their_w, their_ids = router_weights_and_ids(out)  # [T, k], [T, k]
         x = x.reshape(-1, c.block.D)  # [T, D]
         spec = c.block.router
         weight, bias, score_bias = router_tensors(c.router, spec)

@@ -92,3 +92,14 @@ def test_mxfp4_still_refused():
     blk.experts.__class__ = type("Mxfp4Experts", (type(blk.experts),), {})
     found = capture(model)
     assert not found[0].ok and "MXFP4" in found[0].reason
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe", "mixtral"])
+def test_activation_dtype_read_off_a_router_computing_in_it(family):
+    """A model built in float32 and moved to bf16 keeps config.dtype float32; its router's weight (which meets
+    the activations in a matrix product) says bf16."""
+    model = fp8.to_fp8(tm.build(family).to(torch.bfloat16), BLOCK)
+    assert model.config.dtype == torch.float32
+    found = capture(model)
+    assert found and all(c.ok for c in found), [c.reason for c in found]
+    assert all(c.block.weight_format == WeightFormat.fp8_block(BLOCK, "float32", "bfloat16") for c in found)
