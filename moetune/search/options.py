@@ -27,6 +27,7 @@ class TuneOptions:
     strict: bool = False
     keep_going: bool = False
     storage: object = None  # RDB URL, journal file, or an optuna storage; shared by workers
+    heartbeat_s: int = 10  # RDB storage: a worker's running trials beat this often; silent 3× as long, retried
     exhaustive: bool = False  # every point of the space, no early stop (to check TPE against a grid)
     space_cap: int | None = None  # tune a sub-grid of ≤ this many points per bucket (space.cap_space)
     warm_in_build: bool | None = None  # launch each candidate once in the build pool (None: on GPUs)

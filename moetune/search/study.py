@@ -1,10 +1,17 @@
 """The Optuna side of a bucket's tuning: one study per (target, backend, block signature, bucket), driven
-with ask/tell, in memory or in a storage that several `moetune tune` workers share (`open_storage`)."""
+with ask/tell, in memory or in a storage that several `moetune tune` workers share (`open_storage`).
+
+On an RDB storage (PostgreSQL, MySQL, SQLite URLs) each worker's running trials send heartbeats from a
+thread of its own; before each ask, a trial whose worker has been silent for the grace period (killed,
+its host lost) is marked failed and Optuna's retry callback enqueues its parameters again, so another
+worker times that point: it is neither lost nor counted twice (a failed trial has no value). A journal
+file has no heartbeats: a killed worker's trial stays running there, counted by nobody."""
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -25,24 +32,42 @@ def require_optuna():
     return optuna
 
 
-def open_storage(storage):
-    """None → in memory (this study only); "sqlite:///…", "postgresql://…" → RDB; another string → a
-    journal file; an Optuna storage object is used as it is."""
+_OPENED: dict[tuple, object] = {}  # (process, URL, heartbeat) → its storage: one engine and heartbeat per process
+
+
+def open_storage(storage, heartbeat_s: int = 10):
+    """None → in memory (this study only); "sqlite:///…", "postgresql://…" → RDB, with heartbeats every
+    `heartbeat_s` and a trial silent for 3× that retried (up to 3 times), opened once per process; another
+    string → a journal file; an Optuna storage object is used as it is."""
     if storage is None or not isinstance(storage, str | os.PathLike):
         return storage
-    optuna = require_optuna()
     storage = str(storage)
     if "://" in storage:
-        # Workers starting together may race to create the schema: the loser retries.
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                return optuna.storages.RDBStorage(storage)
-            except Exception:  # noqa: BLE001 - sqlalchemy's errors; re-raised once the minute is spent
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1 + 0.2 * (os.getpid() % 5) / 5)
+        at = (os.getpid(), storage, heartbeat_s)
+        if at not in _OPENED:
+            _OPENED[at] = _open_rdb(storage, heartbeat_s)
+        return _OPENED[at]
+    optuna = require_optuna()
     return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage))
+
+
+def _open_rdb(storage: str, heartbeat_s: int):
+    """An RDB storage with heartbeats every `heartbeat_s` s, a grace of 3× that and stale trials retried."""
+    optuna = require_optuna()
+    beat = max(1, int(heartbeat_s))
+    # Workers starting together may race to create the schema: the loser retries.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3)
+                return optuna.storages.RDBStorage(storage, heartbeat_interval=beat, grace_period=3 * beat,
+                                                  heartbeat_stale_trial_callback=retry)
+        except Exception:  # noqa: BLE001 - sqlalchemy's errors; re-raised once the minute is spent
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1 + 0.2 * (os.getpid() % 5) / 5)
 
 
 class Study:
@@ -58,10 +83,12 @@ class Study:
                                                  constant_liar=True, n_startup_trials=8)
         self.optuna = optuna
         self.space = space
-        self.study = optuna.create_study(study_name=name, storage=open_storage(options.storage),
-                                         sampler=sampler, direction="minimize", load_if_exists=True)
+        storage = open_storage(options.storage, options.heartbeat_s)
+        self.study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction="minimize",
+                                         load_if_exists=True)
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self._check_resumed(name, options.storage)
+        self.heartbeat = Heartbeat.of(storage)
 
     def _check_resumed(self, name: str, storage) -> None:
         """A study resumed from `storage` must have been sampled over this search space: Optuna cannot
@@ -84,7 +111,24 @@ class Study:
             self.study.enqueue_trial(self.space.params_of(s), skip_if_exists=True)
 
     def ask(self):
-        return self.study.ask()
+        """The next trial, this worker's name on it; stale trials of killed workers failed (and so retried)
+        first."""
+        if self.heartbeat is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", self.optuna.exceptions.ExperimentalWarning)
+                self.optuna.storages.fail_stale_trials(self.study)
+        trial = self.study.ask()
+        if self.heartbeat is not None:
+            self.heartbeat.add(trial._trial_id)
+        try:
+            trial.set_user_attr("worker", self.worker)
+        except self.optuna.exceptions.UpdateFinishedTrialError:
+            pass  # an RDB storage on SQLite handed this enqueued trial to another worker, who told it
+        return trial
+
+    def _done(self, trial) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.discard(trial._trial_id)
 
     def scored(self) -> dict[str, float]:
         """key → value of every completed trial of the study (every worker's)."""
@@ -117,6 +161,7 @@ class Study:
             self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
         except (ValueError, self.optuna.exceptions.UpdateFinishedTrialError):
             pass
+        self._done(trial)
 
     def tell(self, trial, outcome: Outcome, duplicate: bool = False) -> None:
         try:
@@ -124,11 +169,11 @@ class Study:
         except (ValueError, self.optuna.exceptions.UpdateFinishedTrialError):
             # An RDB storage on SQLite can hand one enqueued trial to two workers; the other one told it.
             pass
+        self._done(trial)
 
     def _tell(self, trial, outcome: Outcome, duplicate: bool) -> None:
         trial.set_user_attr("status", outcome.status)
         trial.set_user_attr("schedule", outcome.schedule.describe())
-        trial.set_user_attr("worker", self.worker)
         if outcome.reason:
             trial.set_user_attr("reason", outcome.reason[:4000])
         if outcome.rel_err is not None:
@@ -139,6 +184,54 @@ class Study:
             trial.set_user_attr("spread_us", outcome.timing.spread_s * 1e6)
             trial.set_user_attr("build_s", outcome.build_s)
         self.study.tell(trial, outcome.time_s)
+
+
+_BEATS: dict[tuple, Heartbeat] = {}  # (process, storage) → its heartbeat thread
+
+
+class Heartbeat:
+    """A daemon thread recording a heartbeat for each running trial of this worker every interval of the
+    storage, so that the others can tell a live trial from a killed worker's."""
+
+    def __init__(self, storage, interval_s: float) -> None:
+        self.storage, self.interval_s = storage, interval_s
+        self.trials: set[int] = set()
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="moetune-heartbeat", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def of(cls, storage) -> Heartbeat | None:
+        """The heartbeat of `storage` in this process where it keeps them (an RDB storage with an
+        interval), else None."""
+        from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
+
+        if not isinstance(storage, BaseHeartbeat) or not is_heartbeat_enabled(storage):
+            return None
+        at = (os.getpid(), id(storage))
+        if at not in _BEATS:
+            _BEATS[at] = cls(storage, float(storage.get_heartbeat_interval()))
+        return _BEATS[at]
+
+    def add(self, trial_id: int) -> None:
+        self.storage.record_heartbeat(trial_id)
+        with self.lock:
+            self.trials.add(trial_id)
+
+    def discard(self, trial_id: int) -> None:
+        with self.lock:
+            self.trials.discard(trial_id)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            with self.lock:
+                ids = list(self.trials)
+            for t in ids:
+                try:
+                    self.storage.record_heartbeat(t)
+                except Exception:  # noqa: BLE001 - a lost connection: the next beat tries again
+                    pass
 
 
 def placeholder(trial) -> Schedule:

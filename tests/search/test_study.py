@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+import uuid
 
 import optuna
 import pytest
@@ -16,6 +21,7 @@ from moetune.runtime.table import DispatchEntry, DispatchTable
 from moetune.runtime.versions import Versions
 from moetune.search import TuneOptions, bucket_inputs, tune_bucket
 from moetune.search.objective import CandidateError, expert_tensors, trace_sampler
+from moetune.search.study import open_storage
 from moetune.search.timing import FakeTimer
 
 VERSIONS = Versions("0.1.0", "toyhash", "toy 1", torch.__version__, "toy device", "toy")
@@ -31,12 +37,15 @@ def run(backend, *, bucket=None, cost=tb.cost, table=None, **opts):
                        versions=VERSIONS)
 
 
+def study_name(backend: str, bucket=(1, 8)) -> str:
+    return f"moetune:toy-target:{backend}:{tb.BLOCK.signature_hash()}:{bucket[0]}-{bucket[1]}"
+
+
 def trials(storage, backend: str, bucket=(1, 8)) -> list:
     """The trials of a bucket's study in `storage` (a journal file, an RDB URL or a storage object)."""
     if isinstance(storage, str) and "://" not in storage:
         storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage))
-    name = f"moetune:toy-target:{backend}:{tb.BLOCK.signature_hash()}:{bucket[0]}-{bucket[1]}"
-    return optuna.load_study(study_name=name, storage=storage).trials
+    return optuna.load_study(study_name=study_name(backend, bucket), storage=storage).trials
 
 
 def test_fake_timer_picks_the_known_best_and_writes_it(tmp_path):
@@ -215,6 +224,104 @@ def test_two_workers_share_one_study_and_one_table(tmp_path, kind):
         assert len(workers) == 2
         evaluated = [t for t in done if not t.user_attrs.get("duplicate")]
         assert len(evaluated) >= max(r[1] for g in got for r in g if r[0] == bucket)
+
+
+# ------------------------------------------------------------------------ three workers, one killed
+
+POSTGRES = os.environ.get("MOETUNE_TEST_POSTGRES")
+KILL_BUCKETS = ((1, 8), (9, 16))
+
+
+def _database(kind: str, tmp_path) -> str:
+    """A fresh storage URL: a SQLite file, or a new database on the PostgreSQL server of MOETUNE_TEST_POSTGRES."""
+    if kind == "sqlite":
+        return f"sqlite:///{tmp_path / 'study.db'}"
+    import psycopg
+
+    name = f"moetune_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(POSTGRES, autocommit=True) as con:
+        con.execute(f"CREATE DATABASE {name}")
+    return POSTGRES.rsplit("/", 1)[0] + "/" + name
+
+
+def _slow_worker(url: str, table: str, seed: int, out) -> None:
+    try:
+        be = tb.toy("toy-killed", faults={p: "wrong" for p in FASTEST}, build_s=0.4)
+        results = []
+        with DispatchTable(table) as t:
+            for lo, hi in KILL_BUCKETS:
+                # the first bucket searched to the end: it outlasts the killed worker's grace period
+                r = run(be, bucket=tb.bucket(lo, hi), table=t, storage=url, seed=seed, batch=2, build_workers=1,
+                        patience=1000 if lo == 1 else 12, heartbeat_s=1)
+                results.append((r.bucket, r.evaluated, r.time_s))
+        out.put(results)
+    except BaseException:
+        import traceback
+
+        out.put(traceback.format_exc())
+
+
+@pytest.mark.parametrize("kind", [pytest.param("sqlite", marks=pytest.mark.skipif(
+    bool(POSTGRES), reason="the PostgreSQL variant runs")), pytest.param("postgresql", marks=pytest.mark.skipif(
+    not POSTGRES, reason="no PostgreSQL server: MOETUNE_TEST_POSTGRES is unset (.ci/run starts one where the "
+    "distribution's PostgreSQL is installed: .ci/postgres)"))])
+def test_a_worker_killed_mid_study_loses_no_trial_and_counts_none_twice(tmp_path, kind):
+    url, table = _database(kind, tmp_path), str(tmp_path / "d.sqlite")
+    optuna.storages.RDBStorage(url)  # the schema, before the workers and the polling below read it
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_slow_worker, args=(url, table, seed, q)) for seed in (1, 2, 3)]
+    for p in procs:
+        p.start()
+    victim = procs[0]
+    name = f"{socket.gethostname()}:{victim.pid}"
+    deadline = time.monotonic() + 60
+    while True:  # killed while it holds a running trial of its own (a sampled one: on SQLite an enqueued
+        try:         # trial can be handed to two workers), its candidate building
+            ts = trials(url, "toy-killed", KILL_BUCKETS[0])
+        except KeyError:  # the study is not created yet
+            ts = []
+        if any(t.state == optuna.trial.TrialState.RUNNING and t.user_attrs.get("worker") == name
+               and "fixed_params" not in t.system_attrs for t in ts):
+            break
+        assert time.monotonic() < deadline, "the first worker never ran a trial"
+        time.sleep(0.02)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(10)
+    got = [q.get(timeout=180) for _ in procs[1:]]
+    assert not [g for g in got if isinstance(g, str)], got
+    for p in procs[1:]:
+        p.join(60)
+        assert p.exitcode == 0
+    with DispatchTable(table, create=False) as t:
+        rows = {e.bucket: e for e in t.entries()}
+    assert set(rows) == set(KILL_BUCKETS)  # the table whole
+    # The live workers may have timed every point before the killed one's trial went stale (3 silent
+    # heartbeats); then the next worker to ask in that study fails and retries it: one asking now.
+    time.sleep(3.5)
+    sweep = open_storage(url, heartbeat_s=1)
+    for bucket in KILL_BUCKETS:
+        optuna.storages.fail_stale_trials(optuna.load_study(study_name=study_name("toy-killed", bucket), storage=sweep))
+    killed = 0
+    for bucket in KILL_BUCKETS:
+        ts = trials(url, "toy-killed", bucket)
+        states = {t.state for t in ts}
+        assert optuna.trial.TrialState.RUNNING not in states, states  # none left running
+        done = [t for t in ts if t.state == optuna.trial.TrialState.COMPLETE]
+        timed = {repr(sorted(t.params.items())) for t in done}
+        for t in ts:
+            if t.state == optuna.trial.TrialState.FAIL and t.user_attrs.get("worker") == name:
+                killed += 1
+                assert t.value is None  # counted by nobody
+                retries = [r for r in ts if r.system_attrs.get("failed_trial") == t.number]
+                assert len(retries) == 1, retries  # retried once
+                if t.params:  # its point timed by a live worker: not lost
+                    assert repr(sorted(t.params.items())) in timed
+        assert len({t.number for t in ts}) == len(ts)
+        best = min(t.value for t in done if math.isfinite(t.value))
+        assert rows[bucket].time_us == pytest.approx(best * 1e6)  # the study's best, written
+    assert killed >= 1, [(t.number, t.state, t.user_attrs.get("worker"), t.system_attrs) for b in KILL_BUCKETS
+                         for t in trials(url, "toy-killed", b)]
 
 
 def test_exhaustive_mode_times_every_point_and_agrees_with_tpe():

@@ -3,10 +3,12 @@ a real backend: its kernels compute the real answer through the float32 referenc
 purpose at the points named in `faults`).
 
     faults: {(kind, tile, stages): "wrong" | "nan" | "crash" | "oom" | "refuse_build"}
+    build_s: each build sleeps this long (a candidate in flight long enough to be interrupted)
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +41,7 @@ class ToyBackend:
     faults: dict = field(default_factory=dict)
     refuse_kinds: dict = field(default_factory=dict)
     built: list = field(default_factory=list)
+    build_s: float = 0.0
 
     def available(self) -> str | None:
         return None
@@ -57,6 +60,7 @@ class ToyBackend:
         p = schedule.params
         fault = self.faults.get((schedule.kind, p.tile, p.stages))
         self.built.append(schedule)
+        time.sleep(self.build_s)
         if fault == "refuse_build":
             raise UnsupportedSchedule(f"toy {schedule.kind}: tile {p.tile} does not divide D = {block.D}")
 
