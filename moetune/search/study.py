@@ -123,7 +123,7 @@ class Study:
         try:
             trial.set_user_attr("worker", self.worker)
         except self.optuna.exceptions.UpdateFinishedTrialError:
-            pass  # an RDB storage on SQLite handed this enqueued trial to another worker, who told it
+            self._done(trial)  # an RDB storage on SQLite handed this enqueued trial to another worker, who told it
         return trial
 
     def _done(self, trial) -> None:
@@ -197,8 +197,7 @@ class Heartbeat:
         self.storage, self.interval_s = storage, interval_s
         self.trials: set[int] = set()
         self.lock = threading.Lock()
-        self.thread = threading.Thread(target=self._run, name="moetune-heartbeat", daemon=True)
-        self.thread.start()
+        threading.Thread(target=self._run, name="moetune-heartbeat", daemon=True).start()
 
     @classmethod
     def of(cls, storage) -> Heartbeat | None:
