@@ -354,6 +354,38 @@ def profile_moe(model: torch.nn.Module, ids: torch.Tensor, steps: int) -> dict:
     return dict(moe_us=moe / steps, kernels_us=kernels / steps, profiled_steps=steps, scopes=len(mine))
 
 
+def compiled_kernels(model: torch.nn.Module, ids: torch.Tensor, new: int, mode: str, steps: int, top: int) -> dict:
+    """The GPU kernels of decode steps 1..`steps` of a `generate` under the compile `mode` (the graphs the timed runs
+    replayed; kernels inside CUDA graphs are traced as themselves): {busy_us (the union of the kernels' intervals),
+    kernels_us (their sum) per step, kernels: the `top` by time, [{name, calls, us}] per step}."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    window = ProfileWindow(prof, steps, True)
+    try:
+        generate_once(model, ids, generation_config(new, mode, True), (window,))
+    finally:
+        if window.running:
+            prof.stop()
+    work = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation),
+                  key=lambda e: e.time_range.start)
+    by: dict[str, list[float]] = {}
+    busy, end = 0.0, None
+    for e in work:
+        a, b = e.time_range.start, e.time_range.end
+        by.setdefault(e.name, []).append(b - a)
+        if end is None or a >= end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    rows = sorted(({"name": n[:120], "calls": len(v) / steps, "us": sum(v) / steps} for n, v in by.items()),
+                  key=lambda r: -r["us"])
+    return dict(busy_us=busy / steps, kernels_us=sum(r["us"] for r in rows), kernels=rows[:top], steps=steps)
+
+
 class ExpertsOff:
     """Within the context every experts module of `model` returns zeros of its input's shape (the router, the
     attention and the rest of the step unchanged): a step without the experts, so that a variant's MoE time is its
@@ -457,7 +489,7 @@ def _model(args, dev: str, batches: list[int], say) -> tuple[torch.nn.Module, di
 
 
 def measure(model: torch.nn.Module, ids: torch.Tensor, new: int, mode: str, *, warmup: int, timed: int,
-            profile_steps: int, keep_logits: bool) -> tuple[dict, dict]:
+            profile_steps: int, keep_logits: bool, kernels: int = 0) -> tuple[dict, dict]:
     """One variant at one batch (`ids` [B, prompt]): `warmup` untimed generations, `timed` timed ones, then the
     profiled run. Returns (its row of the results, {sequences, logits} of the last timed generation)."""
     cuda = ids.device.type == "cuda"
@@ -472,6 +504,8 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, new: int, mode: str, *, w
                prefill_ms=statistics.median(r["prefill_ms"] for r in runs), ms_per_step=ms,
                step_ms_min=min(steps_ms), step_ms_max=max(steps_ms), decode_steps=len(steps_ms),
                tokens_per_s=b / ms * 1e3)
+    if kernels and cuda:
+        row["compiled"] = compiled_kernels(model, ids, new, mode, max(profile_steps, 1), kernels)
     if profile_steps:
         p = profile_moe(model, ids, profile_steps)
         row.update(moe_us_per_step=p["moe_us"], kernels_us_per_step=p["kernels_us"],
@@ -541,7 +575,8 @@ def generation(args) -> dict:
             try:
                 row, run = measure(model, prompts[:b].to(dev), args.new, mode, warmup=warmup, timed=args.timed,
                                    profile_steps=0 if off else steps,
-                                   keep_logits=not off and b * args.new * vocab * 4 <= args.compare_gb * 2**30)
+                                   keep_logits=not off and b * args.new * vocab * 4 <= args.compare_gb * 2**30,
+                                   kernels=args.kernels)
             except Exception as exc:  # noqa: BLE001 - a variant that fails is recorded, the others still run
                 row = dict(variant=label or _label(variant, impl), batch=b, error=f"{type(exc).__name__}: {exc}"[:400])
                 result["rows"].append(row)
@@ -557,6 +592,11 @@ def generation(args) -> dict:
             say(f"{label:28s} batch {b:4d}: prefill {row['prefill_ms']:8.2f} ms, {row['ms_per_step']:8.3f} ms/step, "
                 f"{row['tokens_per_s']:9.1f} tok/s" + (f", MoE {row['moe_us_per_step']:8.1f} µs/step (profile)"
                                                        if "moe_us_per_step" in row else ""))
+            if "compiled" in row:
+                c = row["compiled"]
+                top = "; ".join(f"{k['name'][:48]} ×{k['calls']:g} {k['us']:.1f}" for k in c["kernels"])
+                say(f"{label} batch {b}: compiled step's kernels {c['kernels_us']:.1f} µs, busy {c['busy_us']:.1f} µs "
+                    f"of {row['ms_per_step'] * 1e3:.1f}; {top}")
         if off:
             off.__exit__(None, None, None)
         done.add(label or _label(variant, impl))
@@ -774,6 +814,9 @@ def add_arguments(ap) -> None:
     g.add_argument("--warmup", type=int, default=2, help="untimed generations per variant and batch")
     g.add_argument("--timed", type=int, default=1, help="timed generations per variant and batch")
     g.add_argument("--profile-steps", type=int, default=4, help="decode steps profiled for the MoE share (0: none)")
+    g.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="on a GPU, also profile the compiled decode steps (the replayed graphs) and keep the N kernels "
+                        "that took the most time per step, with the GPU's busy time (0: not)")
     g.add_argument("--compare-gb", type=float, default=16.0,
                    help="largest logits (GiB, float32, on the host) kept per run for the token check's logit gap")
     g.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True,
