@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import time
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,25 +98,45 @@ class Trace:
         try:
             with np.load(path, allow_pickle=False) as z:
                 arrays = {name: z[name] for name in z.files}
-        except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
+        except (zipfile.BadZipFile, zlib.error, ValueError, OSError, EOFError, KeyError, NotImplementedError) as e:
             raise TraceError(f"trace file {path}: not a readable .npz archive (truncated or foreign file): "
                              f"{type(e).__name__}: {e}") from None
-        if not isinstance(arrays, dict) or str(arrays.get("format", "")) != FORMAT:
+        fmt = arrays.get("format")
+        if fmt is None or fmt.shape != () or str(fmt) != FORMAT:
             raise TraceError(f"trace file {path}: not a moetune trace (no format={FORMAT!r} entry)")
         need = ("version", "E", "k", "layers", "step_tokens", "step_phase", "ids", "meta")
         missing = [n for n in need if n not in arrays]
         if missing:
             raise TraceError(f"trace file {path}: missing arrays {missing}")
-        if int(arrays["version"]) != VERSION:
-            raise TraceError(f"trace file {path}: version {int(arrays['version'])}, "
-                             f"this moetune reads {VERSION}")
+        version = _scalar(arrays, "version", int, path)
+        if version != VERSION:
+            raise TraceError(f"trace file {path}: version {version}, this moetune reads {VERSION}")
         try:
-            meta = json.loads(str(arrays["meta"]))
+            meta = json.loads(_scalar(arrays, "meta", str, path))
         except json.JSONDecodeError as e:
             raise TraceError(f"trace file {path}: meta is not JSON: {e}") from None
-        return cls(E=int(arrays["E"]), k=int(arrays["k"]), layers=tuple(str(s) for s in arrays["layers"]),
-                   step_tokens=arrays["step_tokens"], step_phase=arrays["step_phase"],
-                   ids=arrays["ids"], meta=meta, name=str(path))
+        if not isinstance(meta, dict):
+            raise TraceError(f"trace file {path}: meta is {type(meta).__name__} JSON, expected an object")
+        layers = arrays["layers"]
+        if layers.ndim != 1 or layers.dtype.kind != "U":
+            raise TraceError(f"trace file {path}: layers of dtype {layers.dtype}, shape {layers.shape}; "
+                             "expected [L] strings")
+        for name in ("step_tokens", "step_phase", "ids"):
+            if not np.issubdtype(arrays[name].dtype, np.integer):
+                raise TraceError(f"trace file {path}: {name} of dtype {arrays[name].dtype}, expected integers")
+        return cls(E=_scalar(arrays, "E", int, path), k=_scalar(arrays, "k", int, path),
+                   layers=tuple(str(s) for s in layers), step_tokens=arrays["step_tokens"],
+                   step_phase=arrays["step_phase"], ids=arrays["ids"], meta=meta, name=str(path))
+
+
+def _scalar(arrays: dict, name: str, kind: type, path: Path):
+    """The 0-d array `name` of a trace file as an int or a str; TraceError naming the file otherwise."""
+    a = arrays[name]
+    ok = a.shape == () and (np.issubdtype(a.dtype, np.integer) if kind is int else a.dtype.kind == "U")
+    if not ok:
+        raise TraceError(f"trace file {path}: {name} of dtype {a.dtype}, shape {a.shape}; expected one "
+                         f"{'integer' if kind is int else 'string'}")
+    return kind(a)
 
 
 def _check(t: Trace, where: str) -> None:

@@ -183,7 +183,10 @@ class DispatchEntry:
                 if ptype.__name__ != self.params_type:
                     raise CacheError(f"{where}: params class {self.params_type}, "
                                      f"backend now has {ptype.__name__}")
-                values = {k: _tuplify(v) for k, v in json.loads(self.params).items()}
+                values = json.loads(self.params)
+                if not isinstance(values, dict):
+                    raise CacheError(f"{where}: params {self.params[:60]!r} is not a JSON object")
+                values = {k: _tuplify(v) for k, v in values.items()}
                 params = ptype(**values)
             return Schedule(self.kind, row_threshold=self.row_threshold, backend=self.backend, params=params)
         except CacheError:
@@ -280,18 +283,49 @@ def _outside(e: DispatchEntry, lo: int, hi: int) -> list[DispatchEntry]:
 
 
 def _connect(path: Path, create: bool) -> sqlite3.Connection:
+    """A connection to the file at `path`. A file whose folder takes no new files (a read-only file system, a
+    folder without write permission) and that has no write-ahead log beside it is read as immutable: SQLite
+    could not create its -shm file there, and no writer can change it (a write needs a -wal or -journal file in
+    that folder); opened for writing, it is refused naming the folder."""
     if not create and not path.exists():
         raise CacheError(f"dispatch table {path}: no such file")
     if path.is_dir():
         raise CacheError(f"dispatch table {path}: is a folder, not a file")
+    folder = next((p for p in path.parents if p.exists()), Path("."))
+    frozen = not os.access(folder, os.W_OK)
+    if create and frozen:
+        raise CacheError(f"dispatch table {path}: cannot be written: {_no_writes(folder)}; nothing was written")
     try:
         if create:
             path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(str(path), timeout=60.0, isolation_level=None, check_same_thread=False)
+        if frozen and not Path(f"{path}-wal").exists():
+            conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True, timeout=60.0,
+                                   isolation_level=None, check_same_thread=False)
+        else:
+            conn = sqlite3.connect(str(path), timeout=60.0, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA busy_timeout = 60000")
         return conn
     except (sqlite3.Error, OSError) as e:
         raise CacheError(f"dispatch table {path}: cannot open ({e})") from e
+
+
+def _no_writes(folder: Path) -> str:
+    """Why `folder` takes no new files."""
+    try:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return f"{folder} is on a read-only file system"
+    except OSError:
+        pass
+    return f"no permission to write in {folder}"
+
+
+def _write_failed(path: Path, e: sqlite3.Error) -> CacheError:
+    """The one error of a write that SQLite refused: the file, what SQLite said, and that nothing of it was
+    written (the transaction rolled back)."""
+    name = getattr(e, "sqlite_errorname", "") or type(e).__name__
+    cause = ("the disk is full; " if name == "SQLITE_FULL" else
+             "the file is read-only; " if name.startswith("SQLITE_READONLY") else "")
+    return CacheError(f"dispatch table {path}: write failed, nothing was written ({cause}{name}: {e})")
 
 
 class DispatchTable:
@@ -302,20 +336,22 @@ class DispatchTable:
 
         self.path = Path(path)
         self._conn = _connect(self.path, create)
+        self._wrote = False  # whether this handle wrote: only then does close() checkpoint (and wait for one)
         try:
             self.db = sqlite_utils.Database(self._conn)
-            status = self._conn.execute("PRAGMA quick_check").fetchone()[0]
-            if status != "ok":
-                raise CacheError(f"dispatch table {self.path}: corrupt ({status})")
-            if create:
-                self._setup()
-            self._check_schema()
-        except CacheError:
+            try:
+                status = self._conn.execute("PRAGMA quick_check").fetchone()[0]
+                if status != "ok":
+                    raise CacheError(f"dispatch table {self.path}: corrupt ({status})")
+                if create:
+                    self._writable()
+                else:
+                    self._check_schema()
+            except (sqlite3.Error, UnicodeDecodeError) as e:  # not SQLite, a schema it cannot parse, not UTF-8
+                raise CacheError(f"dispatch table {self.path}: not a readable SQLite file ({e})") from e
+        except BaseException:
             self._conn.close()
             raise
-        except sqlite3.Error as e:
-            self._conn.close()
-            raise CacheError(f"dispatch table {self.path}: not a readable SQLite file ({e})") from e
 
     def _setup(self, wait_s: float = 60.0) -> None:
         """WAL mode and the table (`_create`). Switching the journal mode may answer "locked" at once,
@@ -354,8 +390,15 @@ class DispatchTable:
                 self._conn.execute(f"DROP TABLE {V1}")
             self._conn.execute("COMMIT")
         except BaseException:
-            self._conn.execute("ROLLBACK")
+            self._rollback()
             raise
+        self._wrote = True
+
+    def _rollback(self) -> None:
+        """End the open transaction, if SQLite has not ended it itself (a failed COMMIT may or may not)."""
+        if self._conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.execute("ROLLBACK")
 
     def _lacking(self, name: str) -> tuple[str, ...]:
         """The columns of `ADDED` that table `name` does not have (a file written before they existed)."""
@@ -386,16 +429,20 @@ class DispatchTable:
     def _writable(self) -> None:
         """Before a write: the file holds `TABLE` with every column (a file opened with create=False may
         hold `V1` only, or a `TABLE` lacking the columns of `ADDED`)."""
-        if self.source != TABLE or self._lacking(TABLE):
-            try:
-                self._setup()
-            except sqlite3.Error as e:
-                raise CacheError(f"dispatch table {self.path}: write failed ({e})") from e
-            self._check_schema()
+        if getattr(self, "source", None) == TABLE and not self._lacking(TABLE):
+            return
+        try:
+            self._setup()
+        except sqlite3.Error as e:
+            raise _write_failed(self.path, e) from e
+        self._check_schema()
 
     # context management
     def close(self) -> None:
-        self._checkpoint("TRUNCATE")
+        """Close; a handle that wrote first copies the log into the file (`_checkpoint`). A reader does not:
+        the checkpoint would wait for a tuner's open write transaction, and a reader never waits."""
+        if self._wrote:
+            self._checkpoint("TRUNCATE")
         self._conn.close()
 
     def _checkpoint(self, mode: str = "PASSIVE") -> None:
@@ -459,12 +506,13 @@ class DispatchTable:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 yield
+                self._conn.execute("COMMIT")
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                self._rollback()
                 raise
-            self._conn.execute("COMMIT")
         except sqlite3.Error as e:
-            raise CacheError(f"dispatch table {self.path}: write failed ({e})") from e
+            raise _write_failed(self.path, e) from e
+        self._wrote = True
 
     def _write(self, entry: DispatchEntry, replace_stale: bool, replace: bool, supersede: bool,
                split: Callable[[DispatchEntry], bool] | None = None) -> bool:
@@ -522,9 +570,24 @@ class DispatchTable:
         sql = (f"SELECT {cols} FROM {self.source}" + (f" WHERE {' AND '.join(where)}" if where else "")
                + " ORDER BY target, backend, signature, bucket_lo")
         try:
-            return [DispatchEntry.from_row(r) for r in self.db.query(sql, args)]
-        except (sqlite3.Error, KeyError, TypeError) as e:
-            raise CacheError(f"dispatch table {self.path}: unreadable rows ({e})") from e
+            return [DispatchEntry.from_row(self._typed(r)) for r in self.db.query(sql, args)]
+        except (sqlite3.Error, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise CacheError(f"dispatch table {self.path}: unreadable rows ({type(e).__name__}: {e})") from e
+
+    def _typed(self, row: dict) -> dict:
+        """`row` with each value of its column's type (an integer where a real is stored); SQLite keeps what a
+        foreign writer put in a typed column, so a value of another type is a corrupt row, named."""
+        for c, want in COLUMNS.items():
+            v = row[c]
+            if v is None and c not in NOT_NULL:
+                continue
+            if want is float and type(v) is int:
+                row[c] = float(v)
+            elif type(v) is not want:
+                key = ", ".join(f"{k}={row[k]!r}" for k in PK)
+                raise CacheError(f"dispatch table {self.path}: corrupt row ({key}): column {c} holds "
+                                 f"{v!r:.60}, expected {_SQL_TYPES[want]}")
+        return row
 
     def get(self, target: str, backend: str, signature: str, lo: int, hi: int) -> DispatchEntry | None:
         for e in self.entries(target, backend, signature):

@@ -14,15 +14,15 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..ir import UnsupportedSchedule
-from .objective import Objective, Outcome
+from .objective import Built, Objective, Outcome
 from .options import TuneOptions
 from .seeds import Untried, climb
 from .space import SearchSpace, key
 from .study import Study, placeholder
+from .watchdog import CandidateTimeout, Job, Pool
 
 
 class Share:
@@ -92,7 +92,7 @@ def run_rounds(st: Study, space: SearchSpace, objective: Objective, options: Tun
     best, since_best = math.inf, 0
     untried = Untried(st, space, options.seed)
     climbed: set[str] = set()  # incumbents whose neighbours were enqueued
-    pool = ThreadPoolExecutor(max_workers=options.build_workers, thread_name_prefix="moetune-build")
+    pool = Pool(options.build_workers, options.candidate_timeout_s)  # a hung build gives its slot back
 
     def budget_stop(next_s: float) -> str:
         if share.left() <= 0:
@@ -128,7 +128,8 @@ def run_rounds(st: Study, space: SearchSpace, objective: Objective, options: Tun
                     st.tell(trial, prior, duplicate=True)
                     untried.suggest_one(set(outcomes) | set(scored) | {t[2] for t in todo})
                 else:
-                    todo.append((trial, s, k, pool.submit(objective.build, s)))  # built ahead of timing
+                    job = pool.submit(objective.build, s, what=f"candidate {s.describe()}: its build")
+                    todo.append((trial, s, k, job))  # built ahead of timing
             told = 0
             try:
                 for trial, s, k, fut in todo:
@@ -136,6 +137,7 @@ def run_rounds(st: Study, space: SearchSpace, objective: Objective, options: Tun
                     if outcomes and not first_only and not share.fits(est, reserve()):
                         state.stopped = budget_stop(est)
                         break
+                    st.evaluating(trial)
                     out = _evaluate(objective, s, fut, share)
                     outcomes[k] = out
                     st.tell(trial, out)
@@ -165,16 +167,23 @@ def run_rounds(st: Study, space: SearchSpace, objective: Objective, options: Tun
                                         since_best=since_best, tried=tried, size=untried.size,
                                         trials=len(st.trials), share=share, evaluated=len(outcomes))
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown()
     return state
 
 
-def _evaluate(objective: Objective, s, fut: Future, share: Share) -> Outcome:
-    built = fut.result()
-    share.builds.append(built.seconds)
+def _evaluate(objective: Objective, s, job: Job, share: Share) -> Outcome:
+    """Check and time the candidate built by `job`; a build or an evaluation past its time limit is scored and
+    left out of the estimates of the next candidates' cost."""
+    try:
+        built = job.result()
+    except CandidateTimeout as e:
+        built = Built(s, None, e, e.seconds)
+    else:
+        share.builds.append(built.seconds)
     t0 = share.clock()
     out = objective.evaluate(s, built)
-    share.evals.append(share.clock() - t0)
+    if out.status != "timeout":
+        share.evals.append(share.clock() - t0)
     return out
 
 

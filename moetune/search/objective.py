@@ -2,10 +2,11 @@
 
 Correct before fast: every candidate is checked on fresh random inputs (new x and routing,
 never zeros) at the bucket's token counts before it is timed. A candidate that computes a wrong or
-non-finite answer, that the backend refuses, or that runs out of a known resource scores `inf` and
-keeps its reason; it never stops the study. Any other exception is a bug in a kernel: it is re-raised
-as CandidateError with a copy-pasteable repro, unless `keep_going` (then it scores `inf` with the repro
-as its reason). `strict` re-raises every failure, refusals and resource errors included.
+non-finite answer, that the backend refuses, that runs out of a known resource, or whose build or check and
+timing runs past its time limit (watchdog.py) scores `inf` and keeps its reason; it never stops the study.
+Any other exception is a bug in a kernel: it is re-raised as CandidateError with a copy-pasteable repro,
+unless `keep_going` (then it scores `inf` with the repro as its reason). `strict` re-raises every failure,
+refusals, resource errors and timeouts included.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..codegen.torch.reference import experts_reference
 from ..codegen.torch.tolerance import worst_error
 from ..ir import MoEBlock, MoetuneError, Schedule, UnsupportedSchedule
 from .timing import Case, Timer, Timing
+from .watchdog import CandidateTimeout, call
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -141,8 +143,8 @@ class Outcome:
     """The score of one candidate: `time_s` is inf unless `status` is "ok"."""
 
     schedule: Schedule
-    # ok | verified (checked, not timed: Objective.verify) | wrong | nonfinite | refused | resource | build_failed |
-    # launch_failed
+    # ok | verified (checked, not timed: Objective.verify) | wrong | nonfinite | refused | resource | timeout |
+    # build_failed | launch_failed
     status: str
     time_s: float = math.inf
     reason: str = ""
@@ -169,6 +171,8 @@ def _known(e: BaseException) -> str | None:
     """The status of a failure the search knows how to score, or None for an unknown one."""
     if isinstance(e, UnsupportedSchedule):
         return "refused"
+    if isinstance(e, CandidateTimeout):
+        return "timeout"
     if isinstance(e, MemoryError | torch.OutOfMemoryError) or type(e).__name__ in ("OutOfResources",
                                                                                    "OutOfMemoryError"):
         return "resource"
@@ -208,12 +212,15 @@ def _threads(n: int | None):
 
 class Objective:
     """Scores candidates of one bucket: build → check at `check_tokens` → time on `timing_cases` (the timer
-    None: `verify` only; the timing cases then give the weights the checks run on)."""
+    None: `verify` only; the timing cases then give the weights the checks run on). `timeout_s`: what one
+    evaluation (with its build, when it is not built yet) may take (TuneOptions.candidate_timeout_s)."""
 
     def __init__(self, block: MoEBlock, backend: Backend, timer: Timer | None, timing_cases: Sequence[Case],
                  check_tokens: Sequence[int], *, sampler: RoutingSampler | None = None, seed: int = 0,
-                 strict: bool = False, keep_going: bool = False, warm_in_build: bool | None = None):
+                 strict: bool = False, keep_going: bool = False, warm_in_build: bool | None = None,
+                 timeout_s: float | None = None):
         self.block, self.backend, self.timer = block, backend, timer
+        self.timeout_s = timeout_s
         self.timing_cases = list(timing_cases)
         self.w = self.timing_cases[0].w
         self.device = str(self.w.gate_up.device)
@@ -278,6 +285,15 @@ class Objective:
 
     # stage 2 and 3: check, then time
     def evaluate(self, schedule: Schedule, built: Built | None = None) -> Outcome:
+        """Check and time the candidate (built first, when `built` is None), within `timeout_s`."""
+        stages = "check and timing" if built else "build, check and timing"
+        try:
+            return call(self._evaluate, self.timeout_s, schedule, built,
+                        what=f"candidate {schedule.describe()}: its {stages}")
+        except CandidateTimeout as e:
+            return self._fail(schedule, "check and time" if built else "build", e, built.seconds if built else 0.0)
+
+    def _evaluate(self, schedule: Schedule, built: Built | None) -> Outcome:
         built = built or self.build(schedule)
         checked = self.verify(schedule, built)
         if checked.status != "verified":

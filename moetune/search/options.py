@@ -41,6 +41,8 @@ class TuneOptions:
     # at a count timed, the bucket is cut in 2 or 3 parts with a finalist each (split_parts)
     split: bool | None = None  # whether to (None: on a GPU only; CPU timings vary by more than split_loss)
     local_search: bool = True  # each new incumbent's one-knob neighbours are tried before TPE's next points
+    candidate_timeout_s: float | None = 300.0  # a candidate's build, or its check and timing, running longer
+    # fails its trial (status timeout) and the study goes on (None: no limit)
 
     def __post_init__(self) -> None:
         def bad(name: str, need: str) -> None:
@@ -52,6 +54,8 @@ class TuneOptions:
             bad("budget_s", "a positive budget")
         if self.time_limit_s is not None and not self.time_limit_s > 0:
             bad("time_limit_s", "a positive limit (None: no limit)")
+        if self.candidate_timeout_s is not None and not self.candidate_timeout_s > 0:
+            bad("candidate_timeout_s", "a positive limit (None: no limit)")
         for name in ("patience", "max_trials", "build_workers", "retime_rounds"):
             if getattr(self, name) < 1:
                 bad(name, "≥ 1")

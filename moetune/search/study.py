@@ -5,7 +5,11 @@ On an RDB storage (PostgreSQL, MySQL, SQLite URLs) each worker's running trials 
 thread of its own; before each ask, a trial whose worker has been silent for the grace period (killed,
 its host lost) is marked failed and Optuna's retry callback enqueues its parameters again, so another
 worker times that point: it is neither lost nor counted twice (a failed trial has no value). A journal
-file has no heartbeats: a killed worker's trial stays running there, counted by nobody."""
+file has no heartbeats: a killed worker's trial stays running there, counted by nobody, unless that worker
+ran on this host: a study opened here tells the trial a worker of this host was evaluating when its process
+ended as `inf` (status "died"), so that a candidate which took its process down (a fault of the device
+context, a crash in a kernel) is not run again by the resumed tune; the trials it had asked and not started
+are failed and their points enqueued again, and the trials that finished are kept."""
 
 from __future__ import annotations
 
@@ -89,6 +93,36 @@ class Study:
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self._check_resumed(name, options.storage)
         self.heartbeat = Heartbeat.of(storage)
+        self._marks = storage is not None and self.heartbeat is None  # a stored study without heartbeats
+        if self._marks:
+            self._tell_dead()
+
+    def _tell_dead(self) -> None:
+        """The running trials of the workers of this host whose processes are gone: the one each was evaluating
+        (`evaluating`) told inf, status "died"; the others failed, their points enqueued again."""
+        host, store = socket.gethostname(), self.study._storage
+        running = (self.optuna.trial.TrialState.RUNNING,)
+        for t in self.study.get_trials(deepcopy=False, states=running):
+            at, _, pid = str(t.user_attrs.get("worker", "")).rpartition(":")
+            if at != host or not pid.isdigit() or _alive(int(pid)):
+                continue
+            try:
+                if t.user_attrs.get("evaluating"):
+                    store.set_trial_user_attr(t._trial_id, "status", "died")
+                    store.set_trial_user_attr(t._trial_id, "reason", f"worker {at}:{pid} ended while it evaluated "
+                                              "this candidate; not run again")
+                    self.study.tell(t.number, float("inf"))
+                else:
+                    self.study.tell(t.number, state=self.optuna.trial.TrialState.FAIL)
+                    self.study.enqueue_trial(t.params)
+            except (ValueError, self.optuna.exceptions.UpdateFinishedTrialError):
+                pass  # another worker told it first
+
+    def evaluating(self, trial) -> None:
+        """Mark `trial` as the one this worker evaluates now (on a stored study without heartbeats: should the
+        process end in it, `_tell_dead` tells it as the candidate that ended it)."""
+        if self._marks:
+            trial.set_user_attr("evaluating", True)
 
     def _check_resumed(self, name: str, storage) -> None:
         """A study resumed from `storage` must have been sampled over this search space: Optuna cannot
@@ -231,6 +265,16 @@ class Heartbeat:
                     self.storage.record_heartbeat(t)
                 except Exception:  # noqa: BLE001 - a lost connection: the next beat tries again
                     pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def placeholder(trial) -> Schedule:

@@ -102,7 +102,7 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
                           default_schedules(block, backend, space, inputs.tokens, first=default))
     objective = Objective(block, backend, timer, inputs.cases, inputs.check_tokens, sampler=inputs.sampler,
                           seed=options.seed + bucket.lo, strict=options.strict, keep_going=options.keep_going,
-                          warm_in_build=options.warm_in_build)
+                          warm_in_build=options.warm_in_build, timeout_s=options.candidate_timeout_s)
     share.timings = objective.timer_wall
     floor_s = bucket.floor.time_s if bucket.floor is not None else 0.0
     name = f"moetune:{target}:{backend.name}:{block.signature_hash()}:{bucket.lo}-{bucket.hi}"

@@ -71,6 +71,7 @@ FAULT_CASES = [
     ("nan", "nonfinite"),
     ("refuse_build", "refused"),
     ("oom", "resource"),
+    ("host_oom", "resource"),
 ]
 
 

@@ -2,12 +2,15 @@
 a real backend: its kernels compute the real answer through the float32 reference, then break it on
 purpose at the points named in `faults`).
 
-    faults: {(kind, tile, stages): "wrong" | "nan" | "crash" | "oom" | "refuse_build"}
+    faults: {(kind, tile, stages): "wrong" | "nan" | "crash" | "oom" | "host_oom" | "refuse_build" | "hang" |
+             "hang_build" | "die"}  (hang: the kernel never returns; die: the kernel ends the process)
     build_s: each build sleeps this long (a candidate in flight long enough to be interrupted)
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +34,8 @@ class ToyParams:
             raise UnsupportedSchedule("ToyParams(tile=64, stages=3): needs 200 KiB shared memory, "
                                       "limit 100 KiB; lower stages")
 
+
+HANG_S = 3600.0  # a hung call: longer than any test waits
 
 SPACE = ParamSpace(ToyParams, (("tile", (16, 32, 64)), ("stages", (1, 2, 3))))
 
@@ -61,6 +66,8 @@ class ToyBackend:
         fault = self.faults.get((schedule.kind, p.tile, p.stages))
         self.built.append(schedule)
         time.sleep(self.build_s)
+        if fault == "hang_build":
+            threading.Event().wait(HANG_S)
         if fault == "refuse_build":
             raise UnsupportedSchedule(f"toy {schedule.kind}: tile {p.tile} does not divide D = {block.D}")
 
@@ -69,6 +76,12 @@ class ToyBackend:
                 raise RuntimeError("toy kernel: illegal memory access")
             if fault == "oom":
                 raise torch.OutOfMemoryError("toy kernel: out of memory")
+            if fault == "host_oom":
+                raise MemoryError("toy kernel: cannot allocate its workspace")
+            if fault == "hang":
+                threading.Event().wait(HANG_S)
+            if fault == "die":
+                os._exit(70)
             out = experts_reference(block, x, ids, weights, w).to(x.dtype)  # [T, D]
             if fault == "wrong":
                 out = out * 1.05
