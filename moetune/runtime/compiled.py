@@ -72,6 +72,7 @@ class CompileState:
     backend: str = "torch"
     cache: str | None = None
     on_first_call: bool = False  # compiled by the first experts call, not by moetune.compile
+    routers: dict = field(default_factory=dict)  # block path → None (router fused) or why it keeps its own
 
 
 PLANS: dict[int, Plan] = {}
@@ -263,17 +264,20 @@ def compile(
     target: str | None = None,
     check: bool = True,
     T_max: int = 4096,
+    fuse_router: bool = True,
 ) -> torch.nn.Module:
     """Run `model`'s captured MoE experts through moetune; returns the same model object.
 
-    cache    a dispatch-table file (runtime/table.py); None: every bucket on the default heuristic
-    backend  "torch" | "triton"; None: triton for CUDA weights when usable, else torch
-    target   the table's target name; None: from the weights' device ("cpu", "h200", …)
+    cache        a dispatch-table file (runtime/table.py); None: every bucket on the default heuristic
+    backend      "torch" | "triton"; None: triton for CUDA weights when usable, else torch
+    target       the table's target name; None: from the weights' device ("cpu", "h200", …)
+    fuse_router  on the triton backend, each captured block's router runs in one launch while few tokens
+                 pass (runtime/router.py); False: the routers stay the model's own
 
     Blocks capture refuses stay as they are, named with their reasons in one warning. Compiling
     copies no weight: the kernels read each experts module's parameters at call time.
     """
-    state = _compile(model, cache, backend, target=target, check=check, T_max=T_max)
+    state = _compile(model, cache, backend, target=target, check=check, T_max=T_max, fuse_router=fuse_router)
     left = [c for c in state.captured if c.block is None]
     if left:
         name = type(model).__name__
@@ -303,6 +307,7 @@ def _compile(
     check: bool = True,
     T_max: int = 4096,
     on_first_call: bool = False,
+    fuse_router: bool = True,
 ) -> CompileState:
     """`compile` without its warning: the state it leaves on `model` (`model._moetune_state`)."""
     from ..ir.capture import capture
@@ -350,6 +355,10 @@ def _compile(
             PLANS[plan.id] = plan
             state.plan_ids.append(plan.id)
             c.experts._moetune_plan = plan
+            if fuse_router and be.name == "triton" and c.router is not None:
+                from . import router  # Triton's: imported where the triton backend runs
+
+                state.routers[c.path] = router.attach(c.router, c.block)
     except BaseException:
         _detach(model, state)
         raise
@@ -428,6 +437,11 @@ def _calling_model(experts: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def _detach(model: torch.nn.Module, state: CompileState) -> None:
+    if state.routers:
+        from . import router
+
+        for m in model.modules():
+            router.detach(m)
     for m in model.modules():
         if getattr(m, "_moetune_plan", None) is not None and m._moetune_plan.id in state.plan_ids:
             del m._moetune_plan
@@ -470,6 +484,10 @@ def describe(model: torch.nn.Module) -> str:
     for p in plans(model):
         lines.append(f"{p.path}  [{p.block.signature_hash()}]  plan {p.id}")
         lines.append(p.dispatcher.describe())
+        if p.path in state.routers:
+            why = state.routers[p.path]
+            lines.append(f"  router: the model's own ({why})" if why else
+                         "  router: fused (moetune::route), one launch while few tokens pass, the model's own above")
     for c in state.captured:
         if c.block is None:
             lines.append(f"{c.path}: left as is ({c.reason})")
