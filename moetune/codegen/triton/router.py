@@ -29,7 +29,7 @@ from .layout import cdiv, next_pow2
 MAX_TOKENS = 16  # tokens a launch takes: every program reads them all
 KINDS = {"softmax_topk": 0, "topk_softmax": 1}
 _TILE = 8192  # elements of a program's [BT, BE, BD] product tile
-_PROGRAMS = 64  # programs the E rows are split over, where E allows
+_PROGRAMS = 128  # programs the E rows are split over, where E allows
 
 
 def refusal(spec: Router) -> str | None:
@@ -95,14 +95,16 @@ def fused_router_kernel(x_ptr, s_x, w_ptr, s_w, b_ptr, logits_ptr, wts_ptr, ids_
         tl.atomic_xchg(cnt_ptr, 0)
 
 
-def tiles(T: int, E: int, D: int) -> tuple[int, int, int]:
-    """(BT, BE, BD): all T tokens a program, E split over about `_PROGRAMS` programs, a bounded product tile."""
+def tiles(T: int, E: int, D: int) -> tuple[int, int, int, int]:
+    """(BT, BE, BD, warps): all T tokens a program, E split over about `_PROGRAMS` programs, as much of D a
+    load as the product tile holds, one warp per 2048 elements of it (the tail's reductions over E stay
+    within few warps)."""
     bt = next_pow2(T)
-    bd = min(next_pow2(D), 512 if bt <= 4 else 128)
-    be = max(1, min(next_pow2(max(1, E // _PROGRAMS)), _TILE // (bt * bd)))
-    while be > 1 and be > E:
+    be = max(1, next_pow2(max(1, E // _PROGRAMS)))
+    while be > 1 and bt * be * 128 > _TILE:
         be //= 2
-    return bt, be, bd
+    bd = max(16, min(next_pow2(D), _TILE // (bt * be)))
+    return bt, be, bd, max(1, min(4, bt * be * bd // 2048))
 
 
 def fused_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counter: torch.Tensor,
@@ -121,9 +123,9 @@ def fused_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     logits = torch.empty(T, E, dtype=logits_dtype, device=x.device)
     wts = torch.empty(T, k, dtype=weights_dtype, device=x.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
-    bt, be, bd = tiles(T, E, D)
+    bt, be, bd, warps = tiles(T, E, D)
     launch(fused_router_kernel, (cdiv(E, be),), x, x.stride(0), weight, weight.stride(0),
            weight if bias is None else bias, logits, wts, ids, counter, T, E, D,
            K=k, KP=next_pow2(k), EP=next_pow2(E), BT=bt, BE=be, BD=bd, KIND=KINDS[spec.kind],
-           RENORM=bool(spec.renormalize), HAS_BIAS=bias is not None, num_warps=4)
+           RENORM=bool(spec.renormalize), HAS_BIAS=bias is not None, num_warps=warps)
     return logits, wts, ids
