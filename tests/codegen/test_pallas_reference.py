@@ -45,3 +45,23 @@ def test_the_jax_reference_is_the_torch_reference(name):
     want = experts_reference(block, x, ids, wts, w)
     got = jax_reference(block, to_jax(x), to_jax(ids.to(torch.int32)), to_jax(wts), jax_experts(w))
     torch.testing.assert_close(torch.from_dlpack(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("apply", ["output", "input"])
+def test_a_sentinel_pair_drops_a_non_finite_value(apply):
+    """A token routed only to sentinels gives zeros, as in the torch reference, even where its x holds a NaN or
+    expert 0 (which a dense reference runs for a sentinel's pair) holds a NaN: the pair is dropped, not weighted
+    by zero."""
+    block = MoEBlock(E=4, k=2, D=16, F=8, weight_dtype="float32", weight_application=apply)
+    w = expert_tensors(block, seed=2)
+    x = torch.randn(3, block.D, generator=torch.Generator().manual_seed(0))
+    x[0, 5] = float("nan")
+    w.gate_up[0, 3, 1] = float("nan")
+    ids = torch.tensor([[-1, block.E], [1, 2], [0, 3]])  # token 0: sentinels only; token 2: expert 0's NaN
+    wts = torch.full((3, 2), 0.5)
+    want = experts_reference(block, x, ids, wts, w)
+    got = torch.from_dlpack(jax_reference(block, to_jax(x), to_jax(ids.to(torch.int32)), to_jax(wts),
+                                          jax_experts(w)))
+    assert torch.equal(want[0], torch.zeros(block.D)) and torch.isnan(want[2]).all()
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got[:2], want[:2], rtol=1e-5, atol=1e-5)

@@ -102,3 +102,23 @@ def test_one_kernel_follows_the_weights_it_is_handed(sched):
         fn(x, ids, weights, ExpertTensors(w.gate_up[:, :-1], w.down))
     with pytest.raises(UnsupportedSchedule, match="ids"):
         fn(x, ids[:, :1], weights, w)
+
+
+@pytest.mark.parametrize("sched", ["gemv_fused_token", "gemv_rows16_dot", "gemv_routed_expert_split", "gemm_m16",
+                                   "hybrid_r2", "fused_gemv"])
+@pytest.mark.parametrize("T", [2, 5])
+def test_strided_ids_and_weights_of_one_pair_per_token(sched, T):
+    """ids and routing weights handed as strided views (every other row of a wider tensor) read as their values:
+    at k = 1 their flattened view is strided too, and the kernels index pairs contiguously."""
+    block, x, ids, weights, w = make_problem(4, 1, 64, 48, T, "uniform", torch.float32, {}, seed=T)
+    want = BACKEND.build(block, SCHEDULES[sched])(x, ids, weights, w)
+
+    def strided(t):
+        buf = torch.zeros(2 * T, t.shape[1], dtype=t.dtype, device=t.device)
+        buf[::2] = t
+        return buf[::2]
+
+    assert not strided(ids).reshape(-1).is_contiguous()
+    got = BACKEND.build(block, SCHEDULES[sched])(x, strided(ids), strided(weights), w)
+    assert torch.equal(got, want)
+    assert within(got, experts_reference(block, x, ids, weights, w))

@@ -99,6 +99,8 @@ def bridged(block: MoEBlock, fn: JaxExpertsFn) -> ExpertsFn:
     jitted = jax.jit(fn)
 
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
+        if x.shape[0] == 0:  # no token: nothing to launch (a kernel's grid or gather of zero rows need not lower)
+            return x.new_zeros(0, block.D)
         out = jitted(to_jax(x), to_jax(ids.to(torch.int32)), to_jax(weights), jax_experts(w))
         return to_torch(out, x.device)
 

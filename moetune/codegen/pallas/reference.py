@@ -81,6 +81,6 @@ def experts_reference(block: MoEBlock, x, ids, weights, w: JaxExperts):
         y = y + w.down_bias.astype(jnp.float32)[e]
     if block.weight_application == "output":
         y = y * wt[..., None]
-    else:
-        y = jnp.where(valid[..., None], y, 0.0)
-    return y.sum(axis=1)
+    # a sentinel's pair is dropped, not weighted by zero: it ran expert 0 on its token, and a NaN or an infinity
+    # there (in x or in expert 0's weights) times zero is NaN
+    return jnp.where(valid[..., None], y, 0.0).sum(axis=1)

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ._common import _grid_wait
 from .launch import launch, pdl_launch
-from .layout import cdiv, next_pow2
+from .layout import cdiv, flat_pairs, next_pow2
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -56,7 +56,7 @@ def combine(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, E: int, pdl: 
     S, P, D = y.shape
     T, k = ids.shape
     bd, warps = block_d(D, y.element_size())
-    launch(combine_kernel, (T, cdiv(D, bd)), y, ids, out, out.stride(0), P, E, D,
+    launch(combine_kernel, (T, cdiv(D, bd)), y, flat_pairs(ids), out, out.stride(0), P, E, D,
            S=S, K_TOP=k, KP=next_pow2(k), BD=bd, num_warps=warps, PDL=pdl, **pdl_launch(pdl))
     return out
 

@@ -47,7 +47,7 @@ from . import routing
 from ._common import _grid_release, _grid_wait, _prefetch_l2, _row_gate_up, _store_h
 from ._fp8 import _scale_of
 from .launch import launch, pdl_launch, programmatic
-from .layout import act_args, call_args, cdiv, check_pow2, interpreting, next_pow2
+from .layout import act_args, call_args, cdiv, check_pow2, flat_pairs, interpreting, next_pow2
 from .stream_gemv import FUSED_ROUTE_MAX_PAIRS, _slot_pairs, _slot_work, _token_pairs
 from .stream_gemv_fp8 import _aligned, _row_gate_up8, fp8_call_args, whole_blocks_refusal
 
@@ -327,7 +327,7 @@ def build(block: MoEBlock, schedule: Schedule):
         out = torch.empty(T, D, dtype=x.dtype, device=x.device)  # [T, D]
         if T == 0:
             return out
-        ids_f = ids.reshape(-1)  # [P]
+        ids_f = flat_pairs(ids)  # [P]
         fused = P <= MAX_PAIRS
         counts, sorted_pairs = (ids_f, ids_f) if fused else routing.route(ids, E)
         n_gate = min(P, E) * cdiv(F, p.block_f)

@@ -25,6 +25,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def flat_pairs(t: torch.Tensor) -> torch.Tensor:
+    """ids or routing weights [T, k] as the [P] the kernels index by pair, contiguous: `reshape` alone returns a
+    strided view where one exists (k = 1 or T = 1 of a non-contiguous tensor), which a kernel reading
+    `ptr + pair` would misread; the copy, where one is made, is O(T·k)."""
+    return t.reshape(-1).contiguous()
+
+
 def cdiv(a: int, b: int) -> int:
     """⌈a / b⌉ on the host (triton.cdiv is a constexpr function: slower to call from Python)."""
     return -(-a // b)
@@ -153,7 +160,7 @@ def call_args(block: MoEBlock, x: torch.Tensor, ids: torch.Tensor, weights: torc
     gs, ds, meta = hit
     T = x.shape[0]
     gb, db = bias_args(block, w)
-    return CallArgs(T, T * block.k, gs, ds, gb, db, weights.reshape(-1), meta)
+    return CallArgs(T, T * block.k, gs, ds, gb, db, flat_pairs(weights), meta)
 
 
 def act_args(block: MoEBlock) -> tuple[float, float]:

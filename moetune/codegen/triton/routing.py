@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ._common import _grid_release, _grid_wait
 from .launch import launch, pdl_launch
-from .layout import cdiv, next_pow2
+from .layout import cdiv, flat_pairs, next_pow2
 
 
 @triton.jit
@@ -142,7 +142,7 @@ def route(ids: torch.Tensor, E: int, pdl: bool = False,
     first links of a chain of programmatic launches (module doc), whose caller passes `hold`, a list that
     takes the scratch the kernels read (the flat ids, hist) so that it outlives the chain's last launch
     (_common's module doc)."""
-    flat = ids.reshape(-1)  # [P]
+    flat = flat_pairs(ids)  # [P]
     P = flat.numel()
     block_e, c, per, g = route_plan(P, E)
     counts = torch.empty(E, dtype=torch.int32, device=ids.device)

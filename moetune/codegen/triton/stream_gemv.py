@@ -44,7 +44,7 @@ from ._common import (
     _tile_gate_up,
 )
 from .launch import launch
-from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, next_pow2
+from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, flat_pairs, next_pow2
 
 SOURCES = ("stream_gemv.py", "_common.py", "layout.py", "routing.py", "combine.py", "launch.py")
 FUSED_ROUTE_MAX_PAIRS = 64  # P above this: the routing kernel groups the pairs instead of each program
@@ -340,7 +340,7 @@ def build(block: MoEBlock, schedule: Schedule):
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
         a = call_args(block, x, ids, weights, w, memo)
         T, P, gs, ds, gb, db, wts_f = a.T, a.P, a.gs, a.ds, a.gate_up_bias, a.down_bias, a.weights
-        ids_f = ids.reshape(-1)  # [P]
+        ids_f = flat_pairs(ids)  # [P]
         fused = p.fused_route and P <= FUSED_ROUTE_MAX_PAIRS
         if fused:
             counts, sorted_pairs = ids_f, ids_f

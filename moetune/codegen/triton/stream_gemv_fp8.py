@@ -56,7 +56,7 @@ from . import routing
 from ._common import _grid_release, _grid_wait, _prefetch_l2, _store_h, _store_y
 from ._fp8 import _ue8m0, block_scales
 from .launch import launch, pdl_launch, programmatic
-from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, next_pow2
+from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, flat_pairs, next_pow2
 from .stream_gemv import FUSED_ROUTE_MAX_PAIRS, _slot_pairs, _slot_work, _token_pairs
 
 SOURCES = ("stream_gemv_fp8.py", "_fp8.py", "stream_gemv.py", "_common.py", "layout.py", "routing.py",
@@ -537,7 +537,7 @@ def build(block: MoEBlock, schedule: Schedule):
     def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: ExpertTensors) -> torch.Tensor:
         a, gsc, dsc, ue8 = fp8_call_args(block, x, ids, weights, w, memo)
         T, P, gs, ds, gb, db, wts_f = a.T, a.P, a.gs, a.ds, a.gate_up_bias, a.down_bias, a.weights
-        ids_f = ids.reshape(-1)  # [P]
+        ids_f = flat_pairs(ids)  # [P]
         fused = p.fused_route and P <= FUSED_ROUTE_MAX_PAIRS
         if fused:
             counts, sorted_pairs = ids_f, ids_f
