@@ -481,13 +481,16 @@ def describe(model: torch.nn.Module) -> str:
         return f"{name}: not compiled by moetune"
     how = ", compiled by its first forward" if state.on_first_call else ""
     lines = [f"{name}: backend {state.backend}, table {state.cache or '(none: defaults)'}{how}"]
+    c_router = {c.path: c.router for c in state.captured}
     for p in plans(model):
         lines.append(f"{p.path}  [{p.block.signature_hash()}]  plan {p.id}")
         lines.append(p.dispatcher.describe())
         if p.path in state.routers:
             why = state.routers[p.path]
+            f = getattr(c_router.get(p.path), "_moetune_router", None)
             lines.append(f"  router: the model's own ({why})" if why else
-                         "  router: fused (moetune::route), one launch while few tokens pass, the model's own above")
+                         f"  router: fused (moetune::route), one launch for 1–{f.max_tokens if f else '?'} tokens, "
+                         f"the model's own above")
     for c in state.captured:
         if c.block is None:
             lines.append(f"{c.path}: left as is ({c.reason})")

@@ -1,7 +1,7 @@
 """A captured block's router in one kernel launch while few tokens pass (decode).
 
 On the triton backend `moetune.compile` gives each captured block's router module (its `gate` or
-`router` child) a forward of its own: up to `MAX_TOKENS` tokens go through the custom op
+`router` child) a forward of its own: up to `fused_tokens(E)` tokens go through the custom op
 `moetune::route` (codegen/triton/router.py: logits, scores, top-k and weights in one launch), more tokens
 through the module's own forward. The module keeps its class, parameters and hooks (transformers' output
 recorders still see its logits), and returns what its own forward returns: the same triple, in the same
@@ -19,12 +19,11 @@ import types
 
 import torch
 
-from ..codegen.triton.router import KINDS, MAX_TOKENS, fused_route, refusal
+from ..codegen.triton.router import KINDS, fused_route, fused_tokens, refusal
 from ..ir import MoEBlock, Router
 from ..ir.capture import CaptureError, _compare, _tolerance, router_tensors, router_weights_and_ids
 from ..ir.routing import route, selection_scores
 
-_PROBE_TOKENS = (1, 5, MAX_TOKENS)
 _KIND_NAMES = {v: k for k, v in KINDS.items()}
 
 
@@ -50,7 +49,7 @@ def _forward(self: torch.nn.Module, hidden_states: torch.Tensor):
     f = self._moetune_router
     x = hidden_states.reshape(-1, f.D)
     T = x.shape[0]
-    if not 1 <= T <= MAX_TOKENS or (torch.is_grad_enabled() and (x.requires_grad or f.weight.requires_grad)):
+    if not 1 <= T <= f.max_tokens or (torch.is_grad_enabled() and (x.requires_grad or f.weight.requires_grad)):
         return f.original(hidden_states)
     out = torch.ops.moetune.route(x, f.weight, f.bias, f.counter, f.k, KINDS[f.spec.kind], bool(f.spec.renormalize),
                                   f.logits_dtype, f.weights_dtype)
@@ -68,6 +67,7 @@ class FusedRouter:
         self.reversed, self.logits_dtype = reversed_, logits_dtype
         self.weights_dtype = getattr(torch, block.routing_weight_dtype)
         self.counter = torch.zeros(1, dtype=torch.int32, device=weight.device)
+        self.max_tokens = fused_tokens(block.E)
 
 
 def attach(module: torch.nn.Module, block: MoEBlock, seed: int = 0) -> str | None:
@@ -85,7 +85,9 @@ def attach(module: torch.nn.Module, block: MoEBlock, seed: int = 0) -> str | Non
     where = type(module).__name__
     dtype = getattr(torch, block.weight_format.compute_dtype)
     gen = torch.Generator().manual_seed(seed)
-    probes = [torch.randn(T, block.D, generator=gen).to(dtype=dtype, device=weight.device) for T in _PROBE_TOKENS]
+    most = fused_tokens(block.E)
+    probes = [torch.randn(T, block.D, generator=gen).to(dtype=dtype, device=weight.device)
+              for T in sorted({1, min(5, most), most, most + 1})]  # the last: the module's own forward
     with torch.no_grad():
         theirs = [module(x) for x in probes]
         first = theirs[0]

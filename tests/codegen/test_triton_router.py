@@ -11,7 +11,7 @@ import torch
 
 import moetune
 from moetune.codegen.torch.tolerance import tolerances
-from moetune.codegen.triton.router import MAX_TOKENS, fused_route, refusal, tiles
+from moetune.codegen.triton.router import MAX_TOKEN_EXPERTS, MAX_TOKENS, fused_route, fused_tokens, refusal, tiles
 from moetune.ir import Router
 from moetune.ir.capture import _compare, _tolerance
 from moetune.ir.routing import route, selection_scores
@@ -81,6 +81,12 @@ def test_tiles_split_the_experts_and_bound_the_product_tile():
             assert bt >= T and bt * be * bd <= 8192 and 1 <= be <= E and warps in (1, 2, 4)
 
 
+def test_the_fused_range_shrinks_with_the_experts():
+    assert fused_tokens(8) == fused_tokens(128) == MAX_TOKENS
+    assert fused_tokens(512) == MAX_TOKEN_EXPERTS // 512 < MAX_TOKENS
+    assert fused_tokens(10**6) == 1
+
+
 def test_fused_router_refuses_what_it_does_not_compute():
     spec = Router("sigmoid_grouped_topk", renormalize=True, score_bias=True, n_group=4, topk_group=2)
     assert "sigmoid_grouped_topk" in refusal(spec)
@@ -111,8 +117,8 @@ def test_compiled_model_routes_through_the_fused_router_and_matches_its_own(fami
         got = model(input_ids=ids, use_cache=False).logits
         rtol, atol = tolerances(torch.float32, tf32=DEVICE == "cuda")
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
-        for r in routers:  # above MAX_TOKENS: the module's own forward, as it was
-            x = torch.randn(MAX_TOKENS + 3, r.weight.shape[1], device=DEVICE)
+        for r in routers:  # above the fused range: the module's own forward, as it was
+            x = torch.randn(fused_tokens(r.weight.shape[0]) + 3, r.weight.shape[1], device=DEVICE)
             for a, b in zip(r(x), type(r).forward(r, x), strict=True):
                 assert torch.equal(a, b)
         moetune.uncompile(model)

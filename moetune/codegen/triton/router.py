@@ -27,9 +27,15 @@ from .launch import launch
 from .layout import cdiv, next_pow2
 
 MAX_TOKENS = 16  # tokens a launch takes: every program reads them all
+MAX_TOKEN_EXPERTS = 2048  # T·E above which the model's own router (a GEMM, then top-k) is the faster (bench/README)
 KINDS = {"softmax_topk": 0, "topk_softmax": 1}
 _TILE = 8192  # elements of a program's [BT, BE, BD] product tile
 _PROGRAMS = 128  # programs the E rows are split over, where E allows
+
+
+def fused_tokens(E: int) -> int:
+    """The most tokens the fused router takes a call for a router of E experts (`MAX_TOKEN_EXPERTS`)."""
+    return max(1, min(MAX_TOKENS, MAX_TOKEN_EXPERTS // E))
 
 
 def refusal(spec: Router) -> str | None:
