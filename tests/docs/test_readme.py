@@ -77,8 +77,7 @@ def test_the_results_tables_are_the_committed_runs(stem, weights):
 
 
 # the decode runs whose tokens/s table opens the README's results
-DECODE_RUNS = ("nvidia-h100-80gb-hbm3-decode-qwen3-30b-a3b", "nvidia-h100-80gb-hbm3-decode-qwen3-30b-a3b-ablation",
-               "nvidia-h100-80gb-hbm3-decode-qwen3-30b-a3b-fp8")
+DECODE_RUNS = ("nvidia-h100-80gb-hbm3-decode-qwen3-30b-a3b-fp8-full",)
 
 
 def test_the_first_results_table_is_whole_models_decoding():
