@@ -60,6 +60,8 @@ class Plan:
     path: str
     block: MoEBlock
     dispatcher: Dispatcher
+    device: str = ""  # the experts' weights' device at compile
+    debug: bool = False  # check every call's ids on the device too (a host sync per call)
 
 
 @dataclass(eq=False)
@@ -142,6 +144,7 @@ def experts_forward(
         plan = _compile_on_first_call(self)
     if plan is None:
         return _transformers_grouped_mm(self)(self, hidden_states, top_k_index, top_k_weights)
+    check_call(plan, hidden_states, top_k_index, top_k_weights, self.gate_up_proj)
     bias = plan.block.layout.has_bias
     args = (
         hidden_states,
@@ -156,6 +159,36 @@ def experts_forward(
     if _untraced_inference(args + scales):  # plain eager inference: skip the custom op's dispatch
         return _run_plan(*args, plan.id, *scales)
     return torch.ops.moetune.experts(*args, plan.id, *scales)
+
+
+def check_call(plan: Plan, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor) -> None:
+    """MoetuneError for a call the plan cannot serve, from what the host knows (dtypes, devices, shapes): a model
+    moved to another dtype or device after compile, activations in another dtype than the block's, tensors on
+    several devices, integer-less ids. Ids outside [0, E) are dropped by every kernel (a pair that selects no
+    expert, as sentinel ids do); with `debug=True` at compile each untraced call checks them on the device and
+    raises."""
+    block, where = plan.block, f"moetune: {plan.path}"
+    fmt = block.weight_format
+    stored = str(gate_up.dtype).removeprefix("torch.")
+    want = fmt.dtype
+    if stored != want or (plan.device and str(gate_up.device) != plan.device):
+        raise MoetuneError(f"{where}: compiled for {want} experts on {plan.device}, called with {stored} on "
+                           f"{gate_up.device}: the model was moved after moetune.compile; call moetune.compile(model) "
+                           f"again")
+    act = str(x.dtype).removeprefix("torch.")
+    if act != fmt.compute_dtype:
+        raise MoetuneError(f"{where}: hidden states in {act}, the block computes in {fmt.compute_dtype} (the "
+                           f"model's dtype)")
+    for name, t in (("hidden states", x), ("top_k_index", ids), ("top_k_weights", weights)):
+        if t.device != gate_up.device:
+            raise MoetuneError(f"{where}: {name} on {t.device}, the experts' weights on {gate_up.device}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise MoetuneError(f"{where}: top_k_index is {ids.dtype}, expected an integer dtype")
+    if plan.debug and ids.numel() and _untraced():
+        bad = (ids < 0) | (ids >= block.E)
+        if bool(bad.any()):
+            raise MoetuneError(f"{where}: {int(bad.sum())} of {ids.numel()} expert ids outside [0, {block.E}) "
+                               f"(e.g. {ids[bad][0].item()}); without debug such pairs select no expert")
 
 
 def _transformers_grouped_mm(experts: torch.nn.Module):
@@ -265,6 +298,7 @@ def compile(
     check: bool = True,
     T_max: int = 4096,
     fuse_router: bool = True,
+    debug: bool = False,
 ) -> torch.nn.Module:
     """Run `model`'s captured MoE experts through moetune; returns the same model object.
 
@@ -273,11 +307,14 @@ def compile(
     target       the table's target name; None: from the weights' device ("cpu", "h200", …)
     fuse_router  on the triton backend, each captured block's router runs in one launch while few tokens
                  pass (runtime/router.py); False: the routers stay the model's own
+    debug        every experts call also checks its ids on the device (one host sync a call): ids outside
+                 [0, E) raise instead of selecting no expert
 
     Blocks capture refuses stay as they are, named with their reasons in one warning. Compiling
     copies no weight: the kernels read each experts module's parameters at call time.
     """
-    state = _compile(model, cache, backend, target=target, check=check, T_max=T_max, fuse_router=fuse_router)
+    state = _compile(model, cache, backend, target=target, check=check, T_max=T_max, fuse_router=fuse_router,
+                     debug=debug)
     left = [c for c in state.captured if c.block is None]
     if left:
         name = type(model).__name__
@@ -308,6 +345,7 @@ def _compile(
     T_max: int = 4096,
     on_first_call: bool = False,
     fuse_router: bool = True,
+    debug: bool = False,
 ) -> CompileState:
     """`compile` without its warning: the state it leaves on `model` (`model._moetune_state`)."""
     from ..ir.capture import capture
@@ -351,7 +389,7 @@ def _compile(
                         c.block, be, entries, target=tgt, where=f"dispatch table {cache}", table_notes=notes,
                         estimated=estimated,
                     )
-            plan = Plan(next(_ids), c.path, c.block, dispatchers[key])
+            plan = Plan(next(_ids), c.path, c.block, dispatchers[key], str(device), debug)
             PLANS[plan.id] = plan
             state.plan_ids.append(plan.id)
             c.experts._moetune_plan = plan

@@ -218,11 +218,15 @@ def test_readers_of_a_table_a_tuner_holds_never_wait_nor_see_half_a_write(tmp_pa
 
 # ------------------------------------------------------------------------------ killed mid-write
 
+READY = -1  # a writer's first message: it runs
+
+
 def _killable_writer(path: str, seed: int, start: int, said) -> None:
     """Write forever: each write tiles SPAN anew (splitting the rows it covers) and adds a row of its own
     (bucket 1000 + gen), reported once put_all returned; every few writes a fresh handle (open and close)."""
     rng = random.Random(seed)
     gen = start
+    said.send(READY)  # the kill's random delay counts from here, however long the fork took
     while True:
         with DispatchTable(path) as t:
             for _ in range(rng.randint(1, 4)):
@@ -247,6 +251,7 @@ def test_writers_killed_at_random_points_leave_a_sound_table_with_every_committe
         p = ctx.Process(target=_killable_writer, args=(str(path), kill, start, send))
         p.start()
         send.close()
+        assert recv.poll(30) and recv.recv() == READY
         time.sleep(rng.uniform(0.0, 0.06))
         os.kill(p.pid, signal.SIGKILL)
         p.join(30)
