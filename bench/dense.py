@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from bench.kernels import device_stem
 from moetune.ir import MoEBlock, RoutingStats
 from moetune.ir.presets import PRESETS, preset
 from moetune.passes.targets import floor
@@ -91,7 +92,6 @@ def run(args) -> int:
         torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = torch.cuda.get_device_name(dev).replace(" ", "-").lower()
-    (out / f"{name}-dense-ref.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(dev),
+    (out / f"{device_stem()}-dense-ref.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(dev),
                                                                 records=recs), indent=1))
     return 0

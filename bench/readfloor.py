@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench.kernels import device_stem
 from moetune.ir.presets import PRESETS, preset
 from moetune.passes.stats import uniform_distinct
 from moetune.search.timing import Case, CudaGraphTimer
@@ -100,7 +101,6 @@ def run(args) -> int:
         print(f"{n} empty kernel(s): {recs[-1]['us']:.2f} µs", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = torch.cuda.get_device_name(dev).replace(" ", "-").lower()
-    (out / f"{stem}-read-floor.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(dev),
+    (out / f"{device_stem()}-read-floor.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(dev),
                                                                  timer=timer.name, records=recs), indent=1))
     return 0

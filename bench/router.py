@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from bench.decode import preset_config
+from bench.kernels import device_stem
 from moetune.codegen.common import ExpertTensors
 from moetune.ir.presets import PRESETS, preset
 from moetune.search.timing import Case, CudaGraphTimer
@@ -91,8 +92,7 @@ def run(args) -> int:
             print(f"{name:20s} T={T:<3d} model's own (compiled) {row['own_us']:8.2f} µs  fused {got}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = torch.cuda.get_device_name(dev).replace(" ", "-").lower()
-    (out / f"{stem}-router.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(dev),
+    (out / f"{device_stem()}-router.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(dev),
                                                              timer=timer.name, records=recs), indent=1))
     print("| preset | T | model's router, compiled µs | moetune fused µs | × |\n|---|---|---|---|---|")
     for r in recs:

@@ -60,8 +60,10 @@ class Plan:
     path: str
     block: MoEBlock
     dispatcher: Dispatcher
-    device: str = ""  # the experts' weights' device at compile
     debug: bool = False  # check every call's ids on the device too (a host sync per call)
+    device: torch.device | None = None  # the experts' weights' device at compile
+    stored: torch.dtype | None = None  # their element dtype then (the block's weight format)
+    computes: torch.dtype | None = None  # the activations' dtype (the format's compute dtype)
 
 
 @dataclass(eq=False)
@@ -167,28 +169,29 @@ def check_call(plan: Plan, x: torch.Tensor, ids: torch.Tensor, weights: torch.Te
     several devices, integer-less ids. Ids outside [0, E) are dropped by every kernel (a pair that selects no
     expert, as sentinel ids do); with `debug=True` at compile each untraced call checks them on the device and
     raises."""
-    block, where = plan.block, f"moetune: {plan.path}"
-    fmt = block.weight_format
-    stored = str(gate_up.dtype).removeprefix("torch.")
-    want = fmt.dtype
-    if stored != want or (plan.device and str(gate_up.device) != plan.device):
-        raise MoetuneError(f"{where}: compiled for {want} experts on {plan.device}, called with {stored} on "
-                           f"{gate_up.device}: the model was moved after moetune.compile; call moetune.compile(model) "
-                           f"again")
-    act = str(x.dtype).removeprefix("torch.")
-    if act != fmt.compute_dtype:
-        raise MoetuneError(f"{where}: hidden states in {act}, the block computes in {fmt.compute_dtype} (the "
-                           f"model's dtype)")
+    where = f"moetune: {plan.path}"
+    if gate_up.dtype != plan.stored or gate_up.device != plan.device:
+        raise MoetuneError(f"{where}: compiled for {_name(plan.stored)} experts on {plan.device}, called with "
+                           f"{_name(gate_up.dtype)} on {gate_up.device}: the model was moved after moetune.compile; "
+                           f"call moetune.compile(model) again")
+    if x.dtype != plan.computes:
+        raise MoetuneError(f"{where}: hidden states in {_name(x.dtype)}, the block computes in {_name(plan.computes)} "
+                           f"(the model's dtype)")
     for name, t in (("hidden states", x), ("top_k_index", ids), ("top_k_weights", weights)):
         if t.device != gate_up.device:
             raise MoetuneError(f"{where}: {name} on {t.device}, the experts' weights on {gate_up.device}")
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise MoetuneError(f"{where}: top_k_index is {ids.dtype}, expected an integer dtype")
     if plan.debug and ids.numel() and _untraced():
-        bad = (ids < 0) | (ids >= block.E)
+        E = plan.block.E
+        bad = (ids < 0) | (ids >= E)
         if bool(bad.any()):
-            raise MoetuneError(f"{where}: {int(bad.sum())} of {ids.numel()} expert ids outside [0, {block.E}) "
+            raise MoetuneError(f"{where}: {int(bad.sum())} of {ids.numel()} expert ids outside [0, {E}) "
                                f"(e.g. {ids[bad][0].item()}); without debug such pairs select no expert")
+
+
+def _name(dtype: torch.dtype | None) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _transformers_grouped_mm(experts: torch.nn.Module):
@@ -389,7 +392,9 @@ def _compile(
                         c.block, be, entries, target=tgt, where=f"dispatch table {cache}", table_notes=notes,
                         estimated=estimated,
                     )
-            plan = Plan(next(_ids), c.path, c.block, dispatchers[key], str(device), debug)
+            fmt = c.block.weight_format
+            plan = Plan(next(_ids), c.path, c.block, dispatchers[key], debug, device, getattr(torch, fmt.dtype),
+                        getattr(torch, fmt.compute_dtype))
             PLANS[plan.id] = plan
             state.plan_ids.append(plan.id)
             c.experts._moetune_plan = plan

@@ -49,10 +49,11 @@ def _forward(self: torch.nn.Module, hidden_states: torch.Tensor):
     f = self._moetune_router
     x = hidden_states.reshape(-1, f.D)
     T = x.shape[0]
-    if not 1 <= T <= f.max_tokens or (torch.is_grad_enabled() and (x.requires_grad or f.weight.requires_grad)):
-        return f.original(hidden_states)
-    out = torch.ops.moetune.route(x, f.weight, f.bias, f.counter, f.k, KINDS[f.spec.kind], bool(f.spec.renormalize),
-                                  f.logits_dtype, f.weights_dtype)
+    if (not 1 <= T <= f.max_tokens or f.weight.dtype != f.dtype or f.weight.device != f.counter.device
+            or (torch.is_grad_enabled() and (x.requires_grad or f.weight.requires_grad))):
+        return f.original(hidden_states)  # a module moved after compile too: the experts' call check says so
+    out = torch.ops.moetune.route(x, f.weight, f.bias, f.counter, f.k, f.kind, f.renormalize, f.logits_dtype,
+                                  f.weights_dtype)
     return out[::-1] if f.reversed else out
 
 
@@ -68,6 +69,7 @@ class FusedRouter:
         self.weights_dtype = getattr(torch, block.routing_weight_dtype)
         self.counter = torch.zeros(1, dtype=torch.int32, device=weight.device)
         self.max_tokens = fused_tokens(block.E)
+        self.dtype, self.kind, self.renormalize = weight.dtype, KINDS[self.spec.kind], bool(self.spec.renormalize)
 
 
 def attach(module: torch.nn.Module, block: MoEBlock, seed: int = 0) -> str | None:

@@ -12,7 +12,7 @@ import torch
 import moetune
 from moetune.codegen.torch.tolerance import tolerances
 from moetune.codegen.triton.router import MAX_TOKEN_EXPERTS, MAX_TOKENS, fused_route, fused_tokens, refusal, tiles
-from moetune.ir import Router
+from moetune.ir import MoetuneError, Router
 from moetune.ir.capture import _compare, _tolerance
 from moetune.ir.routing import route, selection_scores
 from moetune.runtime import describe
@@ -130,4 +130,19 @@ def test_compile_without_router_fusion_keeps_the_routers():
     moetune.compile(model, backend="triton", fuse_router=False)
     assert all("forward" not in b.gate.__dict__ for _, b in moe_blocks(model))
     assert "router:" not in describe(model)
+    moetune.uncompile(model)
+
+
+def test_a_model_moved_after_compile_keeps_its_routers_own_forward_until_compiled_again():
+    """The fused router stands aside for weights of another dtype than at compile; the experts' call check then
+    names the move (tests/runtime/test_call_checks.py)."""
+    model = build("qwen3_moe", dtype=torch.float32).to(DEVICE)
+    moetune.compile(model, backend="triton")
+    model.to(torch.float64)
+    gate = next(moe_blocks(model))[1].gate
+    x = torch.randn(2, gate.weight.shape[1], dtype=torch.float64, device=DEVICE)
+    for a, b in zip(gate(x), type(gate).forward(gate, x), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(MoetuneError, match="moved after moetune.compile"):
+        model(input_ids=torch.randint(0, VOCAB, (1, 2), device=DEVICE), use_cache=False)
     moetune.uncompile(model)
