@@ -309,15 +309,16 @@ def test_a_worker_killed_mid_study_loses_no_trial_and_counts_none_twice(tmp_path
         states = {t.state for t in ts}
         assert optuna.trial.TrialState.RUNNING not in states, states  # none left running
         done = [t for t in ts if t.state == optuna.trial.TrialState.COMPLETE]
-        timed = {repr(sorted(t.params.items())) for t in done}
+        timed = [t.params for t in done]
         for t in ts:
             if t.state == optuna.trial.TrialState.FAIL and t.user_attrs.get("worker") == name:
                 killed += 1
                 assert t.value is None  # counted by nobody
                 retries = [r for r in ts if r.system_attrs.get("failed_trial") == t.number]
                 assert len(retries) == 1, retries  # retried once
-                if t.params:  # its point timed by a live worker: not lost
-                    assert repr(sorted(t.params.items())) in timed
+                if t.params:  # its point timed by a live worker: not lost (killed while sampling, a trial holds
+                    # the part of its point drawn so far, which its retry keeps and completes)
+                    assert any(t.params.items() <= p.items() for p in timed), (t.params, timed)
         assert len({t.number for t in ts}) == len(ts)
         best = min(t.value for t in done if math.isfinite(t.value))
         assert rows[bucket].time_us == pytest.approx(best * 1e6)  # the study's best, written
