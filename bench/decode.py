@@ -40,7 +40,7 @@ baseline's top-2 margin (how near a tie the reference was), or "identical over N
 `--mode step`: one decode step (`use_cache=False`, no KV cache) of `--layers` MoE layers and a small vocabulary,
 T sequences of one token each (`--tokens`), timed by the package's timer (`moetune.search.timing`: on a GPU one
 graph, replays timed with CUDA events, and the host-launched median; on the CPU the host timer) without its L2
-flush; µs per step and per layer beside the experts' floor per layer (`moetune.passes.targets.floor`, h200
+flush; µs per step and per layer beside the experts' floor per layer (`moetune.passes.targets.floor`, this
 target), moetune's logits against transformers' and both against float32:
 
     transformers          the model as built (transformers' default experts function), host-launched
@@ -68,6 +68,7 @@ from pathlib import Path
 
 import torch
 
+from bench.kernels import TARGET
 from moetune.ir.presets import PRESETS, preset
 from moetune.passes.targets import floor
 from moetune.search.timing import Case, CpuTimer, CudaGraphTimer, NotCapturable
@@ -528,7 +529,7 @@ def generation(args) -> dict:
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     mode = args.compile or ("reduce-overhead" if cuda else "none")
-    cache = args.cache if args.cache is not None else ("cache/h200.sqlite" if cuda else "")
+    cache = args.cache if args.cache is not None else ("cache" if cuda else "")
     batches = [int(b) for b in args.batch.split(",")]
     warmup, steps = (1, min(args.profile_steps, 2)) if args.quick else (args.warmup, args.profile_steps)
     built = _model(args, dev, batches, say)
@@ -587,7 +588,8 @@ def generation(args) -> dict:
             label = label or (variant if variant != "transformers" else f"transformers:{row['decode_impl']}")
             result["rows"].append(dict(variant=label, requested=impl or "moetune", **row))
             if block is not None:
-                result["rows"][-1]["moe_floor_us_h200"] = moe_layers * floor(block, "h200", b).time_s * 1e6
+                result["rows"][-1].update(moe_floor_us=moe_layers * floor(block, TARGET, b).time_s * 1e6,
+                                          floor_target=TARGET)
             runs[(label, b)] = run
             say(f"{label:28s} batch {b:4d}: prefill {row['prefill_ms']:8.2f} ms, {row['ms_per_step']:8.3f} ms/step, "
                 f"{row['tokens_per_s']:9.1f} tok/s" + (f", MoE {row['moe_us_per_step']:8.1f} µs/step (profile)"
@@ -871,7 +873,7 @@ def steps(args) -> list[dict]:
 
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
-    cache = args.cache if args.cache is not None else ("cache/h200.sqlite" if cuda else "")
+    cache = args.cache if args.cache is not None else ("cache" if cuda else "")
     dtype = getattr(torch, args.dtype or ("float32" if args.family and not cuda else "bfloat16"))
     if args.family:
         from moetune.testing import build
@@ -900,7 +902,7 @@ def steps(args) -> list[dict]:
         row = dict(model=what, layers=layers, tokens=T, device=torch.cuda.get_device_name() if cuda else "cpu",
                    transformers_rel_err_fp32=((ref - ref32).norm() / ref32.norm()).item())
         if block is not None:
-            row["experts_floor_us_per_layer"] = floor(block, "h200", T).time_s * 1e6
+            row["experts_floor_us_per_layer"] = floor(block, TARGET, T).time_s * 1e6
         t = timed(step, ids, args.reps)
         row.update(transformers_us=t["eager"], transformers_graph_us=t["graph"], transformers_graph_why=t["why"])
         moetune.compile(model, cache=cache or None)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.kernels import device_stem
+from bench.kernels import TARGET, device_stem
 from moetune.ir import MoEBlock, RoutingStats
 from moetune.ir.presets import PRESETS, preset
 from moetune.passes.targets import floor
@@ -62,7 +62,7 @@ def cell(shape: str, T: int, timer: CudaGraphTimer, dev: torch.device) -> dict:
     flops = 2.0 * ea * m * D * F * 3
     stats = RoutingStats(tokens=T, distinct_experts=ea, rows_per_active=P / ea, max_rows=m, source="balanced")
     rec = dict(shape=shape, tokens=T, experts=ea, rows_per_expert=m, impl="cublas_bmm_balanced",
-               floor_us=floor(block, "h200", T, stats).time_s * 1e6,
+               floor_us=floor(block, TARGET, T, stats).time_s * 1e6,
                gate_up_us=us(gate_up), down_us=us(down), time_us=us(both))
     rec["tflops"] = flops / rec["time_us"] / 1e6
     rec["gemm_tflops"] = flops / (rec["gate_up_us"] + rec["down_us"]) / 1e6

@@ -433,5 +433,5 @@ def add_arguments(ap) -> None:
                     help="also time each schedule kind's pallas_gpu default where it differs from the runtime's")
     ap.add_argument("--reps", type=int, default=100, help="timed reps per function (≥ 50)")
     ap.add_argument("--budget-s", type=float, default=240.0, help="no new cell starts after this many seconds")
-    ap.add_argument("--table", default=str(ROOT / "cache" / "h200.sqlite"),
+    ap.add_argument("--table", default=str(ROOT / "cache"),
                     help="dispatch table the PyTorch path's schedule comes from (else the runtime default)")

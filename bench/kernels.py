@@ -49,7 +49,8 @@ import torch
 
 from moetune.ir import MoEBlock, RoutingStats, Schedule, UnsupportedSchedule
 from moetune.ir.presets import preset
-from moetune.passes.targets import floor
+from moetune.passes.targets import DEFAULT_GPU, floor
+from moetune.runtime.versions import target_of
 from moetune.search.timing import Case, CudaGraphTimer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +73,8 @@ BEST_OPEN_FP8 = {
     "mixtral-8x7b": (120, 188, 226, 229, 305, 349, 356, 386, 410, 576, 864, 1516),
 }
 N_ROUT = 32
-TARGET = "h200"
+# the target of the floors and of the table's rows: this machine's GPU (DEFAULT_GPU off a GPU)
+TARGET = target_of("cuda") if torch.cuda.is_available() else DEFAULT_GPU
 WEIGHTS = ("bf16", "fp8")  # --weights: the presets' bf16 experts, or the same quantised per 128×128 block
 
 
@@ -604,8 +606,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--eager-tokens", type=lambda s: {int(t) for t in s.split(",") if t}, default={1},
                     help="token counts at which the eager loop is timed")
     ap.add_argument("--variants", default=".*", help="regex: only the moetune candidates whose tag matches")
-    ap.add_argument("--table", default=str(ROOT / "cache" / "h200.sqlite"),
-                    help="dispatch table whose entry for the cell's T is candidate `table`; '' to leave it out")
+    ap.add_argument("--table", default=str(ROOT / "cache"),
+                    help="dispatch table (or a folder: its <target>.sqlite) whose entry for the cell's T is "
+                         "candidate `table`; '' to leave it out")
     ap.add_argument("--space-samples", type=int, default=0, metavar="N",
                     help="also N points of the tuner's space of the cell's bucket (fixed seed)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the space samples")

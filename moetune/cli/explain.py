@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..passes.targets import DEFAULT_GPU, TARGETS
 from .common import add_source, existing_file, parse_tokens, source_block, source_config
 
 
@@ -12,7 +13,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="print the MoE block IR of a preset, config or model folder")
     add_source(p)
     p.add_argument("--passes", action="store_true", help="also print the IR after every pass")
-    p.add_argument("--target", default="h200", help="hardware target for the passes' floors")
+    p.add_argument("--target", default=DEFAULT_GPU, help=f"hardware target for the passes' floors (default "
+                   f"{DEFAULT_GPU}; known: {', '.join(TARGETS)})")
     p.add_argument("--trace", help="a routing trace from `moetune record` for the statistics")
     p.add_argument("--tokens", default="1-4096", help="token range LO-HI")
     p.add_argument("--backend", default=None,

@@ -29,9 +29,9 @@ import os
 import warnings
 from dataclasses import dataclass
 
-from ..codegen.backend import get
+from ..codegen.backend import for_target, get
 from ..ir import MoEBlock, MoetuneError, Schedule, UnsupportedSchedule
-from ..runtime.default import default_buckets, default_for
+from ..runtime.default import default_buckets, default_for, pass_target
 from ..runtime.dispatch import DispatchWarning, Route, _gaps
 
 REFERENCE = "reference"
@@ -85,6 +85,29 @@ def jax_backend(name: str | None):
             except MoetuneError:
                 continue
     return REFERENCE
+
+
+def _for_target(be, target: str):
+    """`be` made for the target description of the table target `target` (codegen.backend.for_target), bridged
+    to the XLA FFI as `be` is."""
+    registered = get(be.name)
+    made = for_target(be.name, pass_target(target))
+    if made is registered:
+        return be
+    if be is registered:
+        return made
+    from .xla_call import bridged_backend
+
+    return bridged_backend(made)
+
+
+def _gpu_target(be) -> str | None:
+    """The table target of the CUDA GPU a GPU backend runs on here ("h100"), None off one."""
+    if be.target.kind != "gpu" or _device() != "cuda":
+        return None
+    from ..runtime.versions import target_of
+
+    return target_of("cuda")
 
 
 def _device() -> str:
@@ -144,7 +167,8 @@ def routes(block: MoEBlock, *, table=None, backend: str | None = None, target: s
                               f"{_where(table)} not read", DispatchWarning, stacklevel=3)
             built = (Route(1, block.T_max, None, REFERENCE, reference_fn(block)),)
         else:
-            built = _kernel_routes(block, be, table, target or be.target.name)
+            tgt = target or _gpu_target(be) or be.target.name
+            built = _kernel_routes(block, _for_target(be, tgt), table, tgt)
         if len(_ROUTES) >= 256:
             _ROUTES.clear()
         hit = _ROUTES[key] = Routes(block, name, built)

@@ -24,7 +24,7 @@ from .policy import Policy
 from .roofline import roofline
 from .specialise import specialise
 from .stats import RoutingModel, from_trace, uniform
-from .targets import Target, get_target
+from .targets import DEFAULT_GPU, Target, get_target
 from .trace import Trace
 
 PASSES: tuple[tuple[str, Callable], ...] = (
@@ -57,7 +57,7 @@ def routing_for(block: MoEBlock, trace: Trace | RoutingModel | str | Path | None
     return model
 
 
-def context(block: MoEBlock, target: str | Target = "h200", trace=None,
+def context(block: MoEBlock, target: str | Target = DEFAULT_GPU, trace=None,
             policy: Policy | None = None, backend=None) -> PassContext:
     return PassContext(get_target(target), routing_for(block, trace), policy or Policy(), backend)
 
@@ -71,7 +71,7 @@ def _with_range(block: MoEBlock, tokens: tuple[int, int] | None) -> MoEBlock:
     return block if hi == block.T_max else block.replace(T_max=hi)
 
 
-def run_pipeline(block: MoEBlock, target: str | Target = "h200", trace=None,
+def run_pipeline(block: MoEBlock, target: str | Target = DEFAULT_GPU, trace=None,
                  tokens: tuple[int, int] | None = None, *, policy: Policy | None = None,
                  backend=None, check: bool = True) -> list[tuple[str, object]]:
     """The IR after each pass, first ("capture", block). `tokens=(lo, hi)` sets T_max = hi; the
@@ -97,7 +97,7 @@ def run_pipeline(block: MoEBlock, target: str | Target = "h200", trace=None,
     return out
 
 
-def schedule_block(block: MoEBlock, target: str | Target = "h200", trace=None,
+def schedule_block(block: MoEBlock, target: str | Target = DEFAULT_GPU, trace=None,
                    tokens: tuple[int, int] | None = None, *, policy: Policy | None = None,
                    backend=None) -> ScheduledBlock:
     """The final IR of `run_pipeline`."""

@@ -85,6 +85,17 @@ TARGETS: dict[str, Target] = {
                smem_per_block=227 * 1024, sm_count=132,
                source="NVIDIA H200 SXM datasheet (bf16 and fp8 dense; fp32 as H100 SXM); measured: HBM read with "
                       "Triton over 4 GiB, bf16 matmul 8192^3 (the low ends of repeated runs)"),
+        Target("h100", "gpu", bandwidth=3.35e12, peak_flops=989e12, vector_flops=67e12, fp8_flops=1979e12,
+               measured_bandwidth=3.10e12, measured_flops=786e12, memory_bytes=80e9,
+               smem_per_block=227 * 1024, sm_count=132,
+               source="NVIDIA H100 SXM datasheet (bf16, fp8 dense, fp32); measured: HBM read with Triton over "
+                      "4 GiB, bf16 matmul 8192^3 (the low ends of repeated runs)"),
+        Target("a100", "gpu", bandwidth=2.039e12, peak_flops=312e12, vector_flops=19.5e12, memory_bytes=80e9,
+               smem_per_block=163 * 1024, sm_count=108,
+               source="NVIDIA A100 SXM 80GB datasheet (bf16 dense, fp32; no FP8 matrix unit); not measured"),
+        Target("b200", "gpu", bandwidth=8.0e12, peak_flops=2250e12, vector_flops=75e12, fp8_flops=4500e12,
+               memory_bytes=180e9, smem_per_block=227 * 1024, sm_count=148,
+               source="NVIDIA HGX B200 datasheet, per GPU (bf16 and fp8 dense; fp32); not measured"),
         Target("tpu-v5e", "tpu", bandwidth=819e9, peak_flops=197e12, memory_bytes=16 * 2**30,
                vmem_bytes=128 * 2**20, cores=1, grid_step_s=GRID_STEP_S,
                source="Google Cloud TPU v5e docs: 197 TFLOP/s bf16 (no FP8 matrix unit), 819 GB/s HBM, 16 GiB; "
@@ -108,6 +119,20 @@ TARGETS: dict[str, Target] = {
 }
 ALIASES = {"tpu-v7x": "tpu-v7", "ironwood": "tpu-v7", "trillium": "tpu-v6e", "v5e": "tpu-v5e",
            "v6e": "tpu-v6e", "v7": "tpu-v7"}
+
+
+# The GPU target described when no device names one (the passes run off the GPU, `moetune explain`): the card
+# the shipped tables were first tuned on.
+DEFAULT_GPU = "h200"
+
+
+def gpu_target(device_name: str) -> str:
+    """The target name of a GPU from its device name ("NVIDIA H100 80GB HBM3" -> "h100"): the described GPU
+    target the name contains, else the name itself, lower case, spaces as dashes (a table may still hold
+    rows for it; the passes then describe it as DEFAULT_GPU, `runtime.default.pass_target`)."""
+    name = device_name.lower()
+    known = [t.name for t in TARGETS.values() if t.kind == "gpu"]
+    return next((k for k in known if k in name), name.replace(" ", "-"))
 
 
 def get_target(target: str | Target) -> Target:

@@ -42,9 +42,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..codegen.backend import Backend, get
+from ..codegen.backend import Backend, for_target, get
 from ..codegen.common import ExpertTensors
 from ..ir import MoEBlock, MoetuneError
+from .default import pass_target
 from .dispatch import Dispatcher
 from .versions import target_of
 
@@ -275,18 +276,20 @@ def _device(experts: torch.nn.Module) -> torch.device:
     return experts.gate_up_proj.device
 
 
-def _pick_backend(name: str | None, device: torch.device) -> Backend:
+def _pick_backend(name: str | None, device: torch.device, target: str) -> Backend:
+    """Backend `name` (None: triton for CUDA weights when usable, else torch), made for the target description
+    of `target`, the table's target (its shared memory and SM count bound the kernels' defaults)."""
     if name is not None:
         be = get(name)
         why = be.available()
         if why:
             raise MoetuneError(f"moetune.compile: backend {name!r} is not usable here: {why}")
-        return be
+        return for_target(be.name, pass_target(target))
     if device.type == "cuda":
         try:
             be = get("triton")
             if be.available() is None:
-                return be
+                return for_target(be.name, pass_target(target))
         except (MoetuneError, ImportError):
             pass
     return get("torch")
@@ -305,7 +308,8 @@ def compile(
 ) -> torch.nn.Module:
     """Run `model`'s captured MoE experts through moetune; returns the same model object.
 
-    cache        a dispatch-table file (runtime/table.py); None: every bucket on the default heuristic
+    cache        a dispatch-table file (runtime/table.py), or a folder of them: its <target>.sqlite is read
+                 (cache/h100.sqlite on an H100); None: every bucket on the default heuristic
     backend      "torch" | "triton"; None: triton for CUDA weights when usable, else torch
     target       the table's target name; None: from the weights' device ("cpu", "h200", …)
     fuse_router  on the triton backend, each captured block's router runs in one launch while few tokens
@@ -362,7 +366,8 @@ def _compile(
     try:
         for i, c in enumerate(captured):
             if c.block is not None and c.experts is not None:
-                be = _pick_backend(backend, _device(c.experts))
+                tgt = target or target_of(str(_device(c.experts)))
+                be = _pick_backend(backend, _device(c.experts), tgt)
                 kinds = be.kinds(c.block)
                 if all(kinds.values()):  # e.g. a weight format none of the backend's kernels reads
                     why = "; ".join(f"{k}: {v}" for k, v in kinds.items())
@@ -378,18 +383,17 @@ def _compile(
             state.backend = be.name
             key = (c.block.signature(), be.name)
             if key not in dispatchers:
-                tgt = target or target_of(str(device))
                 if cache is None:
                     dispatchers[key] = Dispatcher.default(c.block, be, target=tgt)
                 else:
-                    from .table import load_entries
+                    from .table import load_entries, table_path
 
                     notes: list[str] = []  # folded into the dispatcher's one warning
                     estimated: list[tuple[int, int]] = []
                     entries = load_entries(cache, c.block, tgt, be.name, device=str(device), notes=notes,
                                            estimated=estimated)
                     dispatchers[key] = Dispatcher.from_entries(
-                        c.block, be, entries, target=tgt, where=f"dispatch table {cache}", table_notes=notes,
+                        c.block, be, entries, target=tgt, where=f"dispatch table {table_path(cache, tgt)}", table_notes=notes,
                         estimated=estimated,
                     )
             fmt = c.block.weight_format

@@ -11,16 +11,16 @@ from __future__ import annotations
 from ..ir import MoEBlock, Schedule, ScheduledBlock
 from ..passes.pipeline import schedule_block
 from ..passes.policy import representative_tokens
-from ..passes.targets import ALIASES, TARGETS
+from ..passes.targets import ALIASES, DEFAULT_GPU, TARGETS
 
 
 def pass_target(target: str) -> str:
     """The target description the passes use for a dispatch-table target name: itself when described,
-    else the CPU's for "cpu" and the H200's for another GPU (the rules read only the kind of target and
-    its GEMV row limit; floors are not used at run time)."""
+    else the CPU's for "cpu" and DEFAULT_GPU's for a GPU not described (the rules read only the kind of
+    target and its GEMV row limit; floors are not used at run time)."""
     if target in TARGETS or target in ALIASES:
         return target
-    return "cpu" if target == "cpu" else "h200"
+    return "cpu" if target == "cpu" else DEFAULT_GPU
 
 
 def backend_for(target: str):

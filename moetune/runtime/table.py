@@ -645,6 +645,13 @@ class DispatchTable:
         return Lookup(tuple(usable), tuple(rejected), str(self.path), tuple(retime), tuple(estimated))
 
 
+def table_path(cache: str | os.PathLike, target: str) -> Path:
+    """The table file a compiled model on `target` reads: `cache` itself, or `cache/<target>.sqlite` when `cache`
+    is a folder (a deployment ships one table per GPU, e.g. cache/h100.sqlite and cache/h200.sqlite)."""
+    p = Path(cache)
+    return p / f"{target}.sqlite" if p.is_dir() else p
+
+
 def load_entries(path: str | os.PathLike, block: MoEBlock, target: str, backend: str, *,
                  versions: Versions | None = None, device: str = "cpu",
                  notes: list[str] | None = None,
@@ -662,9 +669,11 @@ def load_entries(path: str | os.PathLike, block: MoEBlock, target: str, backend:
         else:
             notes.append(msg)
 
-    p = Path(path)
+    p = table_path(path, target)
     if not p.exists():
-        say(f"dispatch table {p}: no such file; every bucket uses the default schedule")
+        here = ", ".join(sorted(q.name for q in p.parent.glob("*.sqlite"))) if Path(path).is_dir() else ""
+        held = f" (the folder holds {here})" if here else ""
+        say(f"dispatch table {p}: no such file{held}; every bucket uses the default schedule")
         return []
     with DispatchTable(p, create=False) as table:
         if table.foreign_version:

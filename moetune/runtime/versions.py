@@ -143,8 +143,9 @@ def target_of(device: str = "cpu") -> str:
     """The dispatch-table target of a device ("cpu", "cuda[:i]"): "cpu", or the GPU's short name ("h200")."""
     if not device.startswith("cuda"):
         return device.split(":")[0]
-    name = device_identity(device)[0].lower()
-    return next((known for known in ("h200", "h100", "a100", "b200") if known in name), name.replace(" ", "-"))
+    from ..passes.targets import gpu_target
+
+    return gpu_target(device_identity(device)[0])
 
 
 def judge(entry: DispatchEntry, current: Versions) -> str | None:

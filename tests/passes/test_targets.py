@@ -9,7 +9,7 @@ from moetune.ir import Bucket, IRError, MoEBlock, ScheduledBlock
 from moetune.passes.pipeline import context
 from moetune.passes.roofline import roofline
 from moetune.passes.stats import uniform
-from moetune.passes.targets import TARGETS, floor, get_target
+from moetune.passes.targets import TARGETS, floor, get_target, gpu_target
 
 # Reference floors, µs at the datasheet rates, averaged over random uniform routings (so a few % from the
 # expectation `floor` takes where the number of distinct experts varies most)
@@ -59,8 +59,19 @@ def test_target_table():
     assert "measure_cpu" in get_target("cpu").source and get_target("cpu").measured_bandwidth
     for t in TARGETS.values():
         assert t.source and t.ridge > 1
+    assert {"h100", "a100", "b200"} <= set(TARGETS)
+    hopper = get_target("h100")
+    assert (hopper.bandwidth, hopper.sm_count, hopper.smem_per_block) == (3.35e12, 132, 227 * 1024)
+    assert hopper.measured_bandwidth < hopper.bandwidth and get_target("a100").fp8_flops is None
     with pytest.raises(IRError, match="known: h200"):
-        get_target("a100")
+        get_target("mi300x")
+
+
+@pytest.mark.parametrize("name, target", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                          ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA B200", "b200"),
+                                          ("NVIDIA GeForce RTX 4090", "nvidia-geforce-rtx-4090")])
+def test_gpu_target_from_the_device_name(name, target):
+    assert gpu_target(name) == target
 
 
 def test_roofline_pass_before_expected():

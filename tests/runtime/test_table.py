@@ -26,6 +26,7 @@ from moetune.runtime.table import (
     DispatchEntry,
     DispatchTable,
     load_entries,
+    table_path,
 )
 from moetune.runtime.versions import Versions
 
@@ -241,6 +242,20 @@ def test_missing_file_gives_no_entries_and_one_warning(tmp_path):
         DispatchTable(tmp_path / "none.sqlite", create=False)
 
 
+def test_a_folder_of_tables_is_read_at_the_target_s_file(tmp_path):
+    with DispatchTable(tmp_path / "cpu.sqlite") as t:
+        t.put(entry(1, 4, 1.0))
+    with DispatchTable(tmp_path / "h100.sqlite") as t:
+        t.put(entry(5, 8, 1.0))  # a cpu row in another target's file: never read for the cpu
+    assert table_path(tmp_path, "cpu") == tmp_path / "cpu.sqlite"
+    assert table_path(tmp_path / "h100.sqlite", "cpu") == tmp_path / "h100.sqlite"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [(lo, hi) for lo, hi, _ in load_entries(tmp_path, BLOCK, "cpu", "torch")] == [(1, 4)]
+    with pytest.warns(CacheWarning, match=r"a100.sqlite: no such file \(the folder holds cpu.sqlite, h100.sqlite\)"):
+        assert load_entries(tmp_path, BLOCK, "a100", "torch") == []
+
+
 def _garbage(p: Path) -> None:
     p.write_bytes(b"this is not a dispatch table\n" * 200)
 
@@ -283,8 +298,9 @@ CORRUPT_CASES = [_garbage, _truncated, _header_smashed, _other_columns, _folder]
 def test_corrupt_file_raises_cache_error_naming_it(tmp_path, spoil):
     path = tmp_path / "spoilt.sqlite"
     spoil(path)
-    with pytest.raises(CacheError, match="spoilt.sqlite"):
-        load_entries(path, BLOCK, "cpu", "torch")
+    if spoil is not _folder:  # a folder is read as a folder of tables (test_a_folder_of_tables_...)
+        with pytest.raises(CacheError, match="spoilt.sqlite"):
+            load_entries(path, BLOCK, "cpu", "torch")
     with pytest.raises(CacheError, match="spoilt.sqlite"):
         DispatchTable(path)
 

@@ -16,13 +16,14 @@ weights, so the contract's format rule refuses it on fp8_block blocks.
 What they share:
     _common.py       interpret switch, compiler parameters, refusals, weight tiles, the in-kernel activation
 
-The target is the H200's description (moetune.passes.targets): its shared memory per block bounds the GEMM
-tiles. Available where JAX sees a CUDA device, or anywhere with MOETUNE_PALLAS_GPU_INTERPRET set.
+The target is a GPU's description (moetune.passes.targets; DEFAULT_GPU for the registered backend,
+`codegen.backend.for_target` for another): its shared memory per block bounds the GEMM tiles. Available where JAX sees a CUDA device, or anywhere with MOETUNE_PALLAS_GPU_INTERPRET set.
 """
 
 from __future__ import annotations
 
 from ..backend import register
+from ...passes.targets import DEFAULT_GPU
 from ..contract import KernelBackend
 from . import grouped_gemm, grouped_gemm_fp8, hybrid, stream_gemv, stream_gemv_fp8
 from ._common import INTERPRET_ENV, interpret_requested, on_cuda
@@ -35,7 +36,7 @@ class PallasGpuBackend(KernelBackend):
     name = "pallas_gpu"
     library = "jax"
     KINDS = (stream_gemv.KIND, grouped_gemm.KIND, hybrid.KIND, stream_gemv_fp8.KIND, grouped_gemm_fp8.KIND)
-    TARGET = "h200"
+    TARGET = DEFAULT_GPU  # the target of a kernel run: codegen.backend.for_target(name, the GPU's)
 
     def available(self) -> str | None:
         try:

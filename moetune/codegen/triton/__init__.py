@@ -18,8 +18,9 @@ What they share:
     layout.py        host side: strides, launch arguments, constexprs, the target's limits
     launch.py        launching a compiled kernel without Triton's per-call dispatch
 
-The backend's target is the H200's description (moetune.passes.targets): its shared memory per block
-bounds every space and every build.
+The backend's target is a GPU's description (moetune.passes.targets): its shared memory per block bounds
+every space and every build. The registered backend describes DEFAULT_GPU; a compiled model and the tuner use
+`codegen.backend.for_target("triton", <the GPU's target>)`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import os
 
 from ..backend import register
+from ...passes.targets import DEFAULT_GPU
 from ..contract import KernelBackend
 from . import fused_gemv, grouped_gemm, grouped_gemm_fp8, hybrid, hybrid_fp8, stream_gemv, stream_gemv_fp8
 from .fused_gemv import FusedGemvParams
@@ -42,7 +44,7 @@ class TritonBackend(KernelBackend):
     library = "triton"
     KINDS = (stream_gemv.KIND, grouped_gemm.KIND, hybrid.KIND, stream_gemv_fp8.KIND, grouped_gemm_fp8.KIND,
              hybrid_fp8.KIND, fused_gemv.KIND)
-    TARGET = "h200"
+    TARGET = DEFAULT_GPU  # the target of a kernel run: codegen.backend.for_target(name, the GPU's)
 
     def available(self) -> str | None:
         import torch
