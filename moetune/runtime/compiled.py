@@ -393,8 +393,8 @@ def _compile(
                     entries = load_entries(cache, c.block, tgt, be.name, device=str(device), notes=notes,
                                            estimated=estimated)
                     dispatchers[key] = Dispatcher.from_entries(
-                        c.block, be, entries, target=tgt, where=f"dispatch table {table_path(cache, tgt)}", table_notes=notes,
-                        estimated=estimated,
+                        c.block, be, entries, target=tgt, where=f"dispatch table {table_path(cache, tgt)}",
+                        table_notes=notes, estimated=estimated,
                     )
             fmt = c.block.weight_format
             plan = Plan(next(_ids), c.path, c.block, dispatchers[key], debug, device, getattr(torch, fmt.dtype),

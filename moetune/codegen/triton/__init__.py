@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import os
 
-from ..backend import register
 from ...passes.targets import DEFAULT_GPU
+from ..backend import register
 from ..contract import KernelBackend
 from . import fused_gemv, grouped_gemm, grouped_gemm_fp8, hybrid, hybrid_fp8, stream_gemv, stream_gemv_fp8
 from .fused_gemv import FusedGemvParams
