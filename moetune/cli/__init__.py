@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(e, file=sys.stderr)
         return 2
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # as given: what `tune --devices` hands on
     try:
         return int(args.run(args) or 0)
     except MoetuneError as e:

@@ -1,7 +1,7 @@
 """`moetune tune`: tune a block's dispatch table on this machine and print the per-bucket table.
 
     moetune tune --preset NAME | --config FILE | --model-dir DIR | --tiny FAMILY
-                 [--tokens 1-1024] [--trace FILE] [--budget 10m] [--cache PATH] [--storage URL]
+                 [--tokens 1-1024] [--trace FILE] [--budget 10m] [--cache PATH] [--storage URL] [--devices 0,1]
                  [--backend torch|triton] [--target NAME] [--dtype D] [--strict] [--keep-going]
                  [--exhaustive] [--space-cap N] [--time-limit D] [--resume | --revalidate]
                  [--at-tokens N,N] [--no-edge-timing] [--no-split] [--no-local-search]
@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -53,6 +54,7 @@ from .common import (
     whole,
     writable_file,
 )
+from .workers import WORKER_ENV
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -66,6 +68,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "is exceeded (default 10m)")
     p.add_argument("--cache", default=None, help="dispatch table file (default: cache/<target>.sqlite)")
     p.add_argument("--storage", default=None, help="Optuna storage URL or journal file shared by workers")
+    p.add_argument("--devices", default=None, metavar="0,1,…",
+                   help="one worker process per device of this host (CUDA_VISIBLE_DEVICES per worker; on a "
+                        "machine without CUDA, CPU workers), sharing --storage (default: sqlite:///<table>.study.db "
+                        "beside the table) and the table; their progress in one line")
     p.add_argument("--backend", default=None, help="torch | triton (default: the best available here)")
     p.add_argument("--dtype", default=None, choices=DTYPES, help="weight dtype (default: the preset's)")
     p.add_argument("--target", default=None, help="target for the floors (default: cpu, or the GPU's); a TPU "
@@ -246,7 +252,7 @@ def _command_started() -> float | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..runtime.table import DispatchTable
+    from ..runtime.table import DispatchTable, table_path
     from ..runtime.versions import device_identity
 
     lo, hi = parse_tokens(args.tokens)
@@ -261,10 +267,16 @@ def run(args: argparse.Namespace) -> int:
         existing_file(args.trace, "--trace", "a routing trace from `moetune record`")
     backend, device = usable_backend(args.backend)
     target = _target(args.target, device)
-    cache = writable_file(args.cache or (f"cache/{target}-tiny.sqlite" if args.tiny else f"cache/{target}.sqlite"),
-                          "--cache")
+    cache = writable_file(str(table_path(args.cache, target)) if args.cache else
+                          (f"cache/{target}-tiny.sqlite" if args.tiny else f"cache/{target}.sqlite"), "--cache")
     BucketResult, TuneOptions, tune_block = _search()
     block = source_block(args)
+    if args.devices is not None:
+        from .workers import parse_devices, run_workers
+
+        devices = parse_devices(args.devices)
+        storage = args.storage or f"sqlite:///{cache.resolve()}.study.db"
+        return run_workers(args.argv, devices, storage, budget)
     dev_name, cap = device_identity(device)
     options = TuneOptions(storage=args.storage, strict=args.strict, keep_going=args.keep_going, device=device,
                           seed=args.seed or 0, exhaustive=args.exhaustive, space_cap=args.space_cap or None,
@@ -297,7 +309,8 @@ def run(args: argparse.Namespace) -> int:
 
     with DispatchTable(cache) as table:
         results = tune_block(block, backend, target, (lo, hi), trace=args.trace, table=table, options=options,
-                             budget_s=budget, on_bucket=on_bucket, at_tokens=at_tokens, started=_command_started())
+                             budget_s=budget, on_bucket=on_bucket, at_tokens=at_tokens, started=_command_started(),
+                             display=False if os.environ.get(WORKER_ENV) else None)
     print()
     print("\n".join(table_lines(results, f"{dev_name} ({cap})")))
     written = sum(r.written for r in results)

@@ -151,7 +151,9 @@ class Study:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", self.optuna.exceptions.ExperimentalWarning)
                 self.optuna.storages.fail_stale_trials(self.study)
-        trial = self.study.ask()
+        with warnings.catch_warnings():  # the heartbeats are this Study's own (`self.heartbeat`), ask() or not
+            warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used with Study.optimize")
+            trial = self.study.ask()
         if self.heartbeat is not None:
             self.heartbeat.add(trial._trial_id)
         try:

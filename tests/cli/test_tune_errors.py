@@ -78,9 +78,14 @@ def test_an_unwritable_cache_is_refused_before_tuning(tmp_path, capsys):
     err = refused(tune(cache=Path(cache)), capsys)
     assert err.startswith(f"moetune tune: --cache '{cache}': cannot be written (")
     assert err.endswith("expected a file in a writable folder")
+    from moetune.runtime.versions import target_of
+
+    # a folder names its <target>.sqlite (as moetune.compile reads it); here that is a folder too
+    held = tmp_path / f"{target_of('cuda' if torch.cuda.is_available() else 'cpu')}.sqlite"
+    held.mkdir()
     err = refused(tune(cache=tmp_path), capsys)
-    assert err == f"moetune tune: --cache '{tmp_path}': is a folder; expected a file to write"
-    assert os.listdir(tmp_path) == []  # the check leaves nothing behind
+    assert err == f"moetune tune: --cache '{held}': is a folder; expected a file to write"
+    assert os.listdir(tmp_path) == [held.name] and os.listdir(held) == []  # the check leaves nothing behind
 
 
 def test_a_read_only_cache_file_is_refused_before_tuning(tmp_path, capsys):
@@ -158,3 +163,11 @@ def test_help_still_prints_the_usage(capsys):
     with pytest.raises(SystemExit) as e:
         main(["tune", "--help"])
     assert e.value.code == 0 and "--time-limit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value,why", [("0,0", "a device is named twice"),
+                                       ("gpu0", "expected device indices, e.g. 0,1"),
+                                       ("", "expected device indices, e.g. 0,1")])
+def test_bad_devices(value, why, tmp_path, capsys):
+    assert refused(tune("--devices", value, cache=tmp_path / "t.sqlite"), capsys) == (
+        f"moetune tune: --devices '{value}': {why}")
