@@ -468,6 +468,17 @@ def measure(rec: dict, fn, cases: list[Case], ref: torch.Tensor, timer: CudaGrap
                host_us=t.host_median_s * 1e6, spread_us=t.spread_s * 1e6)
 
 
+def routing_sampler(block: MoEBlock, spec: str):
+    """The tuner's sampler of the routing `spec` (moetune.passes.trace.routing_trace): None for uniform."""
+    import numpy as np
+
+    from moetune.passes.trace import routing_trace
+    from moetune.search.objective import trace_sampler
+
+    trace = routing_trace(spec, block.E, block.k)
+    return None if trace is None else trace_sampler(block, torch.from_numpy(np.concatenate(trace.pools())))
+
+
 def cell(shape: str, T: int, w, args, timer: CudaGraphTimer, name: str) -> list[dict]:
     from moetune.codegen.quant import activation_group
     from moetune.codegen.triton import BACKEND
@@ -476,7 +487,8 @@ def cell(shape: str, T: int, w, args, timer: CudaGraphTimer, name: str) -> list[
     block = bench_block(shape, args.weights)
     fp8 = block.weight_format.quantized
     E, k = block.E, block.k
-    cases = make_cases(block, w, T, N_ROUT, torch.Generator().manual_seed(1000 + T))
+    cases = make_cases(block, w, T, N_ROUT, torch.Generator().manual_seed(1000 + T),
+                       routing_sampler(block, getattr(args, "routing", "uniform")))
     distinct = statistics.mean(len(torch.unique(c.ids)) for c in cases)
     fl = floor_us(block, T, distinct)
     refs = {}  # the tuner's float32 references, by activation group (w8a8)
@@ -503,7 +515,8 @@ def cell(shape: str, T: int, w, args, timer: CudaGraphTimer, name: str) -> list[
     for impl, tag, sched in cands:
         rec = dict(device=name, shape=shape, E=E, k=k, D=block.D, F=block.F, tokens=T, impl=impl, variant=tag,
                    schedule=sched.describe() if sched else None, floor_us=round(fl, 2), distinct=distinct,
-                   best_open_us=bo, weights=block.weight_format.signature())
+                   best_open_us=bo, weights=block.weight_format.signature(),
+                   routing=getattr(args, "routing", "uniform"))
         try:
             if sched:
                 fn = BACKEND.build(block, sched)
@@ -600,6 +613,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--weights", choices=WEIGHTS, default="bf16",
                     help="the presets' bf16 experts, or the same in FP8 (e4m3, fp32 scales per 128×128 block)")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts, comma-separated")
+    ap.add_argument("--routing", default="uniform", metavar="SPEC",
+                    help="the timed routings: uniform, zipf:S, hot or trace:FILE (moetune.passes.trace.routing_trace)")
     ap.add_argument("--budget-s", type=float, default=540.0, help="no new cell starts after this many seconds")
     ap.add_argument("--reps", type=int, default=100, help="timed graph replays per candidate")
     ap.add_argument("--baselines", default="grouped_mm,batched_mm,eager")

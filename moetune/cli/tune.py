@@ -1,7 +1,8 @@
 """`moetune tune`: tune a block's dispatch table on this machine and print the per-bucket table.
 
     moetune tune --preset NAME | --config FILE | --model-dir DIR | --tiny FAMILY
-                 [--tokens 1-1024] [--trace FILE] [--budget 10m] [--cache PATH] [--storage URL] [--devices 0,1]
+                 [--tokens 1-1024] [--trace FILE | --routing SPEC] [--budget 10m] [--cache PATH]
+                 [--storage URL] [--devices 0,1]
                  [--backend torch|triton] [--target NAME] [--dtype D] [--strict] [--keep-going]
                  [--exhaustive] [--space-cap N] [--time-limit D] [--resume | --revalidate]
                  [--at-tokens N,N] [--no-edge-timing] [--no-split] [--no-local-search]
@@ -62,6 +63,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_source(p, tiny=True)
     p.add_argument("--tokens", default="1-1024", help="token range LO-HI to tune")
     p.add_argument("--trace", help="a routing trace from `moetune record` (default: uniform routing)")
+    p.add_argument("--routing", default=None, metavar="SPEC",
+                   help="the routing the candidates are timed on and the buckets' statistics come from: uniform "
+                        "(the default), zipf:S (Zipf-skewed, e.g. zipf:1.0), hot (one expert in half the tokens), "
+                        "trace:FILE (as --trace)")
     p.add_argument("--budget", default=None,
                    help="search budget shared by the buckets, e.g. 90s, 10m; every bucket still times "
                         "its default and a first batch of candidates, so a budget below ~10 s per bucket "
@@ -263,14 +268,26 @@ def run(args: argparse.Namespace) -> int:
         return _verify_only(args, tpu, (lo, hi), at_tokens)
     budget = parse_duration(args.budget or "10m", "--budget")
     time_limit = parse_duration(args.time_limit, "--time-limit") if args.time_limit else None
+    if args.trace and args.routing:
+        raise ConfigError(f"--routing {args.routing!r}: not with --trace (--routing trace:FILE is --trace FILE)")
     if args.trace:
         existing_file(args.trace, "--trace", "a routing trace from `moetune record`")
+    if args.routing and args.routing.startswith("trace:"):
+        existing_file(args.routing[6:], "--routing", "trace:FILE, a routing trace from `moetune record`")
     backend, device = usable_backend(args.backend)
     target = _target(args.target, device)
     cache = writable_file(str(table_path(args.cache, target)) if args.cache else
                           (f"cache/{target}-tiny.sqlite" if args.tiny else f"cache/{target}.sqlite"), "--cache")
     BucketResult, TuneOptions, tune_block = _search()
     block = source_block(args)
+    trace = args.trace
+    if args.routing:
+        from ..passes.trace import TraceError, routing_trace
+
+        try:
+            trace = routing_trace(args.routing, block.E, block.k, seed=args.seed or 0)
+        except TraceError as e:
+            raise ConfigError(f"--routing {args.routing!r}: {str(e).split(': ', 1)[-1]}") from None
     if args.devices is not None:
         from .workers import parse_devices, run_workers
 
@@ -286,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"moetune tune: {block.name or block.signature_hash()} [{block.signature_hash()}] "
           f"on {dev_name} ({cap}), backend {backend}, target {target}, T ∈ [{lo},{hi}], budget {budget:.0f} s"
           + (f", trace {args.trace}" if args.trace else "")
+          + (f", routing {args.routing}" if args.routing else "")
           + (f", storage {args.storage}" if args.storage else "")
           + (f", space capped at {options.space_cap} points per bucket" if options.space_cap else ""))
     print(f"  {block.signature()}")
@@ -308,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"      split   [{lo_},{hi_}]: {_us(t_s)} µs at T={T}: {s.describe()}", flush=True)
 
     with DispatchTable(cache) as table:
-        results = tune_block(block, backend, target, (lo, hi), trace=args.trace, table=table, options=options,
+        results = tune_block(block, backend, target, (lo, hi), trace=trace, table=table, options=options,
                              budget_s=budget, on_bucket=on_bucket, at_tokens=at_tokens, started=_command_started(),
                              display=False if os.environ.get(WORKER_ENV) else None)
     print()

@@ -324,3 +324,54 @@ def synthetic_trace(E: int, k: int, tokens: int = 4096, layers: int = 1, zipf: f
                  ids=np.stack(out), meta={"source": "synthetic", "zipf": zipf, "seed": seed},
                  name=f"synthetic(E={E}, k={k}, zipf={zipf:g})")
 
+
+
+def hot_trace(E: int, k: int, tokens: int = 4096, layers: int = 1, share: float = 0.5, step: int = 64,
+              seed: int = 0) -> Trace:
+    """One hot expert per layer: each token routes to it with probability `share` (so it takes about share·T
+    rows; a token's experts are distinct, so T is the most any expert can take), its other experts uniform among
+    the rest. Steps of `step` tokens, all marked decode."""
+    if not 0.0 < share <= 1.0:
+        raise TraceError(f"hot_trace: share {share}: expected 0 < share ≤ 1")
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(layers):
+        hot = int(rng.integers(E))
+        order = np.argsort(rng.random((tokens, E)), axis=1)  # [N, E] a random permutation per token
+        rest = order[order != hot].reshape(tokens, E - 1)  # [N, E-1] the others, in random order
+        ids = rest[:, :k].copy()  # [N, k]
+        takes = rng.random(tokens) < share
+        ids[takes, 0] = hot
+        out.append(ids)
+    steps = [step] * (tokens // step) + ([tokens % step] if tokens % step else [])
+    return Trace(E=E, k=k, layers=tuple(f"hot.{i}" for i in range(layers)),
+                 step_tokens=np.array(steps, np.int64), step_phase=np.ones(len(steps), np.int8),
+                 ids=np.stack(out), meta={"source": "hot", "share": share, "seed": seed},
+                 name=f"hot(E={E}, k={k}, share={share:g})")
+
+
+ROUTINGS = "uniform, zipf:S (S > 0, e.g. zipf:1.0), hot (one expert in half the tokens) or trace:FILE"
+
+
+def routing_trace(spec: str, E: int, k: int, seed: int = 0) -> Trace | None:
+    """The routing `spec` names, as a trace of E experts, top-k: None for "uniform" (the routing model's own),
+    a Zipf-skewed synthetic trace for "zipf:S", a hot-expert trace for "hot", the file for "trace:FILE".
+    TraceError for another spec, or a trace file of other E or k."""
+    name, _, arg = spec.partition(":")
+    if name == "uniform" and not arg:
+        return None
+    if name == "hot" and not arg:
+        return hot_trace(E, k, seed=seed)
+    if name == "zipf":
+        try:
+            s = float(arg)
+        except ValueError:
+            s = -1.0
+        if s > 0:
+            return synthetic_trace(E, k, zipf=s, seed=seed)
+    if name == "trace" and arg:
+        t = Trace.load(arg)
+        if (t.E, t.k) != (E, k):
+            raise TraceError(f"routing {spec!r}: the trace has E={t.E}, k={t.k}; the block has E={E}, k={k}")
+        return t
+    raise TraceError(f"routing {spec!r}: expected {ROUTINGS}")

@@ -171,3 +171,13 @@ def test_help_still_prints_the_usage(capsys):
 def test_bad_devices(value, why, tmp_path, capsys):
     assert refused(tune("--devices", value, cache=tmp_path / "t.sqlite"), capsys) == (
         f"moetune tune: --devices '{value}': {why}")
+
+
+def test_a_bad_routing_or_one_with_a_trace_exits_2(tmp_path, capsys):
+    assert refused(tune("--routing", "zipf:-1", cache=tmp_path / "t.sqlite"), capsys) == (
+        "moetune tune: --routing 'zipf:-1': expected uniform, zipf:S (S > 0, e.g. zipf:1.0), hot (one expert in "
+        "half the tokens) or trace:FILE")
+    trace = tmp_path / "r.npz"
+    trace.write_bytes(b"")
+    assert refused(tune("--routing", "hot", "--trace", str(trace), cache=tmp_path / "t.sqlite"), capsys) == (
+        "moetune tune: --routing 'hot': not with --trace (--routing trace:FILE is --trace FILE)")

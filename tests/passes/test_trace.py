@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moetune.passes.stats import from_trace
-from moetune.passes.trace import Trace, TraceError, record, synthetic_trace
+from moetune.passes.trace import Trace, TraceError, record, routing_trace, synthetic_trace
 
 
 def test_round_trip(tmp_path):
@@ -223,3 +223,36 @@ def test_a_bad_attention_mask_is_refused(tiny, mask, words):
     with pytest.raises(TraceError) as e:
         record(tiny, torch.zeros(2, 4, dtype=torch.long), steps=1, attention_mask=torch.tensor(mask))
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize("E,k", [(16, 4), (8, 1), (128, 8)])
+def test_the_hot_routing_puts_one_expert_in_half_the_tokens(E, k):
+    t = routing_trace("hot", E, k, seed=3)
+    ids = t.ids[0]
+    assert ids.shape == (4096, k) and ids.min() >= 0 and ids.max() < E
+    assert all(len(set(row)) == k for row in ids.tolist())  # a token's experts distinct
+    counts = np.bincount(ids.ravel(), minlength=E)
+    hot = int(counts.argmax())
+    assert abs(counts[hot] / 4096 - 0.5) < 0.03
+    others = np.delete(counts, hot)
+    assert others.max() < counts[hot]
+    assert others.max() < 1.5 * others.min()  # the rest uniform over the others
+
+
+def test_routing_specs():
+    assert routing_trace("uniform", 16, 4) is None
+    z = routing_trace("zipf:1.5", 16, 4)
+    counts = np.sort(np.bincount(z.ids[0].ravel(), minlength=16))[::-1]
+    assert counts[0] > 2 * counts[8]  # skewed
+    assert z.meta["zipf"] == 1.5
+    for bad in ("zipf:0", "zipf:x", "zipf", "hot:2", "uniform:1", "", "bursty"):
+        with pytest.raises(TraceError, match="expected uniform, zipf:S"):
+            routing_trace(bad, 16, 4)
+
+
+def test_a_trace_routing_reads_the_file_and_checks_its_shape(tmp_path):
+    path = tmp_path / "t.npz"
+    synthetic_trace(16, 4, tokens=256).save(path)
+    assert routing_trace(f"trace:{path}", 16, 4).ids.shape == (1, 256, 4)
+    with pytest.raises(TraceError, match="the trace has E=16, k=4; the block has E=8, k=2"):
+        routing_trace(f"trace:{path}", 8, 2)
