@@ -12,9 +12,9 @@ import argparse
 import sys
 
 from ..ir.errors import MoetuneError
-from . import demo, explain, merge, presets, record, show, tune
+from . import bench, demo, explain, merge, presets, record, show, tune
 
-COMMANDS = (demo, presets, explain, record, tune, show, merge)
+COMMANDS = (demo, presets, explain, record, tune, bench, show, merge)
 
 
 class UsageError(Exception):

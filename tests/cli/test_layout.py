@@ -39,7 +39,7 @@ def test_one_module_per_subcommand():
     from moetune.cli import COMMANDS, build_parser
 
     names = {m.__name__.rsplit(".", 1)[1] for m in COMMANDS}
-    assert names == {"demo", "presets", "explain", "record", "tune", "show", "merge"}
+    assert names == {"demo", "presets", "explain", "record", "tune", "bench", "show", "merge"}
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     assert set(sub.choices) == names
 
