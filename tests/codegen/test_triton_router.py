@@ -74,6 +74,26 @@ def test_fused_router_breaks_ties_to_the_lower_expert():
     _check(spec, 5, 16, 6, 64, torch.float32, torch.float32, seed=3, ties=True)
 
 
+@pytest.mark.parametrize("kind", ["softmax_topk", "topk_softmax"])
+def test_a_nan_logit_gives_ids_in_range_and_nan_weights(kind):
+    """A token whose hidden state holds a NaN: every id still names an expert (never E, which would select none
+    and hide the NaN), its weights NaN as the reference's are; the other tokens routed as without it."""
+    spec = Router(kind, renormalize=True, compute_dtype="model")
+    T, E, k, D = 3, 16, 4, 64
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(T, D, generator=gen).to(DEVICE)
+    W = (torch.randn(E, D, generator=gen) / D**0.5).to(DEVICE)
+    x[1, 7] = float("nan")
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    lg, w, ids = fused_route(x, W, None, counter, spec, k, torch.float32, torch.float32)
+    assert ((ids >= 0) & (ids < E)).all(), ids
+    assert torch.isnan(w[1]).all() and torch.isnan(lg[1]).all()
+    assert all(len(set(row)) == k for row in ids.tolist())  # k distinct experts a token
+    for t in (0, 2):  # the finite tokens routed as the reference routes them
+        ref_ids, ref_w = route(spec, lg[t:t + 1].float(), None, k)
+        assert torch.equal(ids[t:t + 1].cpu(), ref_ids.cpu()) and torch.allclose(w[t:t + 1].cpu(), ref_w.float().cpu())
+
+
 def test_tiles_split_the_experts_and_bound_the_product_tile():
     for T in (1, 4, 16):
         for E in (8, 60, 128, 512):

@@ -81,12 +81,15 @@ def fused_router_kernel(x_ptr, s_x, w_ptr, s_w, b_ptr, logits_ptr, wts_ptr, ids_
         kk = tl.arange(0, KP)
         top = tl.zeros((BT, KP), dtype=tl.float32)
         idx = tl.zeros((BT, KP), dtype=tl.int32)
+        # a NaN score ranks above every number (as torch.topk ranks it) and keeps its NaN as the value
+        r = tl.where(s != s, float("inf"), s)
         for j in tl.static_range(K):
-            v = tl.max(s, axis=1)  # [BT]
-            i = tl.min(tl.where(s == v[:, None], ea[None, :], EP), axis=1)  # the lowest expert of the maximum
-            top = tl.where(kk[None, :] == j, v[:, None], top)
+            v = tl.max(r, axis=1)  # [BT]
+            i = tl.min(tl.where(r == v[:, None], ea[None, :], EP), axis=1)  # the lowest expert of the maximum
+            pick = ea[None, :] == i[:, None]
+            top = tl.where(kk[None, :] == j, tl.sum(tl.where(pick, s, 0.0), axis=1)[:, None], top)
             idx = tl.where(kk[None, :] == j, i[:, None], idx)
-            s = tl.where(ea[None, :] == i[:, None], float("-inf"), s)
+            r = tl.where(pick, float("-inf"), r)
         km = kk[None, :] < K
         if KIND == 0:
             w = top
