@@ -29,6 +29,33 @@ def test_tune_a_tiny_model_writes_the_table_compile_reads(tmp_path):
     assert sorted(e.bucket for e in rows) == sorted(r.bucket for r in rs if r.written)
 
 
+def test_compile_reads_the_target_s_table_of_a_folder(tmp_path):
+    """A folder of tables (one per target, as a deployment ships them): compile reads <target>.sqlite, here
+    cpu.sqlite; a folder without one leaves every bucket on its default, with the folder's tables named."""
+    import warnings
+
+    from moetune.runtime import plans
+    from moetune.testing import build
+
+    model = build("qwen3_moe", dtype=torch.float32)
+    rs = moetune.tune(model, tokens=(1, 8), budget_s=4.0, cache=tmp_path / "cpu.sqlite", display=False,
+                      options=TuneOptions(device="cpu", build_workers=1))
+    tuned = sorted(r.bucket for r in rs if r.written)
+    assert tuned
+    moetune.compile(model, cache=tmp_path)
+    routes = plans(model)[0].dispatcher.routes
+    assert sorted((r.lo, r.hi) for r in routes if r.source == "table") == tuned
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (tmp_path / "cpu.sqlite").rename(other / "h100.sqlite")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        moetune.compile(model, cache=other)
+    said = " ".join(str(w.message) for w in caught)
+    assert "cpu.sqlite: no such file (the folder holds h100.sqlite)" in said
+    assert all(r.source.startswith("default") for r in plans(model)[0].dispatcher.routes)
+
+
 def test_tune_a_block_without_a_table_writes_nothing():
     block = MoEBlock(E=4, k=2, D=32, F=16, weight_dtype="float32", routing_weight_dtype="float32", T_max=4)
     rs = moetune.tune(block, backend="torch", tokens=(1, 4), budget_s=2.0, display=False,
