@@ -470,13 +470,10 @@ def measure(rec: dict, fn, cases: list[Case], ref: torch.Tensor, timer: CudaGrap
 
 def routing_sampler(block: MoEBlock, spec: str):
     """The tuner's sampler of the routing `spec` (moetune.passes.trace.routing_trace): None for uniform."""
-    import numpy as np
-
     from moetune.passes.trace import routing_trace
-    from moetune.search.objective import trace_sampler
+    from moetune.search.objective import routing_sampler as of_trace
 
-    trace = routing_trace(spec, block.E, block.k)
-    return None if trace is None else trace_sampler(block, torch.from_numpy(np.concatenate(trace.pools())))
+    return of_trace(block, routing_trace(spec, block.E, block.k))
 
 
 def cell(shape: str, T: int, w, args, timer: CudaGraphTimer, name: str) -> list[dict]:

@@ -87,7 +87,6 @@ def run(args: argparse.Namespace) -> int:
 def measure(block, backend_name: str, device: str, tokens: list[int], trace, args) -> list[dict]:
     """One row per T: every kind's time (or why none), the floor, the fastest kind, the compiled choice and the
     baseline."""
-    import numpy as np
     import torch
     from tqdm import tqdm
 
@@ -97,13 +96,13 @@ def measure(block, backend_name: str, device: str, tokens: list[int], trace, arg
     from ..runtime.default import default_at, pass_target
     from ..runtime.versions import device_identity, target_of
     from ..search.baseline import baseline_fn, default_baseline
-    from ..search.objective import Objective, expert_tensors, make_cases, trace_sampler
+    from ..search.objective import Objective, expert_tensors, make_cases, routing_sampler
     from ..search.timing import timer_for
 
     target = target_of(device)
     be = for_target(backend_name, pass_target(target))
     kinds = [k for k, why in be.kinds(block).items() if why is None]
-    sampler = None if trace is None else trace_sampler(block, torch.from_numpy(np.concatenate(trace.pools())))
+    sampler = routing_sampler(block, trace)
     w = expert_tensors(block, device)
     timer = timer_for(device, be)
     base_name = default_baseline(device)

@@ -191,7 +191,7 @@ def _where(table) -> str:
 
 def _entries(block: MoEBlock, be, table, target: str, notes: list[str]) -> list[tuple[int, int, Schedule]]:
     """The table's usable entries of `block` on (target, backend), its reasons for the others in `notes`."""
-    from ..runtime.table import DispatchTable, load_entries
+    from ..runtime.table import DispatchTable, load_entries, table_path
 
     if isinstance(table, DispatchTable):
         found = table.lookup(block, target, be.name, device=_device())
@@ -200,8 +200,8 @@ def _entries(block: MoEBlock, be, table, target: str, notes: list[str]) -> list[
         usable, others = list(found.usable), _other_backends(table, block, target, be.name)
     else:
         usable, others = load_entries(table, block, target, be.name, device=_device(), notes=notes), []
-        if os.path.exists(os.fspath(table)):
-            with DispatchTable(table, create=False) as t:
+        if table_path(table, target).exists():  # a folder of tables: its file of this target
+            with DispatchTable(table_path(table, target), create=False) as t:
                 others = _other_backends(t, block, target, be.name)
     if others and not usable:
         notes.append(f"dispatch table {_where(table)} holds entries of this block on {target} for backend(s) "

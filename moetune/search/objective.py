@@ -71,6 +71,16 @@ def trace_sampler(block: MoEBlock, rows: torch.Tensor) -> RoutingSampler:
     return sample
 
 
+def routing_sampler(block: MoEBlock, trace) -> RoutingSampler | None:
+    """The sampler of a routing trace (moetune.passes.trace.Trace): its tokens' rows over every layer and step;
+    None for no trace (uniform routing, make_cases' own)."""
+    if trace is None:
+        return None
+    import numpy as np
+
+    return trace_sampler(block, torch.from_numpy(np.concatenate(trace.pools()).astype(np.int64)))
+
+
 def expert_tensors(block: MoEBlock, device: str | torch.device = "cpu", seed: int = 0) -> ExpertTensors:
     """Random weights in the block's layout and format: N(0, 1/D) for gate/up, N(0, 1/F) for down;
     block-quantised formats hold those weights quantised per block (moetune.codegen.quant), as a

@@ -36,6 +36,11 @@ def require_optuna():
     return optuna
 
 
+# the heartbeats of a Study's trials are its own (`Study.heartbeat`), ask() outside Study.optimize or not: Optuna's
+# warning about that is said once a trial otherwise (one filter, set at import: a catch_warnings per ask() would
+# swap the process's filters under the heartbeat threads)
+warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used with Study.optimize")
+
 _OPENED: dict[tuple, object] = {}  # (process, URL, heartbeat) → its storage: one engine and heartbeat per process
 
 
@@ -151,9 +156,7 @@ class Study:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", self.optuna.exceptions.ExperimentalWarning)
                 self.optuna.storages.fail_stale_trials(self.study)
-        with warnings.catch_warnings():  # the heartbeats are this Study's own (`self.heartbeat`), ask() or not
-            warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used with Study.optimize")
-            trial = self.study.ask()
+        trial = self.study.ask()
         if self.heartbeat is not None:
             self.heartbeat.add(trial._trial_id)
         try:

@@ -47,7 +47,7 @@ from ..runtime.versions import Versions
 from .baseline import baseline_fn, default_baseline
 from .finalists import FinalRound, final_round, probe_counts, split_parts
 from .loop import Progress, Share, run_rounds
-from .objective import Objective, Outcome, RoutingSampler, expert_tensors, make_cases, trace_sampler
+from .objective import Objective, Outcome, RoutingSampler, expert_tensors, make_cases, routing_sampler
 from .options import BucketResult, TuneOptions
 from .progress import Display
 from .seeds import default_schedules, runtime_default, seeds
@@ -354,13 +354,9 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
     every = list(buckets)  # before --at-tokens: the neighbours a bucket is seeded from
     if at_tokens is not None:
         buckets = [b for b in buckets if any(b.lo <= t <= b.hi for t in at_tokens)]
-    sampler = None
     if isinstance(trace, str | os.PathLike):
         trace = Trace.load(trace)
-    if trace is not None:
-        import numpy as np
-
-        sampler = trace_sampler(block, torch.from_numpy(np.concatenate(trace.pools()).astype(np.int64)))
+    sampler = routing_sampler(block, trace)
     w = expert_tensors(block, device, seed=options.seed)
     routings = options.routings or (32 if device.startswith("cuda") else 8)
     versions = Versions.current(be.name, device) if table is not None else None
