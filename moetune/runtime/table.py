@@ -48,6 +48,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from ..ir import CacheError, MoEBlock, MoetuneError, Schedule
 from .versions import Versions, judge, serves
@@ -257,10 +258,11 @@ def _gives_way(old: DispatchEntry, entry: DispatchEntry, supersede: bool) -> boo
     versions, or any with `supersede`; an estimate splits only estimates, a measured entry splits every estimate."""
     if entry.estimated and not old.estimated:
         return False
-    return supersede or _same_versions(old, entry) or (old.estimated and not entry.estimated)
+    return supersede or same_versions(old, entry) or (old.estimated and not entry.estimated)
 
 
-def _same_versions(a: DispatchEntry, b: DispatchEntry) -> bool:
+def same_versions(a: DispatchEntry, b: DispatchEntry) -> bool:
+    """Whether `a` and `b` were measured with the same kernels, backend version and device."""
     return all(getattr(a.versions, c) == getattr(b.versions, c) for c in _VERSION_COLUMNS)
 
 
@@ -326,6 +328,16 @@ def _write_failed(path: Path, e: sqlite3.Error) -> CacheError:
     cause = ("the disk is full; " if name == "SQLITE_FULL" else
              "the file is read-only; " if name.startswith("SQLITE_READONLY") else "")
     return CacheError(f"dispatch table {path}: write failed, nothing was written ({cause}{name}: {e})")
+
+
+class Claim(Protocol):
+    """Who writes a shared study's winner (`DispatchTable.put_all`): asked inside the write's transaction."""
+
+    def free(self, table: DispatchTable, entries: list[DispatchEntry]) -> bool:
+        """Whether this writer may write `entries` (no other one wrote what it would)."""
+
+    def take(self, table: DispatchTable, written: list[DispatchEntry]) -> None:
+        """Record that this writer wrote `written`."""
 
 
 class DispatchTable:
@@ -462,12 +474,14 @@ class DispatchTable:
 
     # writing
     def put(self, entry: DispatchEntry, *, replace_stale: bool = True, replace: bool = False,
-            supersede: bool = False) -> bool:
+            supersede: bool = False, claim: Claim | None = None) -> bool:
         """Write one entry (`put_all`); whether it was written."""
-        return self.put_all([entry], replace_stale=replace_stale, replace=replace, supersede=supersede)[0]
+        return self.put_all([entry], replace_stale=replace_stale, replace=replace, supersede=supersede,
+                            claim=claim)[0]
 
     def put_all(self, entries: Iterable[DispatchEntry], *, replace_stale: bool = True, replace: bool = False,
-                supersede: bool = False, split: Callable[[DispatchEntry], bool] | None = None) -> list[bool]:
+                supersede: bool = False, split: Callable[[DispatchEntry], bool] | None = None,
+                claim: Claim | None = None) -> list[bool]:
         """Write `entries` in order, in one transaction (all of them or none); whether each was written.
 
         An entry replaces the stored one of its key when it is faster (or, with `replace_stale`, when the
@@ -476,10 +490,18 @@ class DispatchTable:
         the same versions around itself (`_split_around`): what lies outside it stays, every field but the
         bucket unchanged, and a row wholly inside it goes, so every token count covered before stays
         covered. With `supersede` (a tuner's write: it re-tuned that range) rows of other versions are
-        split too; with `split`, the rows of other versions it accepts (a merge's: the stale ones)."""
+        split too; with `split`, the rows of other versions it accepts (a merge's: the stale ones).
+        With `claim` (workers sharing a study), nothing is written unless `claim.free(self)`, and
+        `claim.take(self, written)` records the write; both inside the transaction, so that of the
+        workers writing this file one at a time, each sees what the others wrote."""
         self._writable()
+        entries = list(entries)
         with self._transaction():
+            if claim is not None and not claim.free(self, entries):
+                return [False] * len(entries)
             written = [self._write(e, replace_stale, replace, supersede, split) for e in entries]
+            if claim is not None and any(written):
+                claim.take(self, [e for e, w in zip(entries, written, strict=True) if w])
         if any(written):
             self._checkpoint()
         return written
@@ -494,7 +516,7 @@ class DispatchTable:
             for e in sorted(self.entries(), key=_rank):  # oldest first: each row splits the older ones
                 if self.get(e.target, e.backend, e.signature, e.bucket_lo, e.bucket_hi) != e:
                     continue
-                n += self._split_around(e, lambda old, e=e: _same_versions(old, e) and _rank(old) < _rank(e)
+                n += self._split_around(e, lambda old, e=e: same_versions(old, e) and _rank(old) < _rank(e)
                                         and _gives_way(old, e, False))
         if n:
             self._checkpoint()

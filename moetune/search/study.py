@@ -13,6 +13,7 @@ are failed and their points enqueued again, and the trials that finished are kep
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import threading
@@ -96,6 +97,7 @@ class Study:
         self.study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction="minimize",
                                          load_if_exists=True)
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        self.shared = storage is not None and not isinstance(storage, optuna.storages.InMemoryStorage)
         self._check_resumed(name, options.storage)
         self.heartbeat = Heartbeat.of(storage)
         self._marks = storage is not None and self.heartbeat is None  # a stored study without heartbeats
@@ -195,6 +197,13 @@ class Study:
             out.setdefault(key(s), s)
         return list(out.values())
 
+    def claim(self, table_path, winner: Schedule | None, finalists: Sequence[Schedule]) -> WriteClaim | None:
+        """On a shared study: who of its workers writes its winner to the table at `table_path`
+        (`WriteClaim`); None on a study of this process alone."""
+        if not self.shared:
+            return None
+        return WriteClaim(self, table_path, winner, finalists)
+
     def fail(self, trial) -> None:
         try:
             self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)
@@ -223,6 +232,56 @@ class Study:
             trial.set_user_attr("spread_us", outcome.timing.spread_s * 1e6)
             trial.set_user_attr("build_s", outcome.build_s)
         self.study.tell(trial, outcome.time_s)
+
+
+class WriteClaim:
+    """The write of a shared study's winner to one table, once: the first worker to finish writes it and
+    records what it wrote in the study (a user attribute per table file and host). A worker finishing after it
+    writes nothing when its winner is the recorded one, or when it did not time the recorded one beside its
+    own; it replaces the recorded write only when the recorded winner was among its finalists and lost
+    there. A recorded write whose rows the table no longer holds as written (the writer died before its
+    commit, the table was rewritten since, or it was measured with other kernels or on another device) does
+    not count. `DispatchTable.put_all` asks `free` and calls
+    `take` inside its transaction: the workers writing one file do so one at a time."""
+
+    def __init__(self, study: Study, table_path, winner: Schedule | None, finalists: Sequence[Schedule]):
+        place = f"{socket.gethostname()}:{os.path.realpath(table_path)}"
+        self.attr = "written@" + hashlib.sha1(place.encode()).hexdigest()[:16]
+        self.study, self.mine = study, key(winner) if winner is not None else None
+        self.timed = {key(s) for s in finalists}
+        self.said = ""  # why nothing was written, or whose write this one replaced
+
+    def _recorded(self, table, entries) -> dict | None:
+        """The recorded write where the table holds its rows as written, with the versions of `entries`."""
+        from ..runtime.table import same_versions
+
+        rec = self.study.study.user_attrs.get(self.attr)
+        if not rec or not entries:
+            return None
+        held = all((e := table.get(*r["key"])) is not None and e.tuned_at == r["tuned_at"]
+                   and same_versions(e, entries[0]) for r in rec["rows"])
+        return rec if held else None
+
+    def free(self, table, entries) -> bool:
+        rec = self._recorded(table, entries)
+        if rec is None:
+            return True
+        if rec["schedule"] == self.mine:
+            self.said = f"the study's winner was written by worker {rec['by']}"
+            return False
+        if rec["schedule"] not in self.timed:
+            self.said = (f"worker {rec['by']} wrote the study's winner ({rec['described']}), not among this "
+                         "worker's finalists: kept")
+            return False
+        self.said = f"replaced worker {rec['by']}'s write ({rec['described']}: slower in this worker's final round)"
+        return True
+
+    def take(self, table, written) -> None:
+        e = written[0]
+        self.study.study.set_user_attr(self.attr, {
+            "by": self.study.worker, "schedule": self.mine, "described": f"{e.kind} {e.time_us:.1f} µs",
+            "rows": [{"key": [w.target, w.backend, w.signature, w.bucket_lo, w.bucket_hi], "tuned_at": w.tuned_at}
+                     for w in written]})
 
 
 _BEATS: dict[tuple, Heartbeat] = {}  # (process, storage) → its heartbeat thread

@@ -23,7 +23,8 @@ left, a bucket whose one candidate would not fit in its share (estimated from th
 reported "not tuned: budget spent", and each bucket's loop and final round fit in its share.
 
 With `storage` (an RDB URL or a journal file) several `moetune tune` workers share each study: each
-asks its own trials, skips points another worker already scored, and writes the study's winner.
+asks its own trials, skips points another worker already scored; the first to finish a study writes its
+winner, and a later one only a winner that beat the written one in its own final round (`study.WriteClaim`).
 """
 
 from __future__ import annotations
@@ -148,14 +149,16 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
                 whole = holes == [(bucket.lo, bucket.hi)]
                 held = dataclasses.replace(result, parts=() if whole else tuple(
                     (lo, hi, fr.winner, fr.time_s, inputs.tokens) for lo, hi in holes))
-                written = _write(table, held, block, target, versions, timer, fr, outcomes, space, default)
+                claim = st.claim(table.path, fr.winner, [f for f, _, _ in fr.finals])
+                written = _write(table, held, block, target, versions, timer, fr, outcomes, space, default, claim)
                 said = ("the default written as the bucket's entry, replacing the stored entry it beat here"
                         if beaten else
                         "the default written as the bucket's entry (no usable entry covered it)" if whole else
                         "the default written where no usable entry covered the bucket: "
-                        + ", ".join(f"[{lo},{hi}]" for lo, hi in holes))
-                result = dataclasses.replace(result, written=written, elapsed_s=share.spent(), stopped="; ".join(
-                    x for x in (result.stopped, said if written else "") if x))
+                        + ", ".join(f"[{lo},{hi}]" for lo, hi in holes)) if written else ""
+                said = "; ".join(x for x in (claim.said if claim is not None else "", said) if x)
+                result = dataclasses.replace(result, written=written, elapsed_s=share.spent(),
+                                             stopped="; ".join(x for x in (result.stopped, said) if x))
         return result
     split = options.split if options.split is not None else objective.device.startswith("cuda")
     if split and fr.winner is not None:
@@ -163,8 +166,11 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
                                                                options.split_loss))
     if table is not None and fr.winner is not None:
         versions = versions or Versions.current(backend.name, objective.device)
-        written = _write(table, result, block, target, versions, timer, fr, outcomes, space, default)
-        result = dataclasses.replace(result, written=written, elapsed_s=share.spent())
+        claim = st.claim(table.path, fr.winner, [f for f, _, _ in fr.finals])
+        written = _write(table, result, block, target, versions, timer, fr, outcomes, space, default, claim)
+        said = claim.said if claim is not None else ""
+        result = dataclasses.replace(result, written=written, elapsed_s=share.spent(),
+                                     stopped="; ".join(x for x in (result.stopped, said) if x))
     return result
 
 
@@ -184,9 +190,10 @@ def _baseline(block: MoEBlock, objective: Objective, options: TuneOptions, share
 
 def _write(table: DispatchTable, result: BucketResult, block: MoEBlock, target: str, versions: Versions,
            timer: Timer, fr: FinalRound, outcomes: dict[str, Outcome], space: SearchSpace,
-           default: Schedule | None) -> bool:
+           default: Schedule | None, claim=None) -> bool:
     """Write the winner's entry, or one entry per part of a split bucket (in one transaction); whether any
-    was written. What the entries overlap is split around them (`DispatchTable.put_all`)."""
+    was written. What the entries overlap is split around them (`DispatchTable.put_all`); `claim`: on a
+    shared study, whether this worker writes (`study.WriteClaim`)."""
     floor_s = result.floor.time_s if result.floor is not None else None
     base_s, rep = result.baseline_time_s, result.tokens
 
@@ -201,11 +208,11 @@ def _write(table: DispatchTable, result: BucketResult, block: MoEBlock, target: 
 
     if not result.parts:
         e = entry(result.bucket, fr.winner, fr.time_s, rep, fr.default_time_s)
-        return table.put(e, replace=_judged_here(table, e, block, outcomes, space), supersede=True)
+        return table.put(e, replace=_judged_here(table, e, block, outcomes, space), supersede=True, claim=claim)
     # each part's entry replaces what overlaps it: it was chosen against those finalists here
     d_row = next(({rep: t} | at for f, t, at in fr.finals if default is not None and key(f) == key(default)), {})
     parts = [entry((lo, hi), s, t_s, T, d_row.get(T)) for lo, hi, s, t_s, T in result.parts]
-    return any(table.put_all(parts, replace=True, supersede=True))  # the parts go in together or not at all
+    return any(table.put_all(parts, replace=True, supersede=True, claim=claim))  # together or not at all
 
 
 def _holes(table: DispatchTable, block: MoEBlock, target: str, backend: str, bucket: Bucket, versions: Versions,

@@ -3,6 +3,7 @@ do, failures keep their reasons, early stops, and two workers sharing one Optuna
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing as mp
 import os
@@ -41,11 +42,16 @@ def study_name(backend: str, bucket=(1, 8)) -> str:
     return f"moetune:toy-target:{backend}:{tb.BLOCK.signature_hash()}:{bucket[0]}-{bucket[1]}"
 
 
+def _storage(storage):
+    """A journal file's storage; an RDB URL or a storage object as it is."""
+    if isinstance(storage, str) and "://" not in storage:
+        return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage))
+    return storage
+
+
 def trials(storage, backend: str, bucket=(1, 8)) -> list:
     """The trials of a bucket's study in `storage` (a journal file, an RDB URL or a storage object)."""
-    if isinstance(storage, str) and "://" not in storage:
-        storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(storage))
-    return optuna.load_study(study_name=study_name(backend, bucket), storage=storage).trials
+    return optuna.load_study(study_name=study_name(backend, bucket), storage=_storage(storage)).trials
 
 
 def test_fake_timer_picks_the_known_best_and_writes_it(tmp_path):
@@ -187,7 +193,7 @@ def _worker(journal: str, table: str, seed: int, out) -> None:
             for lo, hi in ((1, 8), (9, 16)):
                 r = run(be, bucket=tb.bucket(lo, hi), table=t, storage=journal, seed=seed, patience=12,
                         batch=2)
-                results.append((r.bucket, r.evaluated, r.time_s))
+                results.append((r.bucket, r.evaluated, r.time_s, r.written, r.stopped))
         out.put(results)
     except BaseException:
         import traceback
@@ -225,6 +231,34 @@ def test_two_workers_share_one_study_and_one_table(tmp_path, kind):
         assert len(workers) == 2
         evaluated = [t for t in done if not t.user_attrs.get("duplicate")]
         assert len(evaluated) >= max(r[1] for g in got for r in g if r[0] == bucket)
+        # the winner written once: by the first worker to finish, again only by one whose final round beat it
+        writes = [r for g in got for r in g if r[0] == bucket and r[3]]
+        skipped = [r for g in got for r in g if r[0] == bucket and not r[3]]
+        assert len(writes) == 1 or "replaced worker" in writes[-1][4], writes
+        assert all("written by worker" in r[4] or "not among this worker's finalists" in r[4] for r in skipped), skipped
+        attrs = optuna.load_study(study_name=study_name("toy-shared", bucket), storage=_storage(journal)).user_attrs
+        (rec,) = [v for k, v in attrs.items() if k.startswith("written@")]
+        assert [tuple(r["key"][-2:]) for r in rec["rows"]] == [bucket]
+        assert rec["rows"][0]["tuned_at"] == rows[bucket].tuned_at
+
+
+def test_a_shared_study_s_winner_is_written_once_and_again_only_with_other_versions(tmp_path):
+    journal, be = str(tmp_path / "study.log"), tb.toy("toy-once", faults={p: "wrong" for p in FASTEST})
+    with DispatchTable(tmp_path / "d.sqlite") as t:
+        first = run(be, table=t, storage=journal, seed=1)
+        row = t.entries()[0]
+        again = run(be, table=t, storage=journal, seed=2)  # the same study finished again: nothing to write
+        assert first.written and not again.written and "written by worker" in again.stopped
+        assert t.entries() == [row]
+        b = tb.bucket()
+        inputs = bucket_inputs(tb.BLOCK, b, expert_tensors(tb.BLOCK), routings=2)
+        other = dataclasses.replace(VERSIONS, kernel_hash="otherhash")  # the recorded row no longer says anything
+        r = tune_bucket(tb.BLOCK, be, "toy-target", b, inputs, FakeTimer(tb.cost),
+                        TuneOptions(budget_s=60, storage=journal, seed=3), table=t, versions=other)
+        assert r.written and [e.versions.kernel_hash for e in t.entries()] == ["otherhash"]
+    # a study of this process alone writes every time it finishes (the table's rules decide)
+    with DispatchTable(tmp_path / "e.sqlite") as t:
+        assert run(be, table=t, seed=1).written and run(be, table=t, seed=2).stopped.count("written by") == 0
 
 
 # ------------------------------------------------------------------------ three workers, one killed
