@@ -279,9 +279,10 @@ def _database(kind: str, tmp_path) -> str:
     return POSTGRES.rsplit("/", 1)[0] + "/" + name
 
 
-def _slow_worker(url: str, table: str, seed: int, out) -> None:
+def _slow_worker(url: str, table: str, seed: int, out, hold: str | None = None) -> None:
     try:
-        be = tb.toy("toy-killed", faults={p: "wrong" for p in FASTEST}, build_s=0.4)
+        be = tb.toy("toy-killed", faults={p: "wrong" for p in FASTEST}, build_s=0.4,
+                    hold=(hold, 120.0) if hold else None)
         results = []
         with DispatchTable(table) as t:
             for lo, hi in KILL_BUCKETS:
@@ -305,21 +306,16 @@ def test_a_worker_killed_mid_study_loses_no_trial_and_counts_none_twice(tmp_path
     optuna.storages.RDBStorage(url)  # the schema, before the workers and the polling below read it
     ctx = mp.get_context("fork")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_slow_worker, args=(url, table, seed, q)) for seed in (1, 2, 3)]
+    held = tmp_path / "held"  # the first worker holds its first sampled trial's build: killed there
+    procs = [ctx.Process(target=_slow_worker, args=(url, table, seed, q, str(held) if seed == 1 else None))
+             for seed in (1, 2, 3)]
     for p in procs:
         p.start()
     victim = procs[0]
     name = f"{socket.gethostname()}:{victim.pid}"
-    deadline = time.monotonic() + 60
-    while True:  # killed while it holds a running trial of its own (a sampled one: on SQLite an enqueued
-        try:         # trial can be handed to two workers), its candidate building
-            ts = trials(url, "toy-killed", KILL_BUCKETS[0])
-        except KeyError:  # the study is not created yet
-            ts = []
-        if any(t.state == optuna.trial.TrialState.RUNNING and t.user_attrs.get("worker") == name
-               and "fixed_params" not in t.system_attrs for t in ts):
-            break
-        assert time.monotonic() < deadline, "the first worker never ran a trial"
+    deadline = time.monotonic() + 90
+    while not held.exists():
+        assert time.monotonic() < deadline, "the first worker never built a sampled point"
         time.sleep(0.02)
     os.kill(victim.pid, signal.SIGKILL)
     victim.join(10)

@@ -5,6 +5,8 @@ purpose at the points named in `faults`).
     faults: {(kind, tile, stages): "wrong" | "nan" | "crash" | "oom" | "host_oom" | "refuse_build" | "hang" |
              "hang_build" | "die"}  (hang: the kernel never returns; die: the kernel ends the process)
     build_s: each build sleeps this long (a candidate in flight long enough to be interrupted)
+    hold: (path, seconds): a build of a point other than the defaults creates the file `path` and sleeps that
+             long (a sampled trial held in flight, for its worker to be killed there)
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class ToyBackend:
     refuse_kinds: dict = field(default_factory=dict)
     built: list = field(default_factory=list)
     build_s: float = 0.0
+    hold: tuple[str, float] | None = None
 
     def available(self) -> str | None:
         return None
@@ -66,6 +69,9 @@ class ToyBackend:
         fault = self.faults.get((schedule.kind, p.tile, p.stages))
         self.built.append(schedule)
         time.sleep(self.build_s)
+        if self.hold is not None and p != ToyParams():
+            Path(self.hold[0]).touch()
+            time.sleep(self.hold[1])
         if fault == "hang_build":
             threading.Event().wait(HANG_S)
         if fault == "refuse_build":
