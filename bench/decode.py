@@ -797,8 +797,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                     help="the weights' dtype (step; generate with --family; default: bfloat16, float32 for step "
                          "mode's --family on the CPU)")
-    ap.add_argument("--cache", default=None, help="moetune's dispatch table (default: cache/h200.sqlite on a "
-                    "GPU, none on the CPU; '' for none)")
+    ap.add_argument("--cache", default=None, help="moetune's dispatch table or a folder of them (default: cache/, "
+                    "whose <target>.sqlite is the GPU's, on a GPU; none on the CPU; '' for none)")
     ap.add_argument("--out", type=Path, default=None)
     g = ap.add_argument_group("generate mode")
     g.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
