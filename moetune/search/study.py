@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Sequence
 
 from ..ir import ConfigError, Schedule, TunerUnavailable, UnsupportedSchedule
+from ..runtime.table import same_versions
 from .objective import Outcome
 from .options import TuneOptions
 from .space import SearchSpace, key
@@ -241,8 +242,8 @@ class WriteClaim:
     own; it replaces the recorded write only when the recorded winner was among its finalists and lost
     there. A recorded write whose rows the table no longer holds as written (the writer died before its
     commit, the table was rewritten since, or it was measured with other kernels or on another device) does
-    not count. `DispatchTable.put_all` asks `free` and calls
-    `take` inside its transaction: the workers writing one file do so one at a time."""
+    not count. `DispatchTable.put_all` asks `free` and calls `take` inside its transaction: the workers
+    writing one file do so one at a time."""
 
     def __init__(self, study: Study, table_path, winner: Schedule | None, finalists: Sequence[Schedule]):
         place = f"{socket.gethostname()}:{os.path.realpath(table_path)}"
@@ -253,8 +254,6 @@ class WriteClaim:
 
     def _recorded(self, table, entries) -> dict | None:
         """The recorded write where the table holds its rows as written, with the versions of `entries`."""
-        from ..runtime.table import same_versions
-
         rec = self.study.study.user_attrs.get(self.attr)
         if not rec or not entries:
             return None

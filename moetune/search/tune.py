@@ -138,6 +138,7 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
         trials=len(st.trials), evaluated=len(outcomes), failures=loop.failures,
         stopped="; ".join(x for x in (loop.stopped, *notes, *fr.notes, fr.kept) if x), space=space.describe(),
         finalists=fr.finals, elapsed_s=share.spent(), spread_s=fr.spread_s)
+    claim = st.claim(table.path, fr.winner, [f for f, _, _ in fr.finals]) if table is not None else None
     if fr.kept:  # the default serves the bucket: written as its entry where no usable entry covers it
         if table is not None and fr.winner is not None and fr.default_time_s is not None:
             versions = versions or Versions.current(backend.name, objective.device)
@@ -149,7 +150,6 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
                 whole = holes == [(bucket.lo, bucket.hi)]
                 held = dataclasses.replace(result, parts=() if whole else tuple(
                     (lo, hi, fr.winner, fr.time_s, inputs.tokens) for lo, hi in holes))
-                claim = st.claim(table.path, fr.winner, [f for f, _, _ in fr.finals])
                 written = _write(table, held, block, target, versions, timer, fr, outcomes, space, default, claim)
                 said = ("the default written as the bucket's entry, replacing the stored entry it beat here"
                         if beaten else
@@ -166,7 +166,6 @@ def tune_bucket(block: MoEBlock, backend: Backend, target: str, bucket: Bucket, 
                                                                options.split_loss))
     if table is not None and fr.winner is not None:
         versions = versions or Versions.current(backend.name, objective.device)
-        claim = st.claim(table.path, fr.winner, [f for f, _, _ in fr.finals])
         written = _write(table, result, block, target, versions, timer, fr, outcomes, space, default, claim)
         said = claim.said if claim is not None else ""
         result = dataclasses.replace(result, written=written, elapsed_s=share.spent(),
