@@ -357,8 +357,8 @@ def profile_moe(model: torch.nn.Module, ids: torch.Tensor, steps: int) -> dict:
 
 def compiled_kernels(model: torch.nn.Module, ids: torch.Tensor, new: int, mode: str, steps: int, top: int) -> dict:
     """The GPU kernels of decode steps 1..`steps` of a `generate` under the compile `mode` (the graphs the timed runs
-    replayed; kernels inside CUDA graphs are traced as themselves): {busy_us (the union of the kernels' intervals),
-    kernels_us (their sum) per step, kernels: the `top` by time, [{name, calls, us}] per step}."""
+    replayed; kernels inside CUDA graphs are traced as themselves): `timeline` of the kernels, with host_calls, the
+    `top` CUDA runtime and driver calls of the host per step by count."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -369,22 +369,42 @@ def compiled_kernels(model: torch.nn.Module, ids: torch.Tensor, new: int, mode: 
     finally:
         if window.running:
             prof.stop()
-    work = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation),
-                  key=lambda e: e.time_range.start)
+    events = prof.events()
+    work = [(e.name, e.time_range.start, e.time_range.end) for e in events
+            if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    line = timeline(work, steps, top)
+    host: dict[str, int] = {}
+    for e in events:  # the host's launches: graph replays, kernels launched outside a graph, copies, syncs
+        if e.device_type == DeviceType.CPU and e.name.startswith(("cuda", "cu")) and not e.is_user_annotation:
+            host[e.name] = host.get(e.name, 0) + 1
+    return dict(line, host_calls={n: c / steps for n, c in sorted(host.items(), key=lambda kv: -kv[1])[:top]},
+                steps=steps)
+
+
+def timeline(work: list[tuple[str, float, float]], steps: int, top: int) -> dict:
+    """The device's time of `steps` steps from its activities `work` [(name, start, end)] in µs: busy_us (the
+    union of their intervals) and kernels_us (their sum) per step; kernels, the `top` names by time
+    [{name, calls, us}] per step; idle_us, the time per step between the end of all earlier work and the start of
+    the next, and gaps, the `top` of it keyed by the activities either side [{after, before, count, us}]."""
     by: dict[str, list[float]] = {}
-    busy, end = 0.0, None
-    for e in work:
-        a, b = e.time_range.start, e.time_range.end
-        by.setdefault(e.name, []).append(b - a)
+    gaps: dict[tuple[str, str], list[float]] = {}
+    busy, end, last = 0.0, None, None
+    for name, a, b in sorted(work, key=lambda w: w[1]):
+        by.setdefault(name, []).append(b - a)
+        if end is not None and a > end:
+            gaps.setdefault((last[:60], name[:60]), []).append(a - end)
         if end is None or a >= end:
             busy += b - a
-            end = b
+            end, last = b, name
         elif b > end:
             busy += b - end
-            end = b
+            end, last = b, name
     rows = sorted(({"name": n[:120], "calls": len(v) / steps, "us": sum(v) / steps} for n, v in by.items()),
                   key=lambda r: -r["us"])
-    return dict(busy_us=busy / steps, kernels_us=sum(r["us"] for r in rows), kernels=rows[:top], steps=steps)
+    idle = sorted(({"after": a, "before": b, "count": len(v) / steps, "us": sum(v) / steps}
+                   for (a, b), v in gaps.items()), key=lambda r: -r["us"])
+    return dict(busy_us=busy / steps, kernels_us=sum(r["us"] for r in rows), kernels=rows[:top],
+                idle_us=sum(r["us"] for r in idle), gaps=idle[:top])
 
 
 class ExpertsOff:
@@ -599,6 +619,11 @@ def generation(args) -> dict:
                 top = "; ".join(f"{k['name'][:48]} ×{k['calls']:g} {k['us']:.1f}" for k in c["kernels"])
                 say(f"{label} batch {b}: compiled step's kernels {c['kernels_us']:.1f} µs, busy {c['busy_us']:.1f} µs "
                     f"of {row['ms_per_step'] * 1e3:.1f}; {top}")
+                gaps = "; ".join(f"{g['after'][:40]} → {g['before'][:40]} ×{g['count']:g} {g['us']:.1f}"
+                                 for g in c["gaps"])
+                say(f"{label} batch {b}: idle between kernels {c['idle_us']:.1f} µs a step (profiled); {gaps}")
+                say(f"{label} batch {b}: host calls a step: "
+                    + ", ".join(f"{n} ×{k:g}" for n, k in c["host_calls"].items()))
         if off:
             off.__exit__(None, None, None)
         done.add(label or _label(variant, impl))
@@ -818,7 +843,8 @@ def add_arguments(ap) -> None:
     g.add_argument("--profile-steps", type=int, default=4, help="decode steps profiled for the MoE share (0: none)")
     g.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="on a GPU, also profile the compiled decode steps (the replayed graphs) and keep the N kernels "
-                        "that took the most time per step, with the GPU's busy time (0: not)")
+                        "that took the most time per step, with the GPU's busy time, the N largest idle gaps between "
+                        "kernels (by the kernels either side) and the host's CUDA calls per step (0: not)")
     g.add_argument("--compare-gb", type=float, default=16.0,
                    help="largest logits (GiB, float32, on the host) kept per run for the token check's logit gap")
     g.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True,

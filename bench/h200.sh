@@ -4,8 +4,9 @@
 #   bash bench/h200.sh tests          # the GPU kernel tests, log in $OUT/gputests.log
 #   bash bench/h200.sh tests-fp8      # the FP8 kernels' and moetune.jax's FFI call's GPU tests, $OUT/gputests-fp8.log
 #   bash bench/h200.sh tune-at BUDGET_S T[,T...] PRESET...
-#                                     # targeted re-tunes (--at-tokens) into $OUT/t/h200.sqlite, a copy of the
-#                                     # shipped table (join it back with moetune merge), a log per preset
+#                                     # targeted re-tunes (--at-tokens) into $OUT/t/$TARGET.sqlite, a copy of the
+#                                     # shipped table of TARGET (default h200; h100 on an H100) over the buckets of
+#                                     # TOKENS (default 1-1024), joined back with moetune merge, a log per preset
 #   bash bench/h200.sh revalidate SECONDS PRESET...
 #                                     # after a kernel edit that changed the stored winners' sm_90 code: each preset's
 #                                     # stale winners re-checked and re-timed beside the defaults, no search, within
@@ -34,11 +35,12 @@ case "${1:-}" in
     rc=$?; tail -n 2 "$OUT/gputests-fp8.log"; exit $rc ;;
   tune-at)
     budget=$2; at=$3; shift 3
-    mkdir -p "$OUT/t" && cp cache/h200.sqlite "$OUT/t/h200.sqlite"
+    tgt=${TARGET:-h200}
+    mkdir -p "$OUT/t" && cp "cache/$tgt.sqlite" "$OUT/t/$tgt.sqlite"
     for p in "$@"; do
-      log="$OUT/t/h200-$p-tune-at${at//,/_}.log"
-      python3 -m moetune.cli tune --preset "$p" --backend triton --target h200 --tokens 1-1024 --at-tokens "$at" \
-        --budget "${budget}s" --cache "$OUT/t/h200.sqlite" > "$log" 2>&1
+      log="$OUT/t/$tgt-$p-tune-at${at//,/_}.log"
+      python3 -m moetune.cli tune --preset "$p" --backend triton --target "$tgt" --tokens "${TOKENS:-1-1024}" \
+        --at-tokens "$at" --budget "${budget}s" --cache "$OUT/t/$tgt.sqlite" > "$log" 2>&1
       echo "$p at $at: rc=$?"; grep -E '^ +\[[0-9]+,[0-9]+\] +[0-9]+ ' "$log"
     done ;;
   revalidate)

@@ -137,3 +137,19 @@ def test_isolated_variants_run_in_processes_of_their_own_and_merge(tmp_path):
 def test_an_unknown_variant_is_a_usage_error(capsys):
     assert decode.run(parse("--family", "qwen3_moe", "--variants", "moetune,vllm")) == 2
     assert "vllm not among transformers, moetune, no-experts" in capsys.readouterr().err
+
+
+def test_the_timeline_counts_overlap_once_and_names_each_gap():
+    # two steps: a → b overlapping (PDL), then c after a 3 µs gap, then a 10 µs gap to the next step's a
+    work = [("a", 0, 10), ("b", 8, 14), ("c", 17, 20), ("a", 30, 40), ("b", 38, 44), ("c", 47, 50)]
+    line = decode.timeline(work, steps=2, top=5)
+    assert line["busy_us"] == pytest.approx((14 + 3) * 2 / 2)
+    assert line["kernels_us"] == pytest.approx((10 + 6 + 3) * 2 / 2)
+    assert line["idle_us"] == pytest.approx((3 + 3 + 10) / 2)
+    gaps = {(g["after"], g["before"]): g for g in line["gaps"]}
+    assert gaps[("b", "c")]["count"] == 1 and gaps[("b", "c")]["us"] == pytest.approx(3)
+    assert gaps[("c", "a")]["count"] == 0.5 and gaps[("c", "a")]["us"] == pytest.approx(5)
+    assert line["gaps"][0]["after"] == "c"  # largest first
+    contained = decode.timeline([("x", 0, 10), ("y", 2, 5), ("z", 12, 13)], steps=1, top=5)
+    assert contained["busy_us"] == 11 and contained["gaps"] == [
+        {"after": "x", "before": "z", "count": 1, "us": 2}]  # the gap runs from the enclosing kernel's end
