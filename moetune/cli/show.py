@@ -30,7 +30,8 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
 
 def rows_json(path: str | os.PathLike) -> str:
     """The table's rows as one JSON array, each row an object of every column in the table's order."""
-    from ..runtime.table import COLUMNS, DispatchTable
+    from ..runtime.schema import COLUMNS
+    from ..runtime.table import DispatchTable
 
     with DispatchTable(path, create=False) as t:
         rows = [e.row() for e in t.entries()]
@@ -39,7 +40,8 @@ def rows_json(path: str | os.PathLike) -> str:
 
 def show(path: str | os.PathLike) -> str:
     """The table's contents, one entry per line and its parameters on the next."""
-    from ..runtime.table import TABLE, DispatchTable
+    from ..runtime.schema import TABLE
+    from ..runtime.table import DispatchTable
 
     with DispatchTable(path, create=False) as t:
         rows = t.entries()

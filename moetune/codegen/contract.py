@@ -5,7 +5,7 @@ with a `KernelKind` naming what it provides for its kind:
 
     params          the frozen parameter dataclass of the kind's kernels (checked in __post_init__)
     space           space(block, target) -> ParamSpace       the tunables, with the target's limits
-    default_params  default_params(block, T, target) -> params   the tested heuristic of rows per expert
+    default_params  default_params(block, T, target) -> params   the backend's tile rule at T (its tiles.py)
     build           build(block, schedule) -> ExpertsFn      or raise UnsupportedSchedule(reason)
     cost            cost(block, schedule, T) -> (flops, bytes)   what one call at T tokens moves
     sources         the files whose code the kind's kernels are made of, declared beside the kernel

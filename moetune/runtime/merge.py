@@ -12,7 +12,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..ir.errors import CacheError
-from .table import PK, DispatchEntry, DispatchTable, _rank
+from .coverage import rank
+from .entry import DispatchEntry
+from .schema import PK
+from .table import DispatchTable
 from .versions import kernel_source_hash, stale_on
 
 
@@ -48,8 +51,8 @@ def merge(inputs: Iterable[str | os.PathLike], output: str | os.PathLike) -> Mer
         k = tuple(getattr(e, c) for c in PK)
         if k not in best or precedence(e) < precedence(best[k]):
             best[k] = e
-    old = sorted((e for e in best.values() if stale(e)), key=_rank)
-    current = sorted((e for e in best.values() if not stale(e)), key=_rank)
+    old = sorted((e for e in best.values() if stale(e)), key=rank)
+    current = sorted((e for e in best.values() if not stale(e)), key=rank)
     part = output.with_name(f".{output.name}.merging-{os.getpid()}")
     try:
         with DispatchTable(part) as out:

@@ -25,7 +25,7 @@ from ..ir import SCHEDULE_KINDS, CacheError, MoetuneError
 from ..ir.block import signature_scheme
 
 if TYPE_CHECKING:
-    from .table import DispatchEntry
+    from .entry import DispatchEntry
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,8 @@ from ..codegen.backend import for_target
 from ..ir import Bucket, ConfigError, MoEBlock, Roofline, Schedule, TunerUnavailable, UnsupportedSchedule
 from ..passes.policy import representative_tokens
 from ..passes.targets import Target, get_target, peak_flops
-from ..runtime.table import DispatchEntry, DispatchTable
+from ..runtime.entry import DispatchEntry
+from ..runtime.table import DispatchTable
 from ..runtime.versions import Versions
 from .objective import CandidateError, Objective, expert_tensors, make_cases, repro
 from .seeds import default_schedules, runtime_default

@@ -13,7 +13,8 @@ from ..codegen.backend import Backend
 from ..ir import Bucket, CacheError, MoEBlock, MoetuneError, Schedule, UnsupportedSchedule
 from ..passes.policy import hybrid_threshold, rows_per_active
 from ..runtime.default import default_for
-from ..runtime.table import DispatchEntry, DispatchTable
+from ..runtime.entry import DispatchEntry
+from ..runtime.table import DispatchTable
 from .objective import Outcome
 from .options import BucketResult
 from .space import SearchSpace, key

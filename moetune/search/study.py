@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Sequence
 
 from ..ir import ConfigError, Schedule, TunerUnavailable, UnsupportedSchedule
-from ..runtime.table import same_versions
+from ..runtime.coverage import same_versions
 from .objective import Outcome
 from .options import TuneOptions
 from .space import SearchSpace, key

@@ -43,7 +43,8 @@ from ..ir import Bucket, CacheError, ConfigError, IRError, MoEBlock, Schedule, T
 from ..passes.policy import representative_tokens
 from ..passes.targets import floor as target_floor
 from ..runtime.default import backend_device, machine_backend
-from ..runtime.table import DispatchEntry, DispatchTable
+from ..runtime.entry import DispatchEntry
+from ..runtime.table import DispatchTable
 from ..runtime.versions import Versions
 from .baseline import baseline_fn, default_baseline
 from .finalists import FinalRound, final_round, probe_counts, split_parts

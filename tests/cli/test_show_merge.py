@@ -10,7 +10,8 @@ import pytest
 from moetune.cli import main
 from moetune.codegen.backend import get
 from moetune.ir import MoEBlock
-from moetune.runtime.table import DispatchEntry, DispatchTable
+from moetune.runtime.entry import DispatchEntry
+from moetune.runtime.table import DispatchTable
 from moetune.runtime.versions import Versions
 
 BLOCK = MoEBlock(E=16, k=4, D=64, F=40, weight_dtype="float32", routing_weight_dtype="float32", name="t")
@@ -54,7 +55,7 @@ def test_show_prints_each_winner_and_its_parameters_whole(table, capsys):
 
 
 def test_show_json_is_every_row_with_every_column(table, capsys):
-    from moetune.runtime.table import COLUMNS
+    from moetune.runtime.schema import COLUMNS
 
     assert main(["show", "--json", str(table)]) == 0
     rows = json.loads(capsys.readouterr().out)

@@ -163,7 +163,8 @@ def test_the_runtime_serves_estimates_as_estimates_and_prefers_a_measured_entry(
     from moetune.codegen.backend import for_target
     from moetune.codegen.torch import experts_reference, worst_error
     from moetune.runtime.dispatch import Dispatcher
-    from moetune.runtime.table import CacheWarning, DispatchEntry, DispatchTable, load_entries
+    from moetune.runtime.entry import DispatchEntry
+    from moetune.runtime.table import CacheWarning, DispatchTable, load_entries
     from moetune.runtime.versions import Versions
     from moetune.search.objective import expert_tensors, make_cases
 

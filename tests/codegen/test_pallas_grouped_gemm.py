@@ -23,12 +23,13 @@ from pallas_cases import (  # noqa: E402
 )
 
 from moetune.codegen.pallas import grouped_gemm as gg  # noqa: E402
+from moetune.codegen.pallas import tiles as gt  # noqa: E402
 from moetune.ir import MoEBlock, Schedule, UnsupportedSchedule, WeightFormat  # noqa: E402
 from moetune.ir.presets import preset  # noqa: E402
 from moetune.passes.targets import get_target  # noqa: E402
 
-FULL = gg.GemmParams(16, 256, 256, 256, 256)  # one column tile, one K step at D = F = 256
-SPLIT = gg.GemmParams(16, 128, 128, 128, 128)  # two column tiles, two K steps: the accumulators and index maps
+FULL = gt.GemmParams(16, 256, 256, 256, 256)  # one column tile, one K step at D = F = 256
+SPLIT = gt.GemmParams(16, 128, 128, 128, 128)  # two column tiles, two K steps: the accumulators and index maps
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +37,7 @@ def races(monkeypatch):
     monkeypatch.setenv("MOETUNE_PALLAS_INTERPRET", "races")
 
 
-def schedule(p: gg.GemmParams) -> Schedule:
+def schedule(p: gt.GemmParams) -> Schedule:
     return Schedule("grouped_gemm", backend="pallas_tpu", params=p)
 
 
@@ -46,7 +47,7 @@ def test_matches_reference(case):
     check(case_block(kw), schedule(FULL), T, route)
 
 
-@pytest.mark.parametrize("p", [SPLIT, gg.GemmParams(32, 128, 256, 256, 128)], ids=["split", "tile_m=32"])
+@pytest.mark.parametrize("p", [SPLIT, gt.GemmParams(32, 128, 256, 256, 128)], ids=["split", "tile_m=32"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_split_tiles_match_reference(p, dtype):
     """Several column tiles and K steps, tiles crossing expert boundaries (T·k = 26 rows over 8 experts)."""
@@ -83,8 +84,8 @@ def test_defaults_and_space_points_lower_for_tpu(name, monkeypatch):
     points = set()
     for target in TARGETS:
         t = get_target(target)
-        points |= {gg.default_params(block, T, t) for T in (64, 1024)}
-        sp = gg.space(block, t)
+        points |= {gt.default_params(block, T, t) for T in (64, 1024)}
+        sp = gt.space(block, t)
         first = {n: vals[0] for n, vals in sp.choices}
         last = {n: vals[-1] for n, vals in sp.choices}
         points.add(sp.make(**first))
@@ -111,9 +112,9 @@ def test_every_layout_lowers_for_tpu(case, monkeypatch):
 def test_defaults_are_points_of_a_space_within_vmem(name, target):
     block, t = preset(name), get_target(target)
     sp = BACKEND.kind("grouped_gemm", block).space(block, t)
-    xb, wb = gg.dtype_bytes(block)
+    xb, wb = gt.dtype_bytes(block)
     for T in (1, 8, 64, 1024, 4096):
-        p = gg.default_params(block, T, t)
+        p = gt.default_params(block, T, t)
         assert all(getattr(p, n) in vals for n, vals in sp.choices), (T, p)
         sp.admit(p)
     admitted = 0
@@ -123,25 +124,25 @@ def test_defaults_are_points_of_a_space_within_vmem(name, target):
         except UnsupportedSchedule:
             continue
         admitted += 1
-        assert gg.gate_up_vmem(block, gg.gate_up_tiles(p), xb, wb) <= 0.75 * t.vmem_bytes
-        assert gg.down_vmem(block, gg.down_tiles(p), xb, wb) <= 0.75 * t.vmem_bytes
+        assert gt.gate_up_vmem(block, gt.gate_up_tiles(p), xb, wb) <= 0.75 * t.vmem_bytes
+        assert gt.down_vmem(block, gt.down_tiles(p), xb, wb) <= 0.75 * t.vmem_bytes
     assert admitted
 
 
 def test_vmem_refuses_what_a_small_core_cannot_hold():
     block = preset("mixtral-8x7b")
     small = dataclasses.replace(get_target("tpu-v7"), vmem_bytes=8 * 2**20)
-    sp = gg.space(block, small)
+    sp = gt.space(block, small)
     with pytest.raises(UnsupportedSchedule, match="VMEM"):
         sp.make(tile_m=512, tile_n=1024, tile_k=2048, down_tile_n=1024, down_tile_k=2048)
     sp.make(tile_m=16, tile_n=128, tile_k=128, down_tile_n=128, down_tile_k=128)
-    p = gg.default_params(block, 1024, small)
+    p = gt.default_params(block, 1024, small)
     sp.admit(p)
 
 
 def test_larger_tiles_at_more_rows_per_expert():
     block, t = preset("qwen3-30b-a3b"), get_target("tpu-v6e")
-    ms = [gg.default_params(block, T, t).tile_m for T in (1, 64, 1024, 8192)]
+    ms = [gt.default_params(block, T, t).tile_m for T in (1, 64, 1024, 8192)]
     assert ms == sorted(ms) and ms[-1] > ms[0]
 
 
@@ -149,13 +150,13 @@ def test_larger_tiles_at_more_rows_per_expert():
                                       (dict(down_tile_k=0), "multiples of 128")])
 def test_params_checked(bad, why):
     with pytest.raises(UnsupportedSchedule, match=why):
-        gg.GemmParams(**bad)
+        gt.GemmParams(**bad)
 
 
 def test_tiles_that_do_not_divide_are_refused():
     block = case_block({})
     with pytest.raises(UnsupportedSchedule, match="does not divide"):
-        BACKEND.build(block, schedule(gg.GemmParams(16, 512, 256, 256, 256)))
+        BACKEND.build(block, schedule(gt.GemmParams(16, 512, 256, 256, 256)))
 
 
 def test_refusals_name_the_reason():
@@ -169,7 +170,7 @@ def test_refusals_name_the_reason():
 
 def test_cost_counts_padded_rows_and_weights():
     block = case_block(dict(dtype="bfloat16"))
-    small, big = (BACKEND.cost(block, schedule(gg.GemmParams(m, 256, 256, 256, 256)), 4096)
+    small, big = (BACKEND.cost(block, schedule(gt.GemmParams(m, 256, 256, 256, 256)), 4096)
                   for m in (16, 512))
     assert big[0] > small[0]  # more padded rows
     assert small[1] > big[1]  # more weight re-reads
@@ -197,7 +198,7 @@ def test_fp8_matches_reference(case, p):
 def test_fp8_defaults_lower_for_tpu(name, monkeypatch):
     monkeypatch.delenv("MOETUNE_PALLAS_INTERPRET")
     block = preset(name)
-    points = {gg.default_params(block, T, get_target(t)) for t in TARGETS for T in (64, 1024)}
+    points = {gt.default_params(block, T, get_target(t)) for t in TARGETS for T in (64, 1024)}
     for p in points:
         assert "tpu_custom_call" in lower_for_tpu(gg.experts_fn(block, p, False), block, 64), p
 

@@ -21,8 +21,8 @@ from pallas_cases import (  # noqa: E402
     lower_for_tpu,
 )
 
-from moetune.codegen.pallas import grouped_gemm as gg  # noqa: E402
 from moetune.codegen.pallas import hybrid as hy  # noqa: E402
+from moetune.codegen.pallas import tiles as gt  # noqa: E402
 from moetune.ir import Schedule, UnsupportedSchedule  # noqa: E402
 from moetune.ir.presets import preset  # noqa: E402
 from moetune.passes.policy import hybrid_threshold, rows_per_active  # noqa: E402
@@ -92,7 +92,7 @@ def test_params_checked(bad, why):
 def test_defaults_lower_for_tpu_within_vmem(name, monkeypatch):
     monkeypatch.delenv("MOETUNE_PALLAS_INTERPRET")
     block = preset(name)
-    xb, wb = gg.dtype_bytes(block)
+    xb, wb = gt.dtype_bytes(block)
     lowered = set()
     for target in TARGETS:
         t = get_target(target)
@@ -102,9 +102,9 @@ def test_defaults_lower_for_tpu_within_vmem(name, monkeypatch):
             p = hy.default_params(block, T, t)
             assert all(getattr(p, n) in vals for n, vals in sp.choices), (T, p)
             sp.admit(p)
-            for gu, dn in ((gg.gate_up_tiles(p), gg.down_tiles(p)), hy.light_tiles(p)):
-                assert gg.gate_up_vmem(block, gu, xb, wb) <= 0.75 * t.vmem_bytes
-                assert gg.down_vmem(block, dn, xb, wb) <= 0.75 * t.vmem_bytes
+            for gu, dn in ((gt.gate_up_tiles(p), gt.down_tiles(p)), hy.light_tiles(p)):
+                assert gt.gate_up_vmem(block, gu, xb, wb) <= 0.75 * t.vmem_bytes
+                assert gt.down_vmem(block, dn, xb, wb) <= 0.75 * t.vmem_bytes
             if (p, s.row_threshold, T) not in lowered:
                 lowered.add((p, s.row_threshold, T))
                 text = lower_for_tpu(hy.experts_fn(block, p, s.row_threshold, False), block, T)

@@ -21,7 +21,8 @@ from moetune.codegen.torch import experts_reference  # noqa: E402
 from moetune.codegen.torch.tolerance import worst_error  # noqa: E402
 from moetune.ir import CacheError, MoEBlock, Schedule, UnsupportedSchedule  # noqa: E402
 from moetune.runtime.dispatch import DispatchWarning  # noqa: E402
-from moetune.runtime.table import DispatchEntry, DispatchTable  # noqa: E402
+from moetune.runtime.entry import DispatchEntry  # noqa: E402
+from moetune.runtime.table import DispatchTable  # noqa: E402
 from moetune.runtime.versions import Versions  # noqa: E402
 from moetune.search.objective import expert_tensors  # noqa: E402
 

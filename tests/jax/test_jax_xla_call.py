@@ -24,7 +24,8 @@ from moetune.codegen.triton import GemvParams  # noqa: E402
 from moetune.ir import MoEBlock, Schedule, WeightFormat, WeightLayout  # noqa: E402
 from moetune.jax.xla_call import XlaBridged  # noqa: E402
 from moetune.runtime.dispatch import DispatchWarning  # noqa: E402
-from moetune.runtime.table import DispatchEntry, DispatchTable  # noqa: E402
+from moetune.runtime.entry import DispatchEntry  # noqa: E402
+from moetune.runtime.table import DispatchTable  # noqa: E402
 from moetune.runtime.versions import Versions  # noqa: E402
 from moetune.search.objective import expert_tensors  # noqa: E402
 from tests.codegen.triton_cases import DEV as DEVICE  # noqa: E402  (cpu, interpreted; with MOETUNE_TEST_GPU=1: cuda)

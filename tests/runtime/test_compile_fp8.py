@@ -156,7 +156,8 @@ def test_export_keeps_one_op_per_fp8_layer():
 def test_fp8_and_bf16_blocks_of_one_shape_are_different_table_keys(tmp_path):
     """A table tuned for the bf16 block serves nothing to its FP8 twin (and the other way round)."""
     from moetune.codegen.torch import BACKEND as TORCH
-    from moetune.runtime.table import DispatchEntry, DispatchTable
+    from moetune.runtime.entry import DispatchEntry
+    from moetune.runtime.table import DispatchTable
     from moetune.runtime.versions import Versions
 
     bf16 = moetune.explain(build("qwen3_moe", dtype=torch.bfloat16), print_=False)[0].block

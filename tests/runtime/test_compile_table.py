@@ -11,7 +11,8 @@ import moetune
 from moetune.codegen.torch import GatheredParams, GroupedGemmParams, HybridParams
 from moetune.ir import Schedule
 from moetune.runtime import DispatchWarning, plans
-from moetune.runtime.table import CacheWarning, DispatchEntry, DispatchTable
+from moetune.runtime.entry import DispatchEntry
+from moetune.runtime.table import CacheWarning, DispatchTable
 from moetune.runtime.versions import Versions
 from moetune.testing import FAMILIES, UNHOOKED, VOCAB, build
 

@@ -20,7 +20,8 @@ from test_table import BLOCK, HERE, entry
 
 from moetune.ir import CacheError
 from moetune.passes.trace import Trace, TraceError, synthetic_trace
-from moetune.runtime.table import COLUMNS, TABLE, DispatchTable, load_entries
+from moetune.runtime.schema import COLUMNS, TABLE
+from moetune.runtime.table import DispatchTable, load_entries
 
 
 def examples(default: int) -> int:

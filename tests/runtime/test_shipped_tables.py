@@ -25,7 +25,8 @@ import pytest
 from moetune import __version__
 from moetune.ir.block import signature_scheme
 from moetune.ir.presets import PRESETS, preset
-from moetune.runtime.table import TABLE, DispatchTable, load_entries
+from moetune.runtime.schema import TABLE
+from moetune.runtime.table import DispatchTable, load_entries
 from moetune.runtime.versions import (
     Versions,
     backend_version,

@@ -15,19 +15,10 @@ import pytest
 from moetune.cli import main as cli_main
 from moetune.codegen.torch import BACKEND as TORCH
 from moetune.ir import CacheError, MoEBlock, Schedule
+from moetune.runtime.entry import DispatchEntry
 from moetune.runtime.merge import merge
-from moetune.runtime.table import (
-    ADDED,
-    COLUMNS,
-    PK,
-    TABLE,
-    V1,
-    CacheWarning,
-    DispatchEntry,
-    DispatchTable,
-    load_entries,
-    table_path,
-)
+from moetune.runtime.schema import ADDED, COLUMNS, PK, TABLE, V1
+from moetune.runtime.table import CacheWarning, DispatchTable, load_entries, table_path
 from moetune.runtime.versions import Versions
 
 BLOCK = MoEBlock(E=16, k=4, D=64, F=40, weight_dtype="float32", routing_weight_dtype="float32", name="t")

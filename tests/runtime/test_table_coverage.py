@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 
 from moetune.codegen.torch import BACKEND as TORCH
 from moetune.ir import MoEBlock
+from moetune.runtime.entry import DispatchEntry
 from moetune.runtime.merge import merge
-from moetune.runtime.table import TABLE, DispatchEntry, DispatchTable
+from moetune.runtime.schema import TABLE
+from moetune.runtime.table import DispatchTable
 from moetune.runtime.versions import Versions
 
 BLOCK = MoEBlock(E=16, k=4, D=64, F=40, weight_dtype="float32", routing_weight_dtype="float32", name="t")

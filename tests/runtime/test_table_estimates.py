@@ -9,8 +9,9 @@ import warnings
 
 from moetune.codegen.torch import BACKEND as TORCH
 from moetune.ir import MoEBlock
+from moetune.runtime.entry import DispatchEntry
 from moetune.runtime.merge import merge
-from moetune.runtime.table import CacheWarning, DispatchEntry, DispatchTable, load_entries
+from moetune.runtime.table import CacheWarning, DispatchTable, load_entries
 from moetune.runtime.versions import Versions, judge
 
 BLOCK = MoEBlock(E=16, k=4, D=64, F=40, weight_dtype="float32", routing_weight_dtype="float32", name="t")

@@ -19,7 +19,8 @@ import pytest
 from test_table import BLOCK, HERE, entry
 
 from moetune.ir import CacheError
-from moetune.runtime.table import TABLE, DispatchTable, load_entries
+from moetune.runtime.schema import TABLE
+from moetune.runtime.table import DispatchTable, load_entries
 
 ROOT = Path(__file__).resolve().parents[2]
 SPAN = (1, 64)  # the token range the tuners below tile

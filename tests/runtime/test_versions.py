@@ -10,7 +10,7 @@ import pytest
 from moetune.codegen.backend import get, register
 from moetune.codegen.torch import BACKEND as TORCH
 from moetune.ir import SCHEDULE_KINDS, MoEBlock
-from moetune.runtime.table import DispatchEntry
+from moetune.runtime.entry import DispatchEntry
 from moetune.runtime.versions import (
     Versions,
     backend_version,

@@ -92,7 +92,7 @@ def test_a_winner_beyond_the_spread_is_written_with_the_spread(tmp_path):
 def test_a_kept_default_fills_only_what_no_usable_entry_covers(tmp_path):
     """The table holds a current entry for T = 1…3 of the bucket [1, 8]: the default the bucket keeps is written
     for 4…8 alone, the entry stays."""
-    from moetune.runtime.table import DispatchEntry
+    from moetune.runtime.entry import DispatchEntry
 
     held = Schedule("grouped_gemm", backend="toy-noise-holes", params=tb.ToyParams(tile=16, stages=3))
 
@@ -110,7 +110,7 @@ def test_a_kept_default_fills_only_what_no_usable_entry_covers(tmp_path):
 def test_a_kept_default_replaces_the_buckets_entry_it_beat(tmp_path):
     """The table's entry of the bucket itself is a slower schedule; the study times it (a seed) and keeps the
     default: the default replaces that entry, which would else go on serving the bucket."""
-    from moetune.runtime.table import DispatchEntry
+    from moetune.runtime.entry import DispatchEntry
 
     slow = Schedule("grouped_gemm", backend="toy-noise-beaten", params=tb.ToyParams(tile=16, stages=3))
 

@@ -11,7 +11,8 @@ from moetune.codegen.backend import get
 from moetune.ir import Schedule
 from moetune.ir.presets import preset
 from moetune.passes.pipeline import schedule_block
-from moetune.runtime.table import DispatchEntry, DispatchTable
+from moetune.runtime.entry import DispatchEntry
+from moetune.runtime.table import DispatchTable
 from moetune.runtime.versions import Versions
 from moetune.search import TuneOptions, tune_block
 from moetune.search.seeds import launch_twins, seeds

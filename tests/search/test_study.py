@@ -18,7 +18,8 @@ import torch
 import toy_backend as tb
 
 from moetune.ir import ConfigError, UnsupportedSchedule
-from moetune.runtime.table import DispatchEntry, DispatchTable
+from moetune.runtime.entry import DispatchEntry
+from moetune.runtime.table import DispatchTable
 from moetune.runtime.versions import Versions
 from moetune.search import TuneOptions, bucket_inputs, tune_bucket
 from moetune.search.objective import CandidateError, expert_tensors, trace_sampler
@@ -409,7 +410,7 @@ def test_a_launch_failure_is_scored_whether_it_shows_at_warm_up_or_at_the_check(
 
 
 def test_resume_keeps_current_buckets_and_tunes_only_the_missing_one(tmp_path):
-    from moetune.runtime.table import TABLE
+    from moetune.runtime.schema import TABLE
     from moetune.search import tune_block
 
     tb.toy("toy-block-resume")
@@ -506,7 +507,7 @@ def test_retune_of_a_stale_bucket_starts_from_its_old_winner_and_its_neighbours(
     """After a kernel change (stale rows), `tune_block` seeds each bucket with its own earlier winner and
     the winners of the buckets beside it: each is built before the bucket's study samples a point."""
     import moetune.search.tune as study
-    from moetune.runtime.table import TABLE
+    from moetune.runtime.schema import TABLE
 
     tb.toy("toy-block-seeds")
     with DispatchTable(tmp_path / "d.sqlite") as t:
@@ -591,7 +592,7 @@ def test_the_winner_holds_at_the_bucket_edges(edge_timing):
 def test_a_winner_chosen_against_the_stored_one_replaces_it_even_if_slower_on_paper(tmp_path):
     """The stored entry claims an impossible 0.001 µs: a plain `put` keeps it (faster), but a re-tune that
     measured the stored winner itself (it is a seed) and chose another writes its own."""
-    from moetune.runtime.table import TABLE
+    from moetune.runtime.schema import TABLE
     from moetune.search import tune_block
 
     tb.toy("toy-block-replace")
@@ -623,7 +624,7 @@ def test_revalidate_rechecks_a_stale_winner_without_a_search(tmp_path):
     """After a kernel change, `revalidate` keeps current buckets, and for a stale one builds only its
     defaults and the stored (and neighbouring) winners: the stored winner is re-checked, re-timed and
     stamped with the current kernels, with no TPE point sampled."""
-    from moetune.runtime.table import TABLE
+    from moetune.runtime.schema import TABLE
     from moetune.search import tune_block
 
     be = tb.toy("toy-block-revalidate")
@@ -815,7 +816,7 @@ def test_resume_keeps_a_split_bucket(tmp_path):
     """A bucket the tuner split (its parts tile it in the table, current here) counts as tuned for
     `resume`: kept with its parts, not searched again; the parts also seed a re-tune of it."""
     from moetune.ir import Bucket, Schedule
-    from moetune.runtime.table import TABLE
+    from moetune.runtime.schema import TABLE
     from moetune.search import tune_block
     from moetune.search.seeds import seeds as _seeds
 

@@ -10,6 +10,8 @@ Kernel files, one per schedule kind, each with its kernel, parameters, space, de
                         f32 and fp8_block)
     hybrid.py           heavy experts in wide row tiles, light ones in narrow tiles, one grouped GEMM (hybrid)
 What they share:
+    tiles.py       the grouped GEMM's parameters, VMEM checks and space, and the tile rule: the tiles of least
+                   modelled time at T (the defaults of grouped_gemm and of hybrid's heavy side)
     _common.py     JaxExperts, the torch bridge, the interpret switch
     reference.py   the float32 reference in JAX
 

@@ -31,9 +31,10 @@ from ...passes.targets import Target
 from ..common import ParamSpace
 from ..contract import KernelKind, sources
 from . import grouped_gemm as gg
+from . import tiles as gt
 from ._common import JaxExperts, bridged, interpret
 
-SOURCES = ("hybrid.py", "grouped_gemm.py", "_common.py", "reference.py")
+SOURCES = ("hybrid.py", "grouped_gemm.py", "tiles.py", "_common.py", "reference.py")
 
 LIGHT_M_CHOICES = (16, 32)
 
@@ -51,8 +52,8 @@ class HybridParams:
     light_tile_m: int = 16
 
     def __post_init__(self) -> None:
-        gg.check_tiles("HybridParams", self.tile_m, self.tile_n, self.tile_k, self.down_tile_n, self.down_tile_k)
-        gg.check_tiles("HybridParams (light)", self.light_tile_m)
+        gt.check_tiles("HybridParams", self.tile_m, self.tile_n, self.tile_k, self.down_tile_n, self.down_tile_k)
+        gt.check_tiles("HybridParams (light)", self.light_tile_m)
         for name in ("tile_m", "light_tile_m"):
             v = getattr(self, name)
             if v & (v - 1):
@@ -60,19 +61,19 @@ class HybridParams:
                                           "the padded row count)")
 
 
-def light_tiles(p: HybridParams) -> tuple[gg.Tiles, gg.Tiles]:
-    return (gg.Tiles(p.light_tile_m, p.tile_n, p.tile_k), gg.Tiles(p.light_tile_m, p.down_tile_n, p.down_tile_k))
+def light_tiles(p: HybridParams) -> tuple[gt.Tiles, gt.Tiles]:
+    return (gt.Tiles(p.light_tile_m, p.tile_n, p.tile_k), gt.Tiles(p.light_tile_m, p.down_tile_n, p.down_tile_k))
 
 
 def check(p: HybridParams, block: MoEBlock, target: Target) -> None:
-    gg.check_block(block)
-    gg.check_divides(block, gg.gate_up_tiles(p), gg.down_tiles(p))
-    gg.check_vmem(block, target, {"HybridParams heavy": (gg.gate_up_tiles(p), gg.down_tiles(p)),
+    gt.check_block(block)
+    gt.check_divides(block, gt.gate_up_tiles(p), gt.down_tiles(p))
+    gt.check_vmem(block, target, {"HybridParams heavy": (gt.gate_up_tiles(p), gt.down_tiles(p)),
                                   "HybridParams light": light_tiles(p)})
 
 
 def space(block: MoEBlock, target: Target) -> ParamSpace:
-    return ParamSpace(HybridParams, (*gg.tile_choices(block), ("light_tile_m", LIGHT_M_CHOICES)),
+    return ParamSpace(HybridParams, (*gt.tile_choices(block), ("light_tile_m", LIGHT_M_CHOICES)),
                       check=partial(check, block=block, target=target))
 
 
@@ -91,7 +92,7 @@ def default_params(block: MoEBlock, T: int, target: Target) -> HybridParams:
     (experts below R ≤ 32 rows: one or two tiles each)."""
     R = hybrid_threshold(rows_per_active(block, T))
     (rows, experts), _ = sides(block, T, R)
-    gu, dn = gg.fastest(block, target, max(rows, 1.0), max(experts, 1.0))
+    gu, dn = gt.fastest(block, target, max(rows, 1.0), max(experts, 1.0))
     return HybridParams(gu.m, gu.n, gu.k, dn.n, dn.k, LIGHT_M_CHOICES[0])
 
 
@@ -101,19 +102,19 @@ def cost(block: MoEBlock, schedule: Schedule, tokens: int) -> tuple[float, float
     p, R = schedule.params, schedule.row_threshold
     (hr, he), (lr, le) = sides(block, tokens, R)
     lgu, ldn = light_tiles(p)
-    f1, b1, _ = gg.pass_cost(block, gg.gate_up_tiles(p), gg.down_tiles(p), hr, he)
-    f2, b2, _ = gg.pass_cost(block, lgu, ldn, lr, le)
-    return f1 + f2, b1 + b2 + gg.glue_bytes(block, tokens)
+    f1, b1, _ = gt.pass_cost(block, gt.gate_up_tiles(p), gt.down_tiles(p), hr, he)
+    f2, b2, _ = gt.pass_cost(block, lgu, ldn, lr, le)
+    return f1 + f2, b1 + b2 + gt.glue_bytes(block, tokens)
 
 
 def experts_fn(block: MoEBlock, p: HybridParams, R: int, interp):
     """The JaxExpertsFn of HybridParams `p` and threshold R, its pallas_calls given `interp` as interpret=."""
     import jax.numpy as jnp
 
-    gg.check_block(block)
-    heavy_t = (gg.gate_up_tiles(p), gg.down_tiles(p))
+    gt.check_block(block)
+    heavy_t = (gt.gate_up_tiles(p), gt.down_tiles(p))
     light_t = light_tiles(p)
-    gg.check_divides(block, *heavy_t)
+    gt.check_divides(block, *heavy_t)
 
     def fn(x, ids, weights, w: JaxExperts):
         T, k = ids.shape
@@ -143,4 +144,4 @@ def build(block: MoEBlock, schedule: Schedule):
 
 
 KIND = KernelKind("hybrid", HybridParams, space, default_params, build, cost, sources(__file__, SOURCES),
-                  refusal=gg.refusal, formats=gg.FORMATS, build_jax=build_jax)
+                  refusal=gt.refusal, formats=gg.FORMATS, build_jax=build_jax)

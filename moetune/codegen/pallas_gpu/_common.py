@@ -46,6 +46,8 @@ from ...ir import MoEBlock, UnsupportedSchedule
 INTERPRET_ENV = "MOETUNE_PALLAS_GPU_INTERPRET"
 PACK = 4  # e4m3 values per uint32 word of a packed FP8 weight
 MIN_TILE = 16  # the smallest dot operand side of the Triton lowering; D and F must be multiples of it
+MIN_BK = PACK * MIN_TILE  # FP8 grouped GEMM: four dots of BK/4 ≥ 16 columns per K step
+REG_ELEMS = 64  # GEMV: weight elements per thread of one chunk's tile ([BN, BK]; [G, BN, BK] in the down): more spills
 
 
 def on_cuda() -> bool:

@@ -25,9 +25,11 @@ K step within one scale block column, its [BM, BN] partial times the tile's bloc
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from math import gcd
+from typing import Any
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
 from ...passes.stats import uniform_distinct
@@ -35,6 +37,7 @@ from ...passes.targets import Target
 from ..common import ParamSpace
 from ..contract import KernelKind, sources
 from ..pallas._common import bridged
+from ..tiles import make
 from . import routing
 from ._common import (
     MIN_TILE,
@@ -52,14 +55,14 @@ from ._common import (
     interpret,
     packed_e4m3,
     packed_tile_dot,
-    pow2_divisor,
     refusal,
     refuse,
     row_index,
     trailing_refs,
 )
+from .tiles import tiles
 
-SOURCES = ("grouped_gemm.py", "routing.py", "_common.py")
+SOURCES = ("grouped_gemm.py", "tiles.py", "routing.py", "_common.py")
 
 
 @dataclass(frozen=True)
@@ -112,14 +115,10 @@ def space(block: MoEBlock, target: Target) -> ParamSpace:
     return ParamSpace(GemmParams, CHOICES, check=partial(check, block=block, target=target))
 
 
-def default_params(block: MoEBlock, T: int, target: Target) -> GemmParams:
-    """64-row tiles (16 while the rows per active expert stay below 16, so a decode bucket pads less),
-    64-wide output tiles and 64-wide chunks, shrunk to divide small D and F."""
-    from ...passes.policy import rows_per_active
-
-    side = pow2_divisor(gcd(block.D, block.F), 64)
-    bm = 16 if rows_per_active(block, max(1, T)) < 16 else 64
-    return GemmParams(block_m=bm, block_n=side, block_k=side)
+def default_params(block: MoEBlock, T: int, target: Target,
+                   constraints: Mapping[str, Any] | None = None) -> GemmParams:
+    """The tile rule's pick at T tokens (`tiles.tiles`), with `constraints` over it."""
+    return make(GemmParams, tiles("grouped_gemm", block, T, target, constraints))
 
 
 def _gate_up_kernel(block: MoEBlock, p: GemmParams, te_ref, rows_ref, rw_ref, tok_ref, x_ref, w_ref, *rest):

@@ -13,19 +13,22 @@ up halves) only: the scales follow it; D and F in whole blocks.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
+from typing import Any
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
 from ...passes.targets import Target
 from ..common import ParamSpace
 from ..contract import KernelKind, sources
 from ..pallas._common import bridged
+from ..tiles import make
 from . import grouped_gemm as gg
-from ._common import MIN_TILE, PACK, check_divides, fp8_refusal
+from ._common import MIN_BK, MIN_TILE, check_divides, fp8_refusal
 from .grouped_gemm import GemmParams
+from .tiles import tiles
 
-SOURCES = ("grouped_gemm_fp8.py", "grouped_gemm.py", "routing.py", "_common.py")
-MIN_BK = PACK * MIN_TILE  # four dots of BK/4 ≥ 16 columns per K step
+SOURCES = ("grouped_gemm_fp8.py", "tiles.py", "grouped_gemm.py", "routing.py", "_common.py")
 
 
 def refusal(block: MoEBlock) -> str | None:
@@ -58,13 +61,10 @@ def space(block: MoEBlock, target: Target) -> ParamSpace:
     return ParamSpace(GemmParams, gg.CHOICES, check=partial(check, block=block, target=target))
 
 
-def default_params(block: MoEBlock, T: int, target: Target) -> GemmParams:
-    """grouped_gemm's default with the output tile cut to a scale block's rows and the K step to its columns,
-    at least MIN_BK."""
-    p = gg.default_params(block, T, target)
-    r, c = block.weight_format.block
-    return GemmParams(block_m=p.block_m, block_n=min(p.block_n, r), block_k=min(max(p.block_k, MIN_BK), c),
-                      num_warps=p.num_warps, num_stages=p.num_stages)
+def default_params(block: MoEBlock, T: int, target: Target,
+                   constraints: Mapping[str, Any] | None = None) -> GemmParams:
+    """The tile rule's pick at T tokens (`tiles.tiles`), with `constraints` over it."""
+    return make(GemmParams, tiles("grouped_gemm@fp8_block", block, T, target, constraints))
 
 
 def build_jax(block: MoEBlock, schedule: Schedule):

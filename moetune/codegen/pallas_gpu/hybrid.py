@@ -13,8 +13,10 @@ unquantised weights only.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from ...ir import MoEBlock, Schedule
 from ...passes.stats import uniform_distinct
@@ -22,11 +24,13 @@ from ...passes.targets import Target
 from ..common import ParamSpace
 from ..contract import KernelKind, sources
 from ..pallas._common import bridged
+from ..tiles import make
 from . import grouped_gemm as gg
 from . import stream_gemv as sg
 from ._common import check_pow2, refusal
+from .tiles import tiles
 
-SOURCES = ("hybrid.py", "grouped_gemm.py", "routing.py", "stream_gemv.py", "_common.py")
+SOURCES = ("hybrid.py", "tiles.py", "grouped_gemm.py", "routing.py", "stream_gemv.py", "_common.py")
 
 
 @dataclass(frozen=True)
@@ -77,12 +81,10 @@ def space(block: MoEBlock, target: Target) -> ParamSpace:
     return ParamSpace(HybridParams, CHOICES, check=partial(check, block=block, target=target))
 
 
-def default_params(block: MoEBlock, T: int, target: Target) -> HybridParams:
-    """The two kinds' defaults at T, the GEMV's tile used for both of its projections (and its down's groups
-    of pairs)."""
-    m, v = gg.default_params(block, T, target), sg.default_params(block, T, target)
-    return HybridParams(m.block_m, m.block_n, m.block_k, m.num_warps, m.num_stages,
-                        min(v.block_n, v.down_block_n), min(v.block_k, v.down_block_k), v.num_warps, v.down_pairs)
+def default_params(block: MoEBlock, T: int, target: Target,
+                   constraints: Mapping[str, Any] | None = None) -> HybridParams:
+    """The tile rule's pick at T tokens (`tiles.tiles`), with `constraints` over it."""
+    return make(HybridParams, tiles("hybrid", block, T, target, constraints))
 
 
 def split(ids, E: int, R: int):

@@ -23,15 +23,19 @@ sums times its block's multiplier), as uint32 words of four e4m3 values (_common
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
 from ...passes.targets import Target
 from ..common import ParamSpace
 from ..contract import KernelKind, sources
 from ..pallas._common import bridged
+from ..tiles import make
 from ._common import (
+    REG_ELEMS,
     activate,
     check_divides,
     check_pow2,
@@ -49,16 +53,15 @@ from ._common import (
     pair_down_scales,
     pair_expert,
     pow2_at_least,
-    pow2_divisor,
     refusal,
     refuse,
     row_index,
     token_pairs,
     trailing_refs,
 )
+from .tiles import tiles
 
-SOURCES = ("stream_gemv.py", "_common.py")
-REG_ELEMS = 64  # weight elements per thread of one chunk's tile ([BN, BK]; [G, BN, BK] in the down): more spills
+SOURCES = ("stream_gemv.py", "tiles.py", "_common.py")
 
 
 @dataclass(frozen=True)
@@ -119,21 +122,10 @@ def space(block: MoEBlock, target: Target) -> ParamSpace:
     return ParamSpace(GemvParams, CHOICES, check=partial(check, block=block))
 
 
-def default_params(block: MoEBlock, T: int, target: Target) -> GemvParams:
-    """16-row gate/up tiles over 256-wide chunks (T·k·F/16 programs: several per SM from one token on); the
-    down grid has only T·D/BN_d programs, so its tile narrows (to 4 rows) until there are two programs per SM.
-    The down loads the tiles of G pairs a chunk, G the largest power of two ≤ 8 that divides k (no idle lane);
-    they are in registers at once (REG_ELEMS a thread over 4 warps), so the rows are cut further where that would
-    leave a chunk under 128 columns, and the chunk takes the width that remains (at most 512). Every tile
-    shrinks to divide small D and F."""
-    lanes, regs = pow2_divisor(block.k, 8), REG_ELEMS * 32 * 4
-    bn = 16
-    while bn > 4 and T * block.D // bn < 2 * (target.sm_count or 1):
-        bn //= 2
-    bn = pow2_divisor(block.D, max(1, min(bn, regs // (lanes * 128))))
-    bk = max(1, min(512, regs // (lanes * bn)))
-    return GemvParams(block_n=pow2_divisor(block.F, 16), block_k=pow2_divisor(block.D, 256),
-                      down_block_n=bn, down_block_k=pow2_divisor(block.F, bk), down_pairs=lanes)
+def default_params(block: MoEBlock, T: int, target: Target,
+                   constraints: Mapping[str, Any] | None = None) -> GemvParams:
+    """The tile rule's pick at T tokens (`tiles.tiles`), with `constraints` over it."""
+    return make(GemvParams, tiles("stream_gemv", block, T, target, constraints))
 
 
 def _gate_up_kernel(block: MoEBlock, p: GemvParams, ids_ref, wts_ref, x_ref, w_ref, *rest):

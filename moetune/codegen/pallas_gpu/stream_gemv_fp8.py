@@ -15,19 +15,22 @@ most 2^30 there, so every size lowers (qwen3.5-397b-a17b-fp8's gate_up is 2^32 b
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Mapping
 from functools import partial
+from typing import Any
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
 from ...passes.targets import Target
 from ..common import ParamSpace
 from ..contract import KernelKind, sources
 from ..pallas._common import bridged
+from ..tiles import make
 from . import stream_gemv as sg
 from ._common import check_divides, fp8_refusal
 from .stream_gemv import GemvParams
+from .tiles import tiles
 
-SOURCES = ("stream_gemv_fp8.py", "stream_gemv.py", "_common.py")
+SOURCES = ("stream_gemv_fp8.py", "tiles.py", "stream_gemv.py", "_common.py")
 
 
 def refusal(block: MoEBlock) -> str | None:
@@ -49,12 +52,10 @@ def space(block: MoEBlock, target: Target) -> ParamSpace:
     return ParamSpace(GemvParams, sg.CHOICES, check=partial(check, block=block))
 
 
-def default_params(block: MoEBlock, T: int, target: Target) -> GemvParams:
-    """stream_gemv's default with every reduction chunk cut to one scale block's columns."""
-    p = sg.default_params(block, T, target)
-    r, c = block.weight_format.block
-    return replace(p, block_n=min(p.block_n, r), block_k=min(p.block_k, c), down_block_n=min(p.down_block_n, r),
-                   down_block_k=min(p.down_block_k, c))
+def default_params(block: MoEBlock, T: int, target: Target,
+                   constraints: Mapping[str, Any] | None = None) -> GemvParams:
+    """The tile rule's pick at T tokens (`tiles.tiles`), with `constraints` over it."""
+    return make(GemvParams, tiles("stream_gemv@fp8_block", block, T, target, constraints))
 
 
 def build_jax(block: MoEBlock, schedule: Schedule):

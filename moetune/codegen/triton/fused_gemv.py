@@ -31,8 +31,10 @@ built function must not run on two streams at once (the counters are its own).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import triton
@@ -43,6 +45,7 @@ from ...passes.stats import uniform_distinct
 from ...passes.targets import Target
 from ..common import ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
+from ..tiles import make
 from . import routing
 from ._common import _grid_release, _grid_wait, _prefetch_l2, _row_gate_up, _store_h
 from ._fp8 import _scale_of
@@ -50,8 +53,9 @@ from .launch import launch, pdl_launch, programmatic
 from .layout import act_args, call_args, cdiv, check_pow2, flat_pairs, interpreting, next_pow2
 from .stream_gemv import FUSED_ROUTE_MAX_PAIRS, _slot_pairs, _slot_work, _token_pairs
 from .stream_gemv_fp8 import _aligned, _row_gate_up8, fp8_call_args, whole_blocks_refusal
+from .tiles import tiles
 
-SOURCES = ("fused_gemv.py", "stream_gemv.py", "stream_gemv_fp8.py", "_common.py", "_fp8.py", "layout.py",
+SOURCES = ("fused_gemv.py", "tiles.py", "stream_gemv.py", "stream_gemv_fp8.py", "_common.py", "_fp8.py", "layout.py",
            "routing.py", "combine.py", "launch.py")
 MAX_PAIRS = FUSED_ROUTE_MAX_PAIRS  # the regime this kind is for: T·k ≤ this (the policy's rule reads it)
 _GAP = 32  # int32 words between the counters: each in a 128-byte line of its own
@@ -148,19 +152,11 @@ def space(block: MoEBlock, target: Target) -> ParamSpace:
     return ParamSpace(FusedGemvParams, choices, check=partial(check, block=block, target=target))
 
 
-def default_params(block: MoEBlock, T: int, target: Target) -> FusedGemvParams:
-    """8-row gate/up items with 16-byte loads per thread along D (16 rows double the accumulators and cost the
-    grid a resident program per SM); down items of 32 rows over all of a token's weight streams
-    (block_d · next_pow2(k) = 32), chunks of 128 along F; no L2 prefetch of the down weights (its requests
-    compete with the gate/up stream); on FP8 the tiles within one scale block, the gate/up chunk two column
-    blocks long (stream_gemv_fp8's FMA default)."""
-    bd = max(2, 32 // next_pow2(block.k))
-    sb = _scale_block(block)
-    if sb is None:
-        return FusedGemvParams(block_f=8, block_k=256, block_d=bd, down_block_k=128)
-    r, c = sb
-    return FusedGemvParams(block_f=min(8, r), block_k=2 * c if c <= 128 else c, block_d=min(bd, r),
-                           down_block_k=min(128, c))
+def default_params(block: MoEBlock, T: int, target: Target,
+                   constraints: Mapping[str, Any] | None = None) -> FusedGemvParams:
+    """The tile rule's pick at T tokens (`tiles.tiles`), with `constraints` over it."""
+    key = "fused_gemv@fp8_block" if block.weight_format.quantized else "fused_gemv"
+    return make(FusedGemvParams, tiles(key, block, T, target, constraints))
 
 
 @triton.jit

@@ -29,8 +29,10 @@ Operand paths:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import triton
@@ -38,18 +40,19 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
-from ...passes.policy import rows_per_active
 from ...passes.stats import uniform_distinct
 from ...passes.targets import Target
 from ..common import ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
+from ..tiles import make
 from . import combine as _combine
 from . import routing
 from ._common import _dot_step, _find_tile, _store_h, _store_y, _tile_down, _tile_gate_up
 from .launch import launch
-from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, interpreting
+from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, interpreting, tma_refusal
+from .tiles import tiles
 
-SOURCES = ("grouped_gemm.py", "_common.py", "layout.py", "routing.py", "combine.py", "launch.py")
+SOURCES = ("grouped_gemm.py", "tiles.py", "_common.py", "layout.py", "routing.py", "combine.py", "launch.py")
 
 
 @dataclass(frozen=True)
@@ -131,27 +134,10 @@ def space(block: MoEBlock, target: Target) -> ParamSpace:
     return ParamSpace(GemmParams, CHOICES, check=partial(check, target=target))
 
 
-def default_params(block: MoEBlock, T: int, target: Target) -> GemmParams:
-    """Tiles of rows per active expert: 16-row tl.dot tiles while experts get a few rows, 64-row tiles
-    beyond, then 128-row tiles with the gate/up as one N = 256 tl.dot (one N = 256 dot beats two N = 128
-    dots at many rows per expert); from 128 rows per expert every operand through TMA where the layout
-    allows it (standard layout; slower than the pointer path at fewer rows), the gate/up as one dot from
-    one [2, 128, 64] box and the down GEMM split in two along F with 16-bit y rows."""
-    rows = rows_per_active(block, T)
-    if rows < 12:
-        return GemmParams(block_m=16, block_n=64, block_k=128, num_stages=4, down_block_n=64,
-                          down_block_k=128, down_stages=4)
-    if rows < 48:
-        return GemmParams(block_m=64, block_n=64, block_k=64, num_stages=4, down_block_n=128,
-                          down_block_k=64, down_stages=4)
-    if rows < 128 or tma_refusal(block):
-        return GemmParams(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, one_dot=True,
-                          down_block_n=256, down_block_k=64, down_warps=8, down_stages=4)
-    return GemmParams(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, tma=True,
-                      one_dot=True, down_block_n=256, down_block_k=64, down_warps=8, down_stages=3,
-                      split_k=2, y_half=True)
-
-
+def default_params(block: MoEBlock, T: int, target: Target,
+                   constraints: Mapping[str, Any] | None = None) -> GemmParams:
+    """The tile rule's pick at T tokens (`tiles.tiles`), with `constraints` over it."""
+    return make(GemmParams, tiles("grouped_gemm", block, T, target, constraints))
 
 
 @triton.jit
@@ -294,19 +280,6 @@ def grouped_gemm_tma_kernel(
 def max_tiles(P: int, E: int, bm: int) -> int:
     """Upper bound of Σ_e ⌈m_e / BM⌉ over any routing of P pairs."""
     return max(1, P // bm + min(E, P))
-
-
-def tma_refusal(block: MoEBlock) -> str | None:
-    """Why the TMA operand path cannot run this block (None: it can)."""
-    lay = block.layout
-    if lay.transposed or lay.interleaved:
-        return ("tma reads gate_up as [E·2F, D] (gate rows, then up rows, hidden dimension contiguous): "
-                f"the standard layout only, this block's is {'transposed' if lay.transposed else 'interleaved'}")
-    wb = 4 if block.weight_dtype == "float32" else 2
-    for name, n in (("D", block.D), ("F", block.F)):
-        if n * wb % 16:
-            return f"tma rows must be multiples of 16 bytes: {name} = {n} × {wb} B is not"
-    return None
 
 
 def _desc(t: torch.Tensor, shape: list[int], strides: list[int], box: list[int]) -> TensorDescriptor:

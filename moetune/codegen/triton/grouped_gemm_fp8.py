@@ -58,20 +58,22 @@ and tensor-core dots on the 16-bit or e4m3 operands.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
-from ...passes.policy import rows_per_active
 from ...passes.stats import uniform_distinct
 from ...passes.targets import Target
 from ..common import ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
 from ..quant import act_group
+from ..tiles import make
 from . import combine as _combine
 from . import routing
 from ._common import _act, _find_tile, _grid_release, _grid_wait, _store_y
@@ -80,9 +82,10 @@ from .grouped_gemm import _desc, _grouped_tile, _nb_step, max_tiles
 from .launch import launch, pdl_launch, programmatic
 from .layout import act_args, call_args, cdiv, check_pow2, check_smem, interpreting
 from .quant_rows import quant_rows
+from .tiles import tiles
 
 SCRATCH = 4096  # shared memory the compiled kernels take beyond their pipelines (reductions, layout changes)
-SOURCES = ("grouped_gemm_fp8.py", "_fp8.py", "quant_rows.py", "grouped_gemm.py", "_common.py", "layout.py",
+SOURCES = ("grouped_gemm_fp8.py", "tiles.py", "_fp8.py", "quant_rows.py", "grouped_gemm.py", "_common.py", "layout.py",
            "routing.py", "combine.py", "launch.py")
 
 @dataclass(frozen=True)
@@ -264,26 +267,10 @@ def space(block: MoEBlock, target: Target) -> ParamSpace:
                       check=partial(check, block=block, target=target))
 
 
-def default_params(block: MoEBlock, T: int, target: Target) -> Fp8GemmParams:
-    """w8a8 (activations quantised per 1 × C group, C the weight block's columns): wherever the tuner timed
-    both on the H200 it beat the weight-only tiles (bench/README.md, "FP8 experts"), and transformers' own FP8
-    experts quantise activations the same way. Tiles of rows per active expert, in the shapes the tuner's winners
-    took: 16-row tiles while experts get a few rows, then 32-row and 64-row tiles through TMA (8 warps on the
-    64-row ones);
-    128 weight columns per tile and K steps of one scale block column; none spills registers on sm_90.
-    Weight-only (act_quant "none") and 128-row tiles stay in the space for the tuner."""
-    rows = rows_per_active(block, T)
-    c = block.weight_format.block[1] if block.weight_format.block else 128
-    bk = min(128, c)
-    aq = f"fp8_1x{c}"
-    if rows < 20:
-        return Fp8GemmParams(block_m=16, block_n=128, block_k=bk, group_m=1, num_stages=4, down_block_n=128,
-                             down_block_k=bk, down_stages=4, y_half=True, act_quant=aq)
-    if rows < 48:
-        return Fp8GemmParams(block_m=32, block_n=128, block_k=bk, group_m=1, num_stages=4, down_block_n=128,
-                             down_block_k=bk, down_stages=4, y_half=True, act_quant=aq, tma=True)
-    return Fp8GemmParams(block_m=64, block_n=128, block_k=bk, group_m=1, num_warps=8, num_stages=4,
-                         down_block_n=128, down_block_k=bk, down_stages=3, y_half=True, act_quant=aq, tma=True)
+def default_params(block: MoEBlock, T: int, target: Target,
+                   constraints: Mapping[str, Any] | None = None) -> Fp8GemmParams:
+    """The tile rule's pick at T tokens (`tiles.tiles`), with `constraints` over it."""
+    return make(Fp8GemmParams, tiles("grouped_gemm@fp8_block", block, T, target, constraints))
 
 
 # --------------------------------------------------------------------------------------------- kernels

@@ -10,19 +10,21 @@ Down writes fp32 rows y [1, P, D] with the routing weight applied; combine.py su
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from ...ir import DTYPE_BYTES, MoEBlock, Schedule, UnsupportedSchedule
-from ...passes.policy import rows_per_active
 from ...passes.stats import uniform_distinct
 from ...passes.targets import Target
 from ..common import ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
+from ..tiles import make
 from . import combine as _combine
 from . import routing
 from ._common import (
@@ -39,8 +41,9 @@ from ._common import (
 )
 from .launch import launch
 from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, interpreting, next_pow2
+from .tiles import tiles
 
-SOURCES = ("hybrid.py", "_common.py", "layout.py", "routing.py", "combine.py", "launch.py")
+SOURCES = ("hybrid.py", "tiles.py", "_common.py", "layout.py", "routing.py", "combine.py", "launch.py")
 
 
 # the tile sizes and warps of a hybrid's parameters (here and hybrid_fp8.py's): powers of two
@@ -103,18 +106,10 @@ def space(block: MoEBlock, target: Target) -> ParamSpace:
     return ParamSpace(HybridParams, CHOICES, check=partial(check, target=target))
 
 
-def _few_rows(block: MoEBlock, T: int) -> bool:
-    """Whether active experts get only a few rows each at T (the smaller tiles of the default)."""
-    return rows_per_active(block, T) < 4
-
-
-def default_params(block: MoEBlock, T: int, target: Target) -> HybridParams:
-    """16-row GEMM tiles and wide GEMV programs while experts get a few rows each; 64-row tiles beyond."""
-    small = _few_rows(block, T)
-    return HybridParams(block_m=16 if small else 64, block_n=64, block_k=128 if small else 64,
-                        num_stages=4, gemv_block_n=8 if small else 4, gemv_block_k=256 if small else 128,
-                        down_block_n=64 if small else 128, down_block_k=128 if small else 64,
-                        down_gemv_block_n=4 if small else 2, down_gemv_block_k=128, down_stages=4)
+def default_params(block: MoEBlock, T: int, target: Target,
+                   constraints: Mapping[str, Any] | None = None) -> HybridParams:
+    """The tile rule's pick at T tokens (`tiles.tiles`), with `constraints` over it."""
+    return make(HybridParams, tiles("hybrid", block, T, target, constraints))
 
 
 @triton.jit(do_not_specialize=["P", "g_tiles", "n_gemm"])

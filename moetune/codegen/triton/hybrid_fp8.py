@@ -13,24 +13,26 @@ fp32 rows y [1, P, D] with the routing weight applied; combine.py sums them per 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
-from ...passes.policy import rows_per_active
 from ...passes.targets import Target
 from ..common import ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
+from ..tiles import make
 from . import combine as _combine
 from . import routing
 from ._common import _find_slot, _heavy_tile, _store_h, _store_y
 from .hybrid import POW2_FIELDS, cost, grid_parts
 from .launch import launch
-from .layout import act_args, check_pow2, check_smem, dot_smem_bytes, next_pow2
+from .layout import act_args, check_pow2, check_smem, dot_smem_bytes
 from .stream_gemv_fp8 import (
     _aligned,
     _row_down8,
@@ -40,8 +42,9 @@ from .stream_gemv_fp8 import (
     fp8_call_args,
     whole_blocks_refusal,
 )
+from .tiles import tiles
 
-SOURCES = ("hybrid_fp8.py", "hybrid.py", "stream_gemv_fp8.py", "_fp8.py", "stream_gemv.py", "_common.py",
+SOURCES = ("hybrid_fp8.py", "tiles.py", "hybrid.py", "stream_gemv_fp8.py", "_fp8.py", "stream_gemv.py", "_common.py",
            "layout.py", "routing.py", "combine.py", "launch.py")
 
 
@@ -118,15 +121,10 @@ def space(block: MoEBlock, target: Target) -> ParamSpace:
     return ParamSpace(Fp8HybridParams, CHOICES, check=partial(check, block=block, target=target))
 
 
-def default_params(block: MoEBlock, T: int, target: Target) -> Fp8HybridParams:
-    """16-row GEMM tiles one scale block column deep and stream_gemv_fp8's GEMV rows while experts get a few
-    rows each; 64-row tiles beyond. Within the block's scale blocks for any block of ≥ 16 × 16."""
-    r, c = block.weight_format.block if block.weight_format.quantized else (128, 128)
-    few = rows_per_active(block, T) < 4
-    bk, bn = min(128, c), min(64, r)
-    return Fp8HybridParams(block_m=16 if few else 64, block_n=bn, block_k=bk, gemv_block_n=min(16, r),
-                           gemv_block_k=2 * c if c <= 128 else c, down_block_n=bn, down_block_k=bk,
-                           down_gemv_block_n=min(r, max(2, 32 // next_pow2(block.k))), down_gemv_block_k=bk)
+def default_params(block: MoEBlock, T: int, target: Target,
+                   constraints: Mapping[str, Any] | None = None) -> Fp8HybridParams:
+    """The tile rule's pick at T tokens (`tiles.tiles`), with `constraints` over it."""
+    return make(Fp8HybridParams, tiles("hybrid@fp8_block", block, T, target, constraints))
 
 
 @triton.jit(do_not_specialize=["P", "g_tiles", "n_gemm"])

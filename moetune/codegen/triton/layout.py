@@ -181,3 +181,16 @@ def consts(block: MoEBlock, x: torch.Tensor, w: ExpertTensors) -> dict:
     bf16 = torch.bfloat16 in (x.dtype, w.gate_up.dtype, w.down.dtype)
     return dict(ACT=ACT_CODES[block.activation.kind], HAS_BIAS=block.layout.has_bias,
                 W_IN=block.weight_application == "input", UPCAST=interpreting() and bf16)
+
+
+def tma_refusal(block: MoEBlock) -> str | None:
+    """Why the TMA operand path cannot run this block (None: it can)."""
+    lay = block.layout
+    if lay.transposed or lay.interleaved:
+        return ("tma reads gate_up as [E·2F, D] (gate rows, then up rows, hidden dimension contiguous): "
+                f"the standard layout only, this block's is {'transposed' if lay.transposed else 'interleaved'}")
+    wb = 4 if block.weight_dtype == "float32" else 2
+    for name, n in (("D", block.D), ("F", block.F)):
+        if n * wb % 16:
+            return f"tma rows must be multiples of 16 bytes: {name} = {n} × {wb} B is not"
+    return None

@@ -16,20 +16,21 @@ All (token, expert) pairs of a projection run in one launch; the grid is static 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import triton
 import triton.language as tl
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
-from ...passes.policy import rows_per_active
 from ...passes.stats import uniform_distinct
 from ...passes.targets import Target
 from ..common import ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
+from ..tiles import make
 from . import combine as _combine
 from . import routing
 from ._common import (
@@ -45,8 +46,9 @@ from ._common import (
 )
 from .launch import launch
 from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, flat_pairs, next_pow2
+from .tiles import tiles
 
-SOURCES = ("stream_gemv.py", "_common.py", "layout.py", "routing.py", "combine.py", "launch.py")
+SOURCES = ("stream_gemv.py", "tiles.py", "_common.py", "layout.py", "routing.py", "combine.py", "launch.py")
 FUSED_ROUTE_MAX_PAIRS = 64  # P above this: the routing kernel groups the pairs instead of each program
 
 
@@ -116,13 +118,10 @@ def space(block: MoEBlock, target: Target) -> ParamSpace:
     return ParamSpace(GemvParams, CHOICES, check=partial(check, target=target))
 
 
-def default_params(block: MoEBlock, T: int, target: Target) -> GemvParams:
-    """One row per weight read (pipelined FMA, the token-mode down: no combine) while the rows per active
-    expert stay about one; beyond, 16-row tl.dot passes over each weight tile with the expert-mode down."""
-    if rows_per_active(block, T) <= 1.5:
-        return GemvParams(down_block_n=max(2, 32 // next_pow2(block.k)))
-    return GemvParams(rows=16, block_n=64, block_k=128, down_block_n=64, down_block_k=128,
-                      down_mode="expert", fused_route=False)
+def default_params(block: MoEBlock, T: int, target: Target,
+                   constraints: Mapping[str, Any] | None = None) -> GemvParams:
+    """The tile rule's pick at T tokens (`tiles.tiles`), with `constraints` over it."""
+    return make(GemvParams, tiles("stream_gemv", block, T, target, constraints))
 
 
 @triton.jit

@@ -37,20 +37,21 @@ exactly and no row mask is needed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import triton
 import triton.language as tl
 
 from ...ir import DTYPE_BYTES, MoEBlock, Schedule, UnsupportedSchedule
-from ...passes.policy import rows_per_active
 from ...passes.stats import uniform_distinct
 from ...passes.targets import Target
 from ..common import ExpertTensors, ParamSpace
 from ..contract import KernelKind, sources
+from ..tiles import make
 from . import combine as _combine
 from . import routing
 from ._common import _grid_release, _grid_wait, _prefetch_l2, _store_h, _store_y
@@ -58,8 +59,9 @@ from ._fp8 import _ue8m0, block_scales
 from .launch import launch, pdl_launch, programmatic
 from .layout import act_args, call_args, cdiv, check_pow2, check_smem, dot_smem_bytes, flat_pairs, next_pow2
 from .stream_gemv import FUSED_ROUTE_MAX_PAIRS, _slot_pairs, _slot_work, _token_pairs
+from .tiles import tiles
 
-SOURCES = ("stream_gemv_fp8.py", "_fp8.py", "stream_gemv.py", "_common.py", "layout.py", "routing.py",
+SOURCES = ("stream_gemv_fp8.py", "tiles.py", "_fp8.py", "stream_gemv.py", "_common.py", "layout.py", "routing.py",
            "combine.py", "launch.py")
 
 
@@ -210,19 +212,10 @@ def space(block: MoEBlock, target: Target) -> ParamSpace:
     return ParamSpace(Fp8GemvParams, choices, check=partial(check, block=block, target=target))
 
 
-def default_params(block: MoEBlock, T: int, target: Target) -> Fp8GemvParams:
-    """While the rows per active expert stay about one: FMA rows with long chunks (16-byte loads of the
-    1-byte weights in every thread) and the token-mode down (no combine); beyond, 16-row tl.dot passes over
-    each tile, one read of each weight for all of an expert's rows, and the expert-mode down."""
-    r, c = block.weight_format.block if block.weight_format.quantized else (128, 128)
-    bk = min(128, c)
-    if rows_per_active(block, T) <= 1.5 or min(r, c) < 16:  # (tl.dot needs tiles of ≥ 16)
-        bn = min(16, r)
-        dbn = min(r, max(2, 32 // next_pow2(block.k)))
-        return Fp8GemvParams(block_n=bn, block_k=2 * c if c <= 128 else c, down_block_n=dbn,
-                             down_block_k=bk)
-    return Fp8GemvParams(rows=16, block_n=min(64, r), block_k=bk, down_block_n=min(64, r), down_block_k=bk,
-                         down_mode="expert", fused_route=False)
+def default_params(block: MoEBlock, T: int, target: Target,
+                   constraints: Mapping[str, Any] | None = None) -> Fp8GemvParams:
+    """The tile rule's pick at T tokens (`tiles.tiles`), with `constraints` over it."""
+    return make(Fp8GemvParams, tiles("stream_gemv@fp8_block", block, T, target, constraints))
 
 
 @triton.jit
