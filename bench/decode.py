@@ -68,363 +68,26 @@ from pathlib import Path
 
 import torch
 
+from bench.decode_step import steps
 from bench.kernels import TARGET
+from bench.models import (
+    FP8_BLOCK,
+    KEPT_GROUPED_MM,
+    build_preset,
+    fit_layers,
+    fp8_experts,
+    generate_once,
+    generation_config,
+    impl_name,
+    preset_config,
+    register_kept_grouped_mm,
+    reset_compile,
+)
+from bench.profiling import ExpertsOff, compiled_kernels, profile_moe
 from moetune.ir.presets import PRESETS, preset
 from moetune.passes.targets import floor
-from moetune.search.timing import Case, CpuTimer, CudaGraphTimer, NotCapturable
-
-SCOPE = "moetune.bench::experts"  # the profiler scope around each experts call
-KEPT_GROUPED_MM = "grouped_mm_kept"  # transformers' grouped_mm under a name generate does not swap at decode
-FP8_BLOCK = (128, 128)
-
-
-def preset_config(name: str, layers: int | None, vocab: int | None, moe_only: bool = True):
-    """The transformers config of preset `name` (its `-fp8` twin: the same config) with `layers` decoder layers
-    (None: the preset's depth) and `vocab` tokens (None: the config's own vocabulary). `moe_only`: every layer an
-    MoE layer (DeepSeek's dense first layers made MoE)."""
-    import transformers
-
-    cfg = {k: v for k, v in PRESETS[name].items() if k not in ("model_type", "dtype", "quantization_config")}
-    cfg["tie_word_embeddings"] = False
-    if layers is not None:
-        cfg["num_hidden_layers"] = layers
-    if vocab is not None:
-        cfg["vocab_size"] = vocab
-    if moe_only and "first_k_dense_replace" in cfg:
-        cfg["first_k_dense_replace"] = 0
-    config = transformers.AutoConfig.for_model(PRESETS[name]["model_type"], **cfg)
-    if getattr(config, "text_config", None) is not None:  # a multimodal config: its text model alone
-        config = type(config.text_config)(**cfg)
-    return config
-
-
-def build_preset(name: str, layers: int | None, vocab: int | None, device: str, seed: int = 0,
-                 dtype: torch.dtype = torch.bfloat16, moe_only: bool = True) -> torch.nn.Module:
-    """The preset's real model class with `layers` decoder layers (`preset_config`), random weights in `dtype`,
-    eval."""
-    import transformers
-
-    config = preset_config(name, layers, vocab, moe_only)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    for m in model.modules():  # a zero correction bias at init would route every token alike
-        if hasattr(m, "e_score_correction_bias") and m.e_score_correction_bias.device.type != "meta":
-            with torch.no_grad():
-                m.e_score_correction_bias.copy_(torch.randn_like(m.e_score_correction_bias) * 0.1)
-    return model.eval()
-
-
-# ------------------------------------------------------------------------------- memory and depth --
-
-
-def _kv_bytes_per_layer(config, batch: int, length: int, elem: int = 2) -> int:
-    """A static KV cache layer of `batch` sequences of `length` tokens (keys and values; every layer counted
-    as full attention: a bound)."""
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    k_dim = getattr(config, "qk_head_dim", None) or head
-    v_dim = getattr(config, "v_head_dim", None) or head
-    return batch * length * heads * (k_dim + v_dim) * elem
-
-
-def model_bytes(name: str, vocab: int | None, moe_only: bool = False) -> tuple[int, list[int]]:
-    """(bytes outside the decoder layers, bytes of each decoder layer) of preset `name` at its full depth in
-    bf16, counted on the meta device (nothing allocated)."""
-    model = build_preset(name, None, vocab, "meta", moe_only=moe_only)
-    layers = [0] * model.config.num_hidden_layers
-    base = 0
-    for pname, p in model.named_parameters():
-        parts = pname.split(".")
-        i = next((int(parts[j + 1]) for j, s in enumerate(parts[:-1]) if s == "layers" and parts[j + 1].isdigit()),
-                 None)
-        b = p.numel() * p.element_size()
-        if i is None:
-            base += b
-        else:
-            layers[i] += b
-    return base, layers
-
-
-def fit_layers(name: str, vocab: int | None, mem_gb: float, batch: int, length: int, *, fp8: bool = False,
-               logits_bytes: int = 0) -> dict:
-    """The most leading decoder layers of preset `name` whose model, static KV cache (`batch` × `length`) and
-    transients fit `mem_gb` GiB: {layers, of, bytes, budget}. The model is built in bf16 (FP8 experts are
-    quantised from it layer by layer, so bf16 bounds the depth for both); transients: the largest layer's
-    expert weights gathered once per (token, expert) pair (transformers' batched_mm at `batch`), three copies
-    of one layer (the FP8 quantisation's float32 copy), the kept logits and a fixed margin."""
-    base, layers = model_bytes(name, vocab)
-    config = preset_config(name, None, vocab)
-    block = preset(name)
-    kv = _kv_bytes_per_layer(config, batch, length)
-    gathered = batch * block.k * 3 * block.D * block.F * 2
-    transient = max(gathered, 3 * max(layers) if fp8 else 0) + logits_bytes + (4 << 30)
-    budget = int(mem_gb * (1 << 30))
-    used, n = base + transient, 0
-    for b in layers:
-        if used + b + kv > budget:
-            break
-        used, n = used + b + kv, n + 1
-    return dict(layers=n, of=len(layers), bytes=used, budget=budget)
-
-
-# ------------------------------------------------------------------------------------ the models --
-
-
-def fp8_experts(model: torch.nn.Module, block: tuple[int, int] = FP8_BLOCK) -> torch.nn.Module:
-    """`model` with each MoE block's experts replaced, one block at a time (the bf16 weights of one freed before
-    the next is quantised), by transformers' FP8Experts holding them quantised per `block` (rows, columns)."""
-    from moetune.testing import fp8, moe_blocks
-
-    block_size = block
-    for n in [n for n, _ in moe_blocks(model)]:
-        block = model.get_submodule(n)
-        if hasattr(block.experts, "gate_up_proj") and block.experts.gate_up_proj.dtype != torch.float8_e4m3fn:
-            block.experts = fp8.fp8_experts(block.experts, block_size)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-    return model
-
-
-def register_kept_grouped_mm() -> None:
-    """transformers' grouped_mm experts functions (bf16 and FP8) under KEPT_GROUPED_MM: `generate` swaps only
-    the name "grouped_mm" for batched_mm in its decode steps on a GPU."""
-    from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_forward
-
-    ExpertsInterface.register(KEPT_GROUPED_MM, grouped_mm_experts_forward)
-    try:
-        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface, fp8_grouped_mm_experts_forward
-    except ImportError:
-        return
-    FP8ExpertsInterface.register(KEPT_GROUPED_MM, fp8_grouped_mm_experts_forward)
-
-
-def _impl_name(impl: str) -> str:
-    return "grouped_mm" if impl == KEPT_GROUPED_MM else impl
-
 
 # ------------------------------------------------------------------------------------ generation --
-
-
-class StepClock:
-    """A logits processor that marks each forward of a `generate` call as its logits arrive (a CUDA event on a
-    GPU, the host clock on the CPU) and notes the experts implementation the prefill and the first decode step
-    ran."""
-
-    def __init__(self, model: torch.nn.Module, cuda: bool):
-        self.model, self.cuda = model, cuda
-        self.marks: list = []
-        self.impls: list[str] = []
-
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.marks.append(self.mark())
-        if len(self.marks) <= 2:  # the prefill's and the decode steps' (one for all of them: host time kept out)
-            self.impls.append(",".join(sorted(set(self.model.get_experts_implementation().values()))))
-        return scores
-
-    def intervals_ms(self, start) -> list[float]:
-        """ms from `start` to the first mark (prefill), then between consecutive marks (decode steps)."""
-        marks = [start, *self.marks]
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) for a, b in zip(marks, marks[1:], strict=False)]
-        return [(b - a) * 1e3 for a, b in zip(marks, marks[1:], strict=False)]
-
-
-class ProfileWindow:
-    """A logits processor that runs `prof` over the forwards of decode steps 1..`steps` of a `generate` call
-    (started once the prefill's logits are there, stopped once step `steps`' are)."""
-
-    def __init__(self, prof, steps: int, cuda: bool):
-        self.prof, self.steps, self.cuda, self.calls, self.running = prof, steps, cuda, 0, False
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.cuda:
-            torch.cuda.synchronize()  # no prefill kernel in the window, every step's kernel in it
-        if self.calls == 1:
-            self.prof.start()
-            self.running = True
-        elif self.calls == self.steps + 1 and self.running:
-            self.prof.stop()
-            self.running = False
-        return scores
-
-
-def generation_config(new: int, compile_mode: str, cuda: bool, keep_logits: bool = False):
-    """Greedy generation of exactly `new` tokens with a static KV cache, the decode steps under transformers'
-    compile config (`compile_mode`: a torch.compile mode, or "none"), its dynamic shapes left to torch (a graph for
-    the first batch size, one for all others)."""
-    from transformers import CompileConfig, GenerationConfig
-
-    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0,
-              cache_implementation="static", return_dict_in_generate=True, output_logits=keep_logits)
-    if compile_mode == "none":
-        kw["disable_compile"] = True
-    else:
-        cc = CompileConfig(fullgraph=False, mode=compile_mode)
-        if not cuda:
-            cc._compile_all_devices = True  # transformers compiles generate's forward on accelerators only
-        kw["compile_config"] = cc
-    return GenerationConfig(**kw)
-
-
-def generate_once(model: torch.nn.Module, ids: torch.Tensor, config, processors: tuple = ()) -> dict:
-    """One `generate` of `ids` [B, prompt]: {prefill_ms, steps_ms (each decode step), sequences [B, new] and
-    logits [new, B, V] (float32, None unless the config keeps them) on the host, decode_impl}."""
-    from transformers import LogitsProcessorList
-
-    cuda = ids.device.type == "cuda"
-    clock = StepClock(model, cuda)
-    start = clock.mark()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                         logits_processor=LogitsProcessorList([clock, *processors]))
-    ms = clock.intervals_ms(start)
-    logits = torch.stack(out.logits).cpu() if getattr(out, "logits", None) else None
-    return dict(prefill_ms=ms[0], steps_ms=ms[1:], sequences=out.sequences[:, ids.shape[1]:].cpu(), logits=logits,
-                decode_impl=clock.impls[-1])
-
-
-def reset_compile(model: torch.nn.Module) -> None:
-    """Forget every compiled graph (and transformers' compiled forward of `model`): the next variant compiles
-    from scratch, as in a process of its own."""
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    for attr in ("_compiled_call", "_last_compile_config"):
-        model.__dict__.pop(attr, None)
-    for limit in ("recompile_limit", "cache_size_limit"):  # a graph per batch size and phase, not a fallback
-        if hasattr(torch._dynamo.config, limit):
-            setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
-
-
-def profile_moe(model: torch.nn.Module, ids: torch.Tensor, steps: int) -> dict:
-    """`steps` decode steps of an uncompiled `generate` of `ids` under torch.profiler, each experts module's call
-    in a `record_function` scope (hooks that exist for this call only): {moe_us, kernels_us} per step, device
-    time on a GPU (the scopes' kernels; all kernels), CPU time on the CPU (the scopes; every top-level op)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    from moetune.testing import moe_blocks
-
-    cuda = ids.device.type == "cuda"
-    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
-    scopes: list = []
-
-    def enter(mod, args):
-        scope = torch.profiler.record_function(SCOPE)
-        scope.__enter__()
-        scopes.append(scope)
-
-    def leave(mod, args, out):
-        scopes.pop().__exit__(None, None, None)
-
-    hooks = []
-    for _, block in moe_blocks(model):
-        hooks += [block.experts.register_forward_pre_hook(enter), block.experts.register_forward_hook(leave)]
-    window = ProfileWindow(prof, steps, cuda)
-    try:
-        generate_once(model, ids, generation_config(steps + 1, "none", cuda), (window,))
-    finally:
-        for h in hooks:
-            h.remove()
-        if window.running:
-            prof.stop()
-    events = prof.events()
-    mine = [e for e in events if e.name == SCOPE and e.device_type == DeviceType.CPU]
-    if cuda:
-        work = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation and e.name != SCOPE]
-        kernels = sum(e.time_range.elapsed_us() for e in work)
-        spans = [e.time_range for e in events if e.name == SCOPE and e.device_type == DeviceType.CUDA]
-        if spans:  # the kernels inside a scope's span on the GPU timeline (one stream: the scope's own), so that
-            # kernels no aten op launches (Triton's) count too, and the host's gaps inside the span do not
-            moe = sum(e.time_range.elapsed_us() for e in work if any(
-                s.start <= e.time_range.start and e.time_range.end <= s.end for s in spans))
-        else:  # the scope's linked kernels
-            moe = sum(e.device_time_total for e in mine)
-    else:
-        moe = sum(e.cpu_time_total for e in mine)
-        kernels = sum(e.cpu_time_total for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None)
-    return dict(moe_us=moe / steps, kernels_us=kernels / steps, profiled_steps=steps, scopes=len(mine))
-
-
-def compiled_kernels(model: torch.nn.Module, ids: torch.Tensor, new: int, mode: str, steps: int, top: int) -> dict:
-    """The GPU kernels of decode steps 1..`steps` of a `generate` under the compile `mode` (the graphs the timed runs
-    replayed; kernels inside CUDA graphs are traced as themselves): `timeline` of the kernels, with host_calls, the
-    `top` CUDA runtime and driver calls of the host per step by count."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    window = ProfileWindow(prof, steps, True)
-    try:
-        generate_once(model, ids, generation_config(new, mode, True), (window,))
-    finally:
-        if window.running:
-            prof.stop()
-    events = prof.events()
-    work = [(e.name, e.time_range.start, e.time_range.end) for e in events
-            if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
-    line = timeline(work, steps, top)
-    host: dict[str, int] = {}
-    for e in events:  # the host's launches: graph replays, kernels launched outside a graph, copies, syncs
-        if e.device_type == DeviceType.CPU and e.name.startswith(("cuda", "cu")) and not e.is_user_annotation:
-            host[e.name] = host.get(e.name, 0) + 1
-    return dict(line, host_calls={n: c / steps for n, c in sorted(host.items(), key=lambda kv: -kv[1])[:top]},
-                steps=steps)
-
-
-def timeline(work: list[tuple[str, float, float]], steps: int, top: int) -> dict:
-    """The device's time of `steps` steps from its activities `work` [(name, start, end)] in µs: busy_us (the
-    union of their intervals) and kernels_us (their sum) per step; kernels, the `top` names by time
-    [{name, calls, us}] per step; idle_us, the time per step between the end of all earlier work and the start of
-    the next, and gaps, the `top` of it keyed by the activities either side [{after, before, count, us}]."""
-    by: dict[str, list[float]] = {}
-    gaps: dict[tuple[str, str], list[float]] = {}
-    busy, end, last = 0.0, None, None
-    for name, a, b in sorted(work, key=lambda w: w[1]):
-        by.setdefault(name, []).append(b - a)
-        if end is not None and a > end:
-            gaps.setdefault((last[:60], name[:60]), []).append(a - end)
-        if end is None or a >= end:
-            busy += b - a
-            end, last = b, name
-        elif b > end:
-            busy += b - end
-            end, last = b, name
-    rows = sorted(({"name": n[:120], "calls": len(v) / steps, "us": sum(v) / steps} for n, v in by.items()),
-                  key=lambda r: -r["us"])
-    idle = sorted(({"after": a, "before": b, "count": len(v) / steps, "us": sum(v) / steps}
-                   for (a, b), v in gaps.items()), key=lambda r: -r["us"])
-    return dict(busy_us=busy / steps, kernels_us=sum(r["us"] for r in rows), kernels=rows[:top],
-                idle_us=sum(r["us"] for r in idle), gaps=idle[:top])
-
-
-class ExpertsOff:
-    """Within the context every experts module of `model` returns zeros of its input's shape (the router, the
-    attention and the rest of the step unchanged): a step without the experts, so that a variant's MoE time is its
-    step time less this one's under the same compile."""
-
-    def __init__(self, model: torch.nn.Module):
-        from moetune.testing import moe_blocks
-
-        self.experts = [block.experts for _, block in moe_blocks(model)]
-
-    def __enter__(self):
-        for m in self.experts:
-            m.forward = lambda hidden, *args, **kw: torch.zeros_like(hidden)
-        return self
-
-    def __exit__(self, *exc):
-        for m in self.experts:
-            del m.forward
 
 
 def first_divergence(ref: dict, other: dict) -> dict:
@@ -449,7 +112,7 @@ def first_divergence(ref: dict, other: dict) -> dict:
 
 
 def _label(variant: str, impl: str | None) -> str:
-    return variant if impl is None else f"{variant}:{_impl_name(impl)}"
+    return variant if impl is None else f"{variant}:{impl_name(impl)}"
 
 
 def _say(t0: float):
@@ -521,7 +184,7 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, new: int, mode: str, *, w
     steps_ms = [s for r in runs for s in r["steps_ms"]]
     ms = statistics.median(steps_ms)
     b = ids.shape[0]
-    row = dict(decode_impl=_impl_name(runs[-1]["decode_impl"]), batch=b,
+    row = dict(decode_impl=impl_name(runs[-1]["decode_impl"]), batch=b,
                prefill_ms=statistics.median(r["prefill_ms"] for r in runs), ms_per_step=ms,
                step_ms_min=min(steps_ms), step_ms_max=max(steps_ms), decode_steps=len(steps_ms),
                tokens_per_s=b / ms * 1e3)
@@ -791,24 +454,6 @@ def readme_table(paths) -> str:
     return "\n".join(lines)
 
 
-# -------------------------------------------------------------------------------------- step mode --
-
-
-def timed(step, ids: torch.Tensor, reps: int) -> dict:
-    """{eager: host-launched µs, graph: replay µs or None, why: why not captured} of `step(ids)`."""
-    fn = lambda x, *_: step(x)
-    case = [Case(ids, ids, ids, None)]  # the timer's (x, ids, weights, w): here only the input ids
-    if ids.device.type != "cuda":
-        return dict(eager=CpuTimer(warmup=2, reps=max(3, reps), max_time_s=30.0, threads=None)(fn, case).median_s
-                    * 1e6, graph=None, why="")
-    timer = CudaGraphTimer(reps=reps, warmup=3, flush_bytes=0)
-    try:
-        t = timer(fn, case)
-    except NotCapturable as e:
-        return dict(eager=timer.host_launched(fn, case) * 1e6, graph=None, why=str(e).splitlines()[0][:200])
-    return dict(eager=t.host_median_s * 1e6, graph=t.median_s * 1e6, why="")
-
-
 def add_arguments(ap) -> None:
     ap.add_argument("--mode", choices=("generate", "step"), default="generate",
                     help="generate: end-to-end greedy generation (default); step: one decode step without KV cache")
@@ -892,75 +537,3 @@ def run(args) -> int:
         return 0 if isolated(args, sys.argv[1:]) else 1
     return 0 if generation(args) else 1
 
-
-def steps(args) -> list[dict]:
-    """Time every T of `args` (add_arguments' options); the rows, also written to --out and printed."""
-    import moetune
-
-    cuda = torch.cuda.is_available()
-    dev = "cuda" if cuda else "cpu"
-    cache = args.cache if args.cache is not None else ("cache" if cuda else "")
-    dtype = getattr(torch, args.dtype or ("float32" if args.family and not cuda else "bfloat16"))
-    if args.family:
-        from moetune.testing import build
-
-        model, what = build(args.family, dtype=dtype).to(dev), args.family
-        layers, block = model.config.num_hidden_layers, None
-    else:
-        what, layers = args.preset or "qwen3-30b-a3b", args.layers or 2
-        model = build_preset(what, layers, args.vocab or 1024, dev, dtype=dtype)
-        block = preset(what)
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(1)
-    rows = []
-    for T in [int(t) for t in args.tokens.split(",")]:
-        ids = torch.randint(0, vocab, (T, 1), generator=gen).to(dev)
-
-        def step(x):
-            with torch.no_grad():
-                return model(input_ids=x, use_cache=False).logits
-
-        moetune.uncompile(model)
-        ref = step(ids).float()
-        model.float()  # the float32 reference of the same weights (bf16 -> fp32 -> bf16 is exact)
-        ref32 = step(ids).float()
-        model.to(dtype)
-        row = dict(model=what, layers=layers, tokens=T, device=torch.cuda.get_device_name() if cuda else "cpu",
-                   transformers_rel_err_fp32=((ref - ref32).norm() / ref32.norm()).item())
-        if block is not None:
-            row["experts_floor_us_per_layer"] = floor(block, TARGET, T).time_s * 1e6
-        t = timed(step, ids, args.reps)
-        row.update(transformers_us=t["eager"], transformers_graph_us=t["graph"], transformers_graph_why=t["why"])
-        moetune.compile(model, cache=cache or None)
-        out = step(ids).float()
-        row["logits_rel_err"] = ((out - ref).norm() / ref.norm()).item()
-        row["moetune_rel_err_fp32"] = ((out - ref32).norm() / ref32.norm()).item()
-        t = timed(step, ids, args.reps)
-        row.update(moetune_us=t["eager"], moetune_graph_us=t["graph"], moetune_graph_why=t["why"])
-        rows.append(row)
-    moetune.uncompile(model)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "decode-step.json").write_text(json.dumps(rows, indent=1))
-    report(rows, what, layers, dev)
-    return rows
-
-
-def report(rows: list[dict], what: str, layers: int, dev: str) -> None:
-    cols = ["transformers_us", "transformers_graph_us", "moetune_us", "moetune_graph_us"]
-    print(f"{what}, {layers} layers, {rows[0]['device'] if rows else dev}: µs per step (per layer)")
-    print(f"{'T':>5} " + " ".join(f"{c.removesuffix('_us'):>24s}" for c in cols)
-          + f" {'floor/layer':>11s} {'vs hf':>9s} {'hf vs fp32':>10s} {'mt vs fp32':>10s}")
-    for r in rows:
-        cells = []
-        for c in cols:
-            v = r.get(c)
-            cells.append(f"{v:11.1f} ({v / layers:9.1f})" if v is not None else f"{'–':>24s}")
-        fl = r.get("experts_floor_us_per_layer")
-        errs = (r["logits_rel_err"], r["transformers_rel_err_fp32"], r["moetune_rel_err_fp32"])
-        print(f"{r['tokens']:5d} " + " ".join(f"{c:>24s}" for c in cells) + (f" {fl:11.1f}" if fl else f" {'–':>11s}")
-              + " {:9.2e} {:10.2e} {:10.2e}".format(*errs))
-    for r in rows:
-        for k in ("transformers_graph_why", "moetune_graph_why"):
-            if r.get(k):
-                print(f"T={r['tokens']} {k.removesuffix('_why')}: not captured: {r[k]}")

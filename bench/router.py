@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from bench.decode import preset_config
 from bench.kernels import device_stem
+from bench.models import preset_config
 from moetune.codegen.common import ExpertTensors
 from moetune.ir.presets import PRESETS, preset
 from moetune.search.timing import Case, CudaGraphTimer

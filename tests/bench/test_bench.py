@@ -186,13 +186,13 @@ def test_the_decode_suite_runs_a_tiny_model_both_ways(tmp_path, dtype):
     accumulation order. bfloat16: moetune's step is closer to transformers' than transformers' is to float32."""
     import argparse
 
-    from bench import decode
+    from bench import decode, decode_step
 
     ap = argparse.ArgumentParser()
     decode.add_arguments(ap)
     args = ap.parse_args(["--family", "qwen3_moe", "--tokens", "1,2", "--reps", "2", "--dtype", dtype,
                           "--out", str(tmp_path)])
-    rows = decode.steps(args)
+    rows = decode_step.steps(args)
     assert [r["tokens"] for r in rows] == [1, 2]
     for r in rows:
         assert r["transformers_us"] > 0 and r["moetune_us"] > 0

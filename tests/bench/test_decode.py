@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from bench import decode
+from bench import decode, models, profiling
 from moetune.testing import build
 
 
@@ -73,7 +73,7 @@ def test_the_readme_table_has_a_row_per_batch(results):
 
 
 def run(model, ids, keep_logits=True):
-    return decode.generate_once(model, ids, decode.generation_config(5, "none", False, keep_logits=keep_logits))
+    return models.generate_once(model, ids, models.generation_config(5, "none", False, keep_logits=keep_logits))
 
 
 def test_the_token_check_finds_identical_runs_and_a_perturbed_model():
@@ -111,10 +111,10 @@ def test_the_first_divergence_is_the_earliest_step_over_all_sequences():
 
 
 def test_fit_layers_keeps_to_the_budget():
-    full = decode.fit_layers("qwen3-30b-a3b", None, 120, 64, 256)
+    full = models.fit_layers("qwen3-30b-a3b", None, 120, 64, 256)
     assert full["layers"] == full["of"] == 48 and full["bytes"] <= full["budget"]
-    part = decode.fit_layers("qwen3-30b-a3b", None, 30, 64, 256)
-    base, layers = decode.model_bytes("qwen3-30b-a3b", None)
+    part = models.fit_layers("qwen3-30b-a3b", None, 30, 64, 256)
+    base, layers = models.model_bytes("qwen3-30b-a3b", None)
     assert 0 < part["layers"] < 48 and part["bytes"] <= part["budget"] == 30 * 2**30
     assert part["bytes"] + layers[part["layers"]] > part["budget"]  # one layer more would not fit
 
@@ -142,7 +142,7 @@ def test_an_unknown_variant_is_a_usage_error(capsys):
 def test_the_timeline_counts_overlap_once_and_names_each_gap():
     # two steps: a → b overlapping (PDL), then c after a 3 µs gap, then a 10 µs gap to the next step's a
     work = [("a", 0, 10), ("b", 8, 14), ("c", 17, 20), ("a", 30, 40), ("b", 38, 44), ("c", 47, 50)]
-    line = decode.timeline(work, steps=2, top=5)
+    line = profiling.timeline(work, steps=2, top=5)
     assert line["busy_us"] == pytest.approx((14 + 3) * 2 / 2)
     assert line["kernels_us"] == pytest.approx((10 + 6 + 3) * 2 / 2)
     assert line["idle_us"] == pytest.approx((3 + 3 + 10) / 2)
@@ -150,6 +150,6 @@ def test_the_timeline_counts_overlap_once_and_names_each_gap():
     assert gaps[("b", "c")]["count"] == 1 and gaps[("b", "c")]["us"] == pytest.approx(3)
     assert gaps[("c", "a")]["count"] == 0.5 and gaps[("c", "a")]["us"] == pytest.approx(5)
     assert line["gaps"][0]["after"] == "c"  # largest first
-    contained = decode.timeline([("x", 0, 10), ("y", 2, 5), ("z", 12, 13)], steps=1, top=5)
+    contained = profiling.timeline([("x", 0, 10), ("y", 2, 5), ("z", 12, 13)], steps=1, top=5)
     assert contained["busy_us"] == 11 and contained["gaps"] == [
         {"after": "x", "before": "z", "count": 1, "us": 2}]  # the gap runs from the enclosing kernel's end

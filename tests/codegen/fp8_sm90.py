@@ -1,4 +1,4 @@
-"""Compile the FP8 grouped GEMM's kernels (moetune/codegen/triton/grouped_gemm_fp8.py) for sm_90 on a machine
+"""Compile the FP8 grouped GEMM's kernels (moetune/codegen/triton/grouped_gemm_fp8_kernels.py) for sm_90 on a machine
 with no GPU and read their resources, as triton_sm90.py does for the 16-bit kernels: pointers 16-byte
 aligned, sizes and strides multiples of 16, the unit reduction stride specialised to 1; the pointers typed
 as one call of the schedule passes them (e4m3 weights and, with w8a8, e4m3 activations; fp32 or ue8m0
@@ -65,11 +65,8 @@ def schedule_kernels(block, params) -> list[tuple[str, object, dict, dict, dict]
     """(projection, kernel, constexprs, pointer types, options) of every kernel an Fp8GemmParams schedule
     launches on `block` (the launcher's constexprs)."""
     from moetune.codegen.quant import act_group
-    from moetune.codegen.triton.grouped_gemm_fp8 import (
-        dot_k,
-        grouped_gemm_fp8_kernel,
-        grouped_gemm_fp8_tma_kernel,
-    )
+    from moetune.codegen.triton.grouped_gemm_fp8 import dot_k
+    from moetune.codegen.triton.grouped_gemm_fp8_kernels import grouped_gemm_fp8_kernel, grouped_gemm_fp8_tma_kernel
     from moetune.codegen.triton.quant_rows import quant_rows_kernel, rows_per_program
 
     p = params

@@ -6,13 +6,15 @@ Kernel files, one per schedule kind, each with its kernel, launcher, parameters,
     stream_gemv_fp8.py  the same on FP8 block-quantised weights (stream_gemv, weight format fp8_block)
     fused_gemv.py    the few-rows regime in one launch, unquantised and FP8 weights (fused_gemv)
     grouped_gemm.py  grouped GEMM over expert-sorted rows (grouped_gemm)
-    grouped_gemm_fp8.py  the grouped GEMM on FP8 block-quantised weights, w8a16 and w8a8 (grouped_gemm, fp8_block)
+    grouped_gemm_fp8.py  the grouped GEMM on FP8 block-quantised weights, w8a16 and w8a8 (grouped_gemm, fp8_block);
+                     its device code in grouped_gemm_fp8_kernels.py
     hybrid.py        GEMM tiles for heavy experts + GEMV for light ones in one launch (hybrid)
     hybrid_fp8.py    the hybrid on FP8 block-quantised weights, w8a16 (hybrid, fp8_block)
 What they share:
     routing.py       device-side counts [E] and expert-sorted pair order [P]
     combine.py       sum of the per-pair rows back to token order
     quant_rows.py    the w8a8 activation pre-pass: rows → e4m3 and a scale per row and group
+    tiles.py         the tile rule: every kind's default tiles at T and the rows per expert where they change
     _common.py       jit helpers used by more than one kernel file
     _fp8.py          those of the FP8 kernel files: block scales (float32, ue8m0), e4m3 rounding of activations
     layout.py        host side: strides, launch arguments, constexprs, the target's limits
