@@ -68,8 +68,8 @@ from pathlib import Path
 
 import torch
 
+from bench.cells import TARGET
 from bench.decode_step import steps
-from bench.kernels import TARGET
 from bench.models import (
     FP8_BLOCK,
     KEPT_GROUPED_MM,
@@ -159,7 +159,7 @@ def _model(args, dev: str, batches: list[int], say) -> tuple[torch.nn.Module, di
     if weights == "fp8":  # a tiny family's sizes are no multiple of 128: blocks of 8
         fp8_experts(model, FP8_BLOCK if info["block"] is not None else (8, 8))
         if args.hf_fp8_kernel:
-            from bench.kernels import use_fp8_kernel_source
+            from bench.baselines import use_fp8_kernel_source
 
             info["hf_fp8_kernel"] = use_fp8_kernel_source(args.hf_fp8_kernel)
         elif dev == "cpu":  # transformers' FP8 experts call the hub's GPU kernel: on the CPU, a dequantising one
@@ -520,7 +520,7 @@ def run(args) -> int:
         steps(args)
         return 0
     if args.hf_fp8_kernel:
-        from bench.kernels import fp8_kernel_package
+        from bench.baselines import fp8_kernel_package
 
         try:
             fp8_kernel_package(args.hf_fp8_kernel)

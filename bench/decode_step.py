@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from bench.kernels import TARGET
+from bench.cells import TARGET
 from bench.models import build_preset
 from moetune.ir.presets import preset
 from moetune.passes.targets import floor

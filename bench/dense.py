@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.kernels import TARGET, device_stem
+from bench.cells import TARGET, device_stem
 from moetune.ir import MoEBlock, RoutingStats
 from moetune.ir.presets import PRESETS, preset
 from moetune.passes.targets import floor

@@ -143,7 +143,8 @@ def torch_schedule(block, T: int, table: str):
     from moetune.codegen.triton import BACKEND as TRITON
     from moetune.runtime.default import default_at
 
-    from .kernels import TARGET, table_choice
+    from .cells import TARGET
+    from .kernels import table_choice
 
     chosen = table_choice(table, block, T)
     return (chosen[0][1], "table") if chosen else (default_at(block, TRITON, TARGET, T), "default")
@@ -312,7 +313,8 @@ def cell(shape: str, T: int, w, rw, args, timers) -> list[dict]:
     from moetune.codegen.pallas._common import jax_experts, to_jax
     from moetune.search.objective import make_cases, reference
 
-    from .kernels import bench_block, floor_us
+    from .cells import bench_block
+    from .kernels import floor_us
 
     block = bench_block(shape)
     cases = make_cases(block, w, T, N_ROUT, torch.Generator().manual_seed(2000 + T))
@@ -388,7 +390,7 @@ def run(args) -> int:
     from moetune.search.objective import expert_tensors
     from moetune.search.timing import CudaGraphTimer, JaxTimer
 
-    from .kernels import bench_block, device_stem
+    from .cells import bench_block, device_stem
 
     t_start = time.time()
     dev = torch.device("cuda")

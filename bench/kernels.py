@@ -36,63 +36,22 @@ Writes DIR/<device>-kernels.json (ceilings and a list of records) and DIR/<devic
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 
+from bench.baselines import eager_fn, fp8_kernel_package, hf_fn, hf_fp8_fn, use_fp8_kernel_source
+from bench.cells import N_ROUT, ROOT, SHAPES, TARGET, TOKENS, WEIGHTS, bench_block, best_open, device_stem
+from bench.kernels_report import render, table
 from moetune.ir import MoEBlock, RoutingStats, Schedule, UnsupportedSchedule
 from moetune.ir.presets import preset
-from moetune.passes.targets import DEFAULT_GPU, floor
-from moetune.runtime.versions import target_of
+from moetune.passes.targets import floor
 from moetune.search.timing import Case, CudaGraphTimer
-
-ROOT = Path(__file__).resolve().parents[1]
-SHAPE_NAMES = ("qwen3-30b-a3b", "deepseek-v3", "qwen3.5-397b-a17b", "mixtral-8x7b")
-SHAPES = {n: (b.E, b.k, b.D, b.F) for n, b in ((n, preset(n)) for n in SHAPE_NAMES)}  # name: (E, k, D, F)
-TOKENS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-# graph-mode µs of the best open-source experts implementation per cell (bench/README.md: the bar to beat)
-BEST_OPEN = {
-    "qwen3-30b-a3b": (37.0, 53.7, 70.0, 84.3, 137, 206, 272, 307, 313, 344, 364, 433),
-    "deepseek-v3": (189, 343, 493, 646, 1264, 2005, 3194, 4359, 5226, 5374, 5492, 6295),
-    "qwen3.5-397b-a17b": (81.4, 142, 199, 257, 479, 816, 1388, 2116, 2771, 3069, 3164, 3665),
-    "mixtral-8x7b": (188, 344, 437, 447, 582, 660, 688, 669, 688, 758, 1069, 1664),
-}
-# the same for FP8 experts: the open-source Triton fused MoE, w8a8, 128×128 weight blocks, dynamic 1×128
-# activation groups, its shipped H200 configuration where one exists (bench/README.md)
-BEST_OPEN_FP8 = {
-    "qwen3-30b-a3b": (33.0, 41.0, 50.0, 56.3, 86.2, 120, 156, 173, 186, 230, 260, 366),
-    "deepseek-v3": (104, 184, 266, 345, 648, 1025, 1625, 2193, 2792, 2914, 3043, 3247),
-    "qwen3.5-397b-a17b": (53.3, 81.8, 112, 138, 249, 429, 717, 1077, 1557, 1723, 1817, 1955),
-    "mixtral-8x7b": (120, 188, 226, 229, 305, 349, 356, 386, 410, 576, 864, 1516),
-}
-N_ROUT = 32
-# the target of the floors and of the table's rows: this machine's GPU (DEFAULT_GPU off a GPU)
-TARGET = target_of("cuda") if torch.cuda.is_available() else DEFAULT_GPU
-WEIGHTS = ("bf16", "fp8")  # --weights: the presets' bf16 experts, or the same quantised per 128×128 block
-
-
-def bench_block(shape: str, weights: str = "bf16") -> MoEBlock:
-    """The routed experts of a preset as the bench times them: its E, k, D, F in bf16 (bf16 routing weights,
-    as transformers' experts functions are handed them here); with weights "fp8" the same experts stored as
-    float8_e4m3fn with fp32 scales per 128×128 block, activations bf16."""
-    from moetune.ir import WeightFormat
-
-    E, k, D, F = SHAPES[shape]
-    block = MoEBlock(E=E, k=k, D=D, F=F, name=shape)
-    return block.with_weight_format(WeightFormat.fp8_block()) if weights == "fp8" else block
-
-
-def best_open(shape: str, T: int, weights: str) -> float | None:
-    figures = (BEST_OPEN_FP8 if weights == "fp8" else BEST_OPEN)[shape]
-    return figures[TOKENS.index(T)] if T in TOKENS else None
-
 
 # ------------------------------------------------------------------------------------------ candidates
 
@@ -238,101 +197,6 @@ def in_space(block: MoEBlock, schedule: Schedule) -> str | None:
     except UnsupportedSchedule as e:
         return f"{schedule.describe()}: refused by the target: {e}"
     return None
-
-
-# ---------------------------------------------------------------------------------------- baselines
-
-
-def standin(w, E: int) -> types.SimpleNamespace:
-    """The attributes transformers' experts functions read from an experts module."""
-    from transformers.integrations import moe as hf
-
-    m = types.SimpleNamespace(gate_up_proj=w.gate_up, down_proj=w.down, num_experts=E, has_gate=True,
-                              has_bias=False, is_transposed=False, _is_expert_parallel=False,
-                              has_post_expert_norm=False, act_fn=torch.nn.functional.silu)
-    m._apply_gate = types.MethodType(hf._default_apply_gate, m)
-    return m
-
-
-def hf_fn(name: str, w, E: int):
-    from transformers.integrations import moe as hf
-
-    f = {"grouped_mm": hf.grouped_mm_experts_forward, "batched_mm": hf.batched_mm_experts_forward}[name]
-    m = standin(w, E)
-    return lambda x, ids, wt, _w: f(m, x, ids, wt)
-
-
-def hf_fp8_fn(name: str, w, block: MoEBlock):
-    """transformers' own FP8 experts module (FP8Experts behind its FP8 experts hook, built as its FP8 loading builds
-    it: `moetune.testing.fp8.fp8_experts_class`) holding the bench's FP8 tensors in place, run with experts
-    implementation `name` through its forward ("eager": FP8Experts' own loop)."""
-    from moetune.testing.fp8 import fp8_experts_class
-
-    cfg = types.SimpleNamespace(hidden_size=block.D, num_experts=block.E, num_local_experts=block.E,
-                                moe_intermediate_size=block.F, intermediate_size=block.F, hidden_act="silu",
-                                _experts_implementation=name)
-    with torch.device("meta"):
-        m = fp8_experts_class()(cfg, block_size=block.weight_format.block)
-    for attr, t in (("gate_up_proj", w.gate_up), ("down_proj", w.down), ("gate_up_proj_scale_inv", w.gate_up_scale),
-                    ("down_proj_scale_inv", w.down_scale)):
-        setattr(m, attr, torch.nn.Parameter(t, requires_grad=False))
-    return lambda x, ids, wt, _w: m(x, ids, wt)
-
-
-def fp8_kernel_package(folder: str) -> Path:
-    """The finegrained_fp8 package in `folder`, or FileNotFoundError naming the folder."""
-    pkg = Path(folder) / "finegrained_fp8"
-    if not (pkg / "__init__.py").is_file():
-        raise FileNotFoundError(f"--hf-fp8-kernel {folder}: no finegrained_fp8/__init__.py in it (give the folder "
-                                "that holds the kernel's package, its source tree's torch-ext)")
-    return pkg
-
-
-def use_fp8_kernel_source(folder: str) -> dict:
-    """Give transformers' FP8 experts the finegrained-fp8 Triton kernel from a local copy of its source instead of
-    the hub download it asks for: `folder` holds the kernel's `finegrained_fp8` package (the `torch-ext` folder of
-    its source tree). The package is imported as the hub build would be (its generated `_ops` module, the torch op
-    namespace, made here when the source has none) and its three entry points put where transformers keeps the
-    loaded kernel. Returns what names the source in the results: a digest of the package's files and the version
-    its source tree's build.toml gives the hub build (None without one)."""
-    import hashlib
-    import importlib
-
-    from transformers.integrations import finegrained_fp8 as f8
-
-    pkg = fp8_kernel_package(folder)
-    if not (pkg / "_ops.py").is_file() and "finegrained_fp8._ops" not in sys.modules:
-        ops = types.ModuleType("finegrained_fp8._ops")
-        ops.ops = torch.ops._finegrained_fp8_local
-        ops.add_op_namespace_prefix = lambda op: f"_finegrained_fp8_local::{op}"
-        sys.modules["finegrained_fp8._ops"] = ops
-    sys.path.insert(0, str(Path(folder).resolve()))
-    kernel = importlib.import_module("finegrained_fp8")
-    f8._FINEGRAINED_FP8 = f8.FineGrainedFP8(matmul=kernel.matmul_2d, batched_matmul=kernel.matmul_batched,
-                                            grouped_matmul=kernel.matmul_grouped)
-    digest = hashlib.sha256()
-    for f in sorted(pkg.glob("*.py")):
-        digest.update(f.name.encode() + f.read_bytes())
-    toml = Path(folder).resolve().parent / "build.toml"
-    version = re.search(r"^version\s*=\s*(\d+)", toml.read_text(), re.M) if toml.is_file() else None
-    return dict(sha256=digest.hexdigest()[:16], version=int(version.group(1)) if version else None)
-
-
-def eager_fn(E: int):
-    """transformers' eager experts loop, re-implemented op for op (host-synchronising)."""
-    def run(x, ids, wt, w):
-        out = torch.zeros_like(x)
-        mask = torch.nn.functional.one_hot(ids, num_classes=E).permute(2, 1, 0)  # [E, k, T]
-        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        for e in hit:
-            e = e[0]
-            pos, tok = torch.where(mask[e])
-            gate, up = torch.nn.functional.linear(x[tok], w.gate_up[e]).chunk(2, dim=-1)
-            h = torch.nn.functional.silu(gate) * up
-            y = torch.nn.functional.linear(h, w.down[e]) * wt[tok, pos, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
-    return run
 
 
 # ------------------------------------------------------------------------------------------ ceilings
@@ -537,11 +401,6 @@ def cell(shape: str, T: int, w, args, timer: CudaGraphTimer, name: str) -> list[
     return records
 
 
-def device_stem() -> str:
-    """This GPU's name as the results files begin with it (`nvidia-h200`)."""
-    return torch.cuda.get_device_name().replace(" ", "-").lower()
-
-
 def run(args) -> int:
     if args.render:
         print(render(args.render))
@@ -635,174 +494,3 @@ def add_arguments(ap) -> None:
     ap.add_argument("--render", metavar="JSON", help="rewrite the markdown table of a results JSON, then exit")
 
 
-# ------------------------------------------------------------------------------------------ report
-
-
-def committed_bf16() -> dict[tuple[str, int], float]:
-    """(shape, T) → µs of the `table` candidate in the committed bf16 run (bench/results): moetune's own bf16
-    kernels on the same shapes, beside an FP8 run."""
-    path = ROOT / "bench" / "results" / "nvidia-h200-kernels.json"
-    if not path.is_file():
-        return {}
-    recs = json.loads(path.read_text())["records"]
-    return {(r["shape"], r["tokens"]): r["time_us"] for r in recs if r.get("variant") == "table" and "time_us" in r}
-
-
-def table(records: list[dict], ceil: dict, name: str, weights: str = "bf16", hf_fp8_kernel: dict | None = None
-          ) -> str:
-    fp8 = weights == "fp8"
-    bf16 = committed_bf16() if fp8 else {}
-    lines = [f"# moetune Triton experts kernels on {name}" + (", FP8 expert weights (e4m3, 128×128 blocks)" if fp8
-                                                              else ""), "",
-             "ceilings measured in the same run: " + ", ".join(f"{k} {v:.3g}" for k, v in ceil.items()),
-             *([f"transformers' FP8 experts ran the finegrained-fp8 kernel from a local copy of its source (hub "
-                f"version {hf_fp8_kernel['version']}, files sha256 {hf_fp8_kernel['sha256']})"]
-               if hf_fp8_kernel else []),
-             "",
-             "| shape | T | floor µs | best moetune µs | % floor | kind/variant | table µs | best open-source µs "
-             "| speedup | moetune host-launched µs | grouped_mm | batched_mm | eager (host) | GEMV best | GEMM best "
-             "| hybrid best | rel_err | extra MiB |" + (" moetune bf16 µs | × bf16 |" if fp8 else ""),
-             "|" + "---|" * (20 if fp8 else 18)]
-    summary = []  # (speedup, % floor, target %, table µs / best µs or None, × bf16 or None, T) per cell
-    cells = sorted({(r["shape"], r["tokens"]) for r in records},
-                   key=lambda c: (list(SHAPES).index(c[0]), c[1]))
-    for shape, T in cells:
-        rs = [r for r in records if r["shape"] == shape and r["tokens"] == T]
-        timed = [r for r in rs if "time_us" in r]
-        mine = [r for r in timed if r["impl"].startswith("moetune")]
-
-        def best_of(pred, timed=timed):
-            c = [r for r in timed if pred(r)]
-            return min(c, key=lambda r: r["time_us"]) if c else None
-
-        def fmt(r):
-            return f"{r['time_us']:.1f}" if r else "–"
-        b = best_of(lambda r: r["impl"].startswith("moetune"))
-        fl = rs[0]["floor_us"]
-        bo = rs[0]["best_open_us"]
-        if not b:
-            lines.append(f"| {shape} | {T} | {fl:.1f} | – (no moetune kernel timed) |")
-            continue
-
-        def named(name, best_of=best_of):
-            r = best_of(lambda rec: rec["impl"] == name)
-            marks = ([f"rel_err {r['rel_err']:.1e}"] if r and r.get("over_bound") else []) + (
-                ["host"] if r and r.get("mode") == "host" and name != "eager" else [])
-            return fmt(r) + (f" ({', '.join(marks)})" if marks else "")
-        tab = best_of(lambda rec: rec["impl"].startswith("moetune") and rec["variant"] == "table")
-        host = f"{b['host_us']:.1f}" if "host_us" in b else "–"  # the best kernel, host-launched (eager)
-        tab_ratio = tab["time_us"] / b["time_us"] if tab else None
-        x_bf16 = bf16[(shape, T)] / b["time_us"] if (shape, T) in bf16 else None
-        summary.append((bo / b["time_us"] if bo else None, 100 * fl / b["time_us"], target_pct(T, weights),
-                        tab_ratio, x_bf16, T))
-        lines.append(
-            f"| {shape} | {T} | {fl:.1f} | {fmt(b)} | {100 * fl / b['time_us']:.0f}% | "
-            f"{b['impl'].split(':')[1]}/{b['variant']} | "
-            f"{fmt(tab) + (f' ({1 / tab_ratio:.2f}×)' if tab_ratio and tab is not b else '')} | {bo} | "
-            f"{(bo / b['time_us']) if bo else float('nan'):.2f}× | "
-            f"{host} | "
-            f"{named('grouped_mm')} | {named('batched_mm')} | {named('eager')} | "
-            f"{named('moetune:stream_gemv')} | {named('moetune:grouped_gemm')} | {named('moetune:hybrid')} | "
-            f"{max(r['rel_err'] for r in mine):.1e} | {b['extra_mem_bytes'] / 2**20:.2f} |"
-            + (f" {f'{bf16[(shape, T)]:.1f}' if x_bf16 else '–'} | {f'{x_bf16:.2f}×' if x_bf16 else '–'} |"
-               if fp8 else ""))
-    lines += [""] + summary_lines(summary, weights)
-    if fp8:
-        lines += headline(records)
-    errs = [r for r in records if "error" in r]
-    if errs:
-        lines += ["", "Failures:"] + [
-            f"- {r['shape']} T={r['tokens']} {r['impl']}/{r['variant']}: {r['error']}" for r in errs]
-    return "\n".join(lines) + "\n"
-
-
-def target_pct(T: int, weights: str = "bf16") -> float:
-    """The % of floor target of a cell. bf16: 80 % at T = 1, 85 % at T = 2…64, 75 % above; FP8: 65 % at
-    T = 1, 85 % at T = 2…64, 70 % above."""
-    if weights == "fp8":
-        return 65.0 if T == 1 else 85.0 if T <= 64 else 70.0
-    return 80.0 if T == 1 else 85.0 if T <= 64 else 75.0
-
-
-def summary_lines(summary: list[tuple], weights: str = "bf16") -> list[str]:
-    """The table's footer: speedups over the best open-source figures, % of floor against the targets, and
-    how close the shipped table's own choice (candidate `table`) comes to the best candidate; for FP8 also
-    the memory-bound cells against moetune's own bf16 kernels."""
-    def gmean(xs):
-        return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
-
-    sp = [c[0] for c in summary if c[0]]
-    pf = [c[1] for c in summary]
-    under = sum(1 for c in summary if c[1] < c[2])
-    tab = [c[3] for c in summary if c[3]]
-    rule = ("65 % at T = 1, 85 % at T = 2–64, 70 % above" if weights == "fp8"
-            else "80 % at T = 1, 85 % at T = 2–64, 75 % above")
-    out = [f"{len(summary)} cells: speedup over the best open-source figure, geometric mean {gmean(sp):.3f}× "
-           f"(lowest {min(sp):.3f}×); % of floor, geometric mean {gmean(pf):.1f} %; "
-           f"{under} cells under their target ({rule})."] if sp else []
-    if tab:
-        near = sum(1 for r in tab if r <= 1.02)
-        out.append(f"`table` (the shipped dispatch table's schedule for the cell's T, what a compiled model runs): "
-                   f"within 2 % of the best variant in {near} of {len(tab)} cells, at worst {1 / max(tab):.2f}× "
-                   "its speed.")
-    mem = [c[4] for c in summary if c[4] and c[5] <= 64]
-    if mem:
-        out.append(f"T ≤ 64 against moetune's bf16 kernels (the committed bf16 run's `table` times): geometric mean "
-                   f"{gmean(mem):.2f}×, lowest {min(mem):.2f}× over {len(mem)} cells.")
-    return out
-
-
-def headline(records: list[dict]) -> list[str]:
-    """The seeds' headline cell: qwen3.5-397b-a17b at T = 1, moetune's best against transformers' own FP8
-    experts (grouped_mm), with the baseline's error and how it was timed."""
-    rs = [r for r in records if r["shape"] == "qwen3.5-397b-a17b" and r["tokens"] == 1 and "time_us" in r]
-    mine = [r["time_us"] for r in rs if r["impl"].startswith("moetune")]
-    hf = [r for r in rs if r["impl"] == "grouped_mm"]
-    if not mine:
-        return []
-    if not hf:
-        why = next((r["error"] for r in records if r["impl"] == "grouped_mm" and "error" in r), "not timed")
-        return [f"qwen3.5-397b-a17b T = 1: moetune {min(mine):.1f} µs; transformers' FP8 grouped_mm: {why}"]
-    h = hf[0]
-    how = "CUDA-graph replays" if h["mode"] == "graph" else f"host-launched ({h.get('graph_error', 'eager')})"
-    return [f"qwen3.5-397b-a17b T = 1: moetune {min(mine):.1f} µs, transformers' FP8 grouped_mm {h['time_us']:.1f} µs "
-            f"({how}, rel_err {h['rel_err']:.1e}): {h['time_us'] / min(mine):.2f}× faster."]
-
-
-def readme_table(records: list[dict], weights: str = "bf16") -> list[str]:
-    """The README's table of a run: per cell the `table` candidate (what a compiled model runs) with its floor,
-    % of floor, the best open-source figure and the speed-up over it; for FP8 also the committed bf16 run's
-    `table` time and FP8's speed-up over it. The README quotes these lines as they are."""
-    fp8 = weights == "fp8"
-    bf16 = committed_bf16() if fp8 else {}
-    lines = ["| model | T | floor µs | moetune µs | % of floor | best open-source µs | speed-up |"
-             + (" moetune bf16 µs | × bf16 |" if fp8 else ""),
-             "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if fp8 else "")]
-    for r in records:
-        if r.get("variant") != "table" or "time_us" not in r:
-            continue
-        t, bo = r["time_us"], r["best_open_us"]
-        line = (f"| {r['shape']} | {r['tokens']} | {r['floor_us']:.1f} | {t:.1f} | {100 * r['floor_us'] / t:.0f} % | "
-                f"{bo:g} | {bo / t:.2f}× |")
-        if fp8:
-            b = bf16.get((r["shape"], r["tokens"]))
-            line += f" {b:.1f} | {b / t:.2f}× |" if b else " – | – |"
-        lines.append(line)
-    return lines
-
-
-def table_speedups(records: list[dict]) -> tuple[float, float]:
-    """(geometric mean, lowest) of the best open-source figure over the `table` candidate's time, per cell."""
-    sp = [r["best_open_us"] / r["time_us"] for r in records if r.get("variant") == "table" and "time_us" in r]
-    return math.exp(sum(map(math.log, sp)) / len(sp)), min(sp)
-
-
-def render(json_path: str) -> str:
-    """The markdown table of a results JSON, written beside it (no GPU needed)."""
-    path = Path(json_path)
-    d = json.loads(path.read_text())
-    weights = "fp8" if path.name.endswith("-kernels-fp8.json") else "bf16"
-    name = path.name.removesuffix("-kernels-fp8.json").removesuffix("-kernels.json")
-    md = table(d["records"], d["ceilings"], name, weights, d.get("hf_fp8_kernel"))
-    path.with_suffix(".md").write_text(md)
-    return md

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.kernels import device_stem
+from bench.cells import device_stem
 from moetune.ir.presets import PRESETS, preset
 from moetune.passes.stats import uniform_distinct
 from moetune.search.timing import Case, CudaGraphTimer

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.kernels import device_stem
+from bench.cells import device_stem
 from bench.models import preset_config
 from moetune.codegen.common import ExpertTensors
 from moetune.ir.presets import PRESETS, preset

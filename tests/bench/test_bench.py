@@ -61,9 +61,10 @@ def _h200_versions():
 def test_the_kernels_candidates_of_a_cell_are_in_the_tuners_space(shape, T):
     pytest.importorskip("triton")
     pytest.importorskip("optuna")
+    from bench import cells
     from bench import kernels as K
 
-    block = K.bench_block(shape)
+    block = cells.bench_block(shape)
     named = K.candidates(block, T, table=str(ROOT / "cache" / "h200.sqlite"), samples=3,
                          versions=_h200_versions())
     tags = [t for t, _ in named]
@@ -79,9 +80,10 @@ def test_with_a_knob_each_candidate_that_has_it_is_timed_again_with_it_set():
     the tuner's space; a kind without the knob (the hybrid), an expert-mode GEMV (refused) and a candidate that has it
     set already add none."""
     pytest.importorskip("triton")
+    from bench import cells
     from bench import kernels as K
 
-    block = K.bench_block("qwen3-30b-a3b", "fp8")
+    block = cells.bench_block("qwen3-30b-a3b", "fp8")
     knobs = K.parse_with(["pdl=true"])
     assert knobs == [(("pdl", True),)] and K.parse_with(["down_nb=2", "down_mode=expert,pdl=false"]) == [
         (("down_nb", 2),), (("down_mode", "expert"), ("pdl", False))]
@@ -112,12 +114,12 @@ def test_with_a_knob_each_candidate_that_has_it_is_timed_again_with_it_set():
 def test_each_committed_markdown_is_rendered_from_its_json(tmp_path, stem):
     """bf16 and FP8 runs alike: the committed .md is `--render` of the committed JSON (the FP8 one with its FP8
     targets and the committed bf16 times beside it)."""
-    from bench import kernels as K
+    from bench import kernels_report
 
     src = RESULTS.with_name(f"{stem}.json")
     copy = tmp_path / src.name
     copy.write_text(src.read_text())
-    assert K.render(str(copy)) == src.with_suffix(".md").read_text()
+    assert kernels_report.render(str(copy)) == src.with_suffix(".md").read_text()
     if stem.endswith("fp8"):
         assert "65 % at T = 1, 85 % at T = 2–64, 70 % above" in src.with_suffix(".md").read_text()
         assert "against moetune's bf16 kernels" in src.with_suffix(".md").read_text()
@@ -127,7 +129,7 @@ def test_a_baseline_is_shown_with_its_error_and_how_it_was_timed():
     """The seeds' headline cell with transformers' FP8 grouped_mm timed: its column and the headline line carry
     its time, its error where it lies over the bound, and `host` where a CUDA graph could not hold it; the
     source of its kernel heads the table."""
-    from bench import kernels as K
+    from bench import kernels_report
 
     d = json.loads(RESULTS.with_name("nvidia-h200-kernels-fp8.json").read_text())
     cell = [r for r in d["records"] if r["shape"] == "qwen3.5-397b-a17b" and r["tokens"] == 1]
@@ -135,7 +137,7 @@ def test_a_baseline_is_shown_with_its_error_and_how_it_was_timed():
     base = dict(cell[0], impl="grouped_mm", variant="", schedule=None, time_us=4 * mine, mode="host",
                 graph_error="RuntimeError: capture", rel_err=0.083, over_bound=True)
     base.pop("error", None)
-    md = K.table([r for r in cell if r["impl"] != "grouped_mm"] + [base], d["ceilings"], "x", "fp8",
+    md = kernels_report.table([r for r in cell if r["impl"] != "grouped_mm"] + [base], d["ceilings"], "x", "fp8",
                  {"sha256": "0123456789abcdef", "version": 4})
     assert "local copy of its source (hub version 4, files sha256 0123456789abcdef)" in md
     row = next(line for line in md.splitlines() if line.startswith("| qwen3.5-397b-a17b | 1 |"))
@@ -145,7 +147,7 @@ def test_a_baseline_is_shown_with_its_error_and_how_it_was_timed():
 
 
 def test_the_footer_figures():
-    from bench import kernels as K
+    from bench import kernels_report
 
     records = json.loads(RESULTS.read_text())
     best: dict = {}
@@ -156,27 +158,28 @@ def test_the_footer_figures():
                 best[k] = r
     sp = [r["best_open_us"] / r["time_us"] for r in best.values()]
     gm = math.exp(sum(map(math.log, sp)) / len(sp))
-    under = sum(1 for (s, t), r in best.items() if 100 * r["floor_us"] / r["time_us"] < K.target_pct(t))
-    md = K.table(records["records"], records["ceilings"], "x")
+    under = sum(1 for (s, t), r in best.items() if 100 * r["floor_us"] / r["time_us"] < kernels_report.target_pct(t))
+    md = kernels_report.table(records["records"], records["ceilings"], "x")
     assert f"{len(best)} cells: speedup over the best open-source figure, geometric mean {gm:.3f}×" in md
     assert f"; {under} cells under their target" in md
-    assert [K.target_pct(t) for t in (1, 2, 64, 128, 1024)] == [80.0, 85.0, 85.0, 75.0, 75.0]
+    assert [kernels_report.target_pct(t) for t in (1, 2, 64, 128, 1024)] == [80.0, 85.0, 85.0, 75.0, 75.0]
 
 
 def test_a_missing_or_corrupt_table_costs_the_table_candidate_only(tmp_path, capsys):
     import warnings
 
+    from bench import cells
     from bench import kernels as K
     from moetune.runtime.table import CacheWarning
 
-    assert K.table_choice("", K.bench_block("mixtral-8x7b"), 512) == []
+    assert K.table_choice("", cells.bench_block("mixtral-8x7b"), 512) == []
     with pytest.warns(CacheWarning, match="no such file"):
-        assert K.table_choice(str(tmp_path / "none.sqlite"), K.bench_block("mixtral-8x7b"), 512) == []
+        assert K.table_choice(str(tmp_path / "none.sqlite"), cells.bench_block("mixtral-8x7b"), 512) == []
     bad = tmp_path / "bad.sqlite"
     bad.write_bytes(b"not a sqlite file" * 100)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert K.table_choice(str(bad), K.bench_block("mixtral-8x7b"), 512) == []
+        assert K.table_choice(str(bad), cells.bench_block("mixtral-8x7b"), 512) == []
     assert "bad.sqlite" in capsys.readouterr().out
 
 
@@ -242,7 +245,7 @@ def test_transformers_fp8_experts_run_a_local_copy_of_the_hub_kernel(tmp_path, m
     import torch
     from transformers.integrations import finegrained_fp8 as f8
 
-    from bench import kernels as K
+    from bench import baselines
     from moetune.codegen.torch.tolerance import worst_error
     from moetune.ir import MoEBlock, WeightFormat
     from moetune.search.objective import expert_tensors, make_cases, reference
@@ -255,7 +258,7 @@ def test_transformers_fp8_experts_run_a_local_copy_of_the_hub_kernel(tmp_path, m
     for mod in ("finegrained_fp8", "finegrained_fp8._ops"):
         monkeypatch.delitem(sys.modules, mod, raising=False)
     try:
-        info = K.use_fp8_kernel_source(str(tmp_path / "torch-ext"))
+        info = baselines.use_fp8_kernel_source(str(tmp_path / "torch-ext"))
         kernel = sys.modules["finegrained_fp8"]
         assert info["version"] == 4 and len(info["sha256"]) == 16
         assert kernel.NAMESPACE == "_finegrained_fp8_local::matmul_grouped"
@@ -263,7 +266,7 @@ def test_transformers_fp8_experts_run_a_local_copy_of_the_hub_kernel(tmp_path, m
         block = MoEBlock(E=4, k=2, D=256, F=128, name="tiny").with_weight_format(WeightFormat.fp8_block())
         w = expert_tensors(block, torch.device("cpu"))
         case = make_cases(block, w, 5, 1, torch.Generator().manual_seed(3))[0]
-        out = K.hf_fp8_fn(impl, w, block)(case.x, case.ids, case.weights, w)
+        out = baselines.hf_fp8_fn(impl, w, block)(case.x, case.ids, case.weights, w)
         assert kernel.CALLS == [{"grouped_mm": "matmul_grouped", "batched_mm": "matmul_batched"}[impl]] * 2
         assert worst_error(out, reference(block, case)) <= 1
     finally:

@@ -55,6 +55,7 @@ SWEEP = r'''
 import json, sys
 from dataclasses import replace
 from bench import kernels as B
+from bench import cells
 from moetune.codegen.triton import BACKEND
 from moetune.runtime.table import DispatchTable
 from moetune.runtime.versions import kernel_source_hash
@@ -62,9 +63,9 @@ with DispatchTable("cache/h200.sqlite", create=False) as t:  # judged as on the 
     here = replace(t.entries(target="h200", backend="triton")[0].versions, kernel_hash=kernel_source_hash("triton"))
 from triton_sm90 import compile_sm90, schedule_kernels
 seen = set()
-for shape in B.SHAPES:
-    block = B.bench_block(shape)
-    for T in B.TOKENS:
+for shape in cells.SHAPES:
+    block = cells.bench_block(shape)
+    for T in cells.TOKENS:
         defaults = [(f"default-{kind}", BACKEND.default(block, kind, T)) for kind in BACKEND.kinds(block)]
         for tag, s in B.candidates(block, T, table="cache/h200.sqlite", samples=1, versions=here) + defaults:
             for _, kern, cx, o in schedule_kernels(block, T, s):

@@ -57,17 +57,17 @@ def test_the_use_snippet_runs_on_a_tiny_model(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("stem, weights", [("nvidia-h200-kernels", "bf16"), ("nvidia-h200-kernels-fp8", "fp8")])
 def test_the_results_tables_are_the_committed_runs(stem, weights):
-    """Each results table of the README is `bench.kernels.readme_table` of the committed run (what a compiled model
+    """Each results table of the README is `bench.kernels_report.readme_table` of the committed run (what a compiled model
     runs per cell, its floor, the open-source figure; FP8 beside moetune's bf16), and the geometric mean and lowest
     speed-up the README quotes are that table's."""
     import json
 
-    from bench import kernels as K
+    from bench import kernels_report
 
     records = json.loads((ROOT / "bench" / "results" / f"{stem}.json").read_text())["records"]
-    rows = K.readme_table(records, weights)
+    rows = kernels_report.readme_table(records, weights)
     assert "\n".join(rows) in README, f"README's {weights} table is not the committed run's: {rows[2]} …"
-    gm, low = K.table_speedups(records)
+    gm, low = kernels_report.table_speedups(records)
     quoted = (f"Geometric mean speed-up **{gm:.2f}×** (slowest cell {low:.3f}×)" if weights == "bf16"
               else f"**{gm:.2f}×** the strongest open-source FP8 MoE kernel on the geometric mean")
     assert quoted in " ".join(README.split()), quoted
