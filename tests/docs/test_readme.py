@@ -57,9 +57,9 @@ def test_the_use_snippet_runs_on_a_tiny_model(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("stem, weights", [("nvidia-h200-kernels", "bf16"), ("nvidia-h200-kernels-fp8", "fp8")])
 def test_the_results_tables_are_the_committed_runs(stem, weights):
-    """Each results table of the README is `bench.kernels_report.readme_table` of the committed run (what a compiled model
-    runs per cell, its floor, the open-source figure; FP8 beside moetune's bf16), and the geometric mean and lowest
-    speed-up the README quotes are that table's."""
+    """Each results table of the README is `bench.kernels_report.readme_table` of the committed run (what a
+    compiled model runs per cell, its floor, the open-source figure; FP8 beside moetune's bf16), and the geometric
+    mean and lowest speed-up the README quotes are that table's."""
     import json
 
     from bench import kernels_report
