@@ -20,6 +20,7 @@ SUITES = {  # name: one line (the suite module's is bench/<name>.py, imported on
     "tune": "a short `moetune tune` of a preset into a scratch table: each bucket's winner against its "
             "default and the floor",
     "readfloor": "kernels that only read the selected experts' bytes at small T: the floor a launch reaches",
+    "cpu": "this machine's CPU ceilings (stream add, fp32 matmul) for the cpu row of the target table",
     "router": "a block's router at decode sizes: the model's own module (compiled) against moetune's fused router",
     "jax": "moetune's Pallas GPU kernels for JAX against jax.lax.ragged_dot and moetune's PyTorch path",
 }

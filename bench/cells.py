@@ -11,8 +11,8 @@ import torch
 
 from moetune.ir import MoEBlock
 from moetune.ir.presets import preset
-from moetune.passes.targets import DEFAULT_GPU
 from moetune.runtime.versions import target_of
+from moetune.targets import DEFAULT_GPU
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE_NAMES = ("qwen3-30b-a3b", "deepseek-v3", "qwen3.5-397b-a17b", "mixtral-8x7b")

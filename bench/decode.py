@@ -40,7 +40,7 @@ baseline's top-2 margin (how near a tie the reference was), or "identical over N
 `--mode step`: one decode step (`use_cache=False`, no KV cache) of `--layers` MoE layers and a small vocabulary,
 T sequences of one token each (`--tokens`), timed by the package's timer (`moetune.search.timing`: on a GPU one
 graph, replays timed with CUDA events, and the host-launched median; on the CPU the host timer) without its L2
-flush; µs per step and per layer beside the experts' floor per layer (`moetune.passes.targets.floor`, this
+flush; µs per step and per layer beside the experts' floor per layer (`moetune.targets.floor`, this
 target), moetune's logits against transformers' and both against float32:
 
     transformers          the model as built (transformers' default experts function), host-launched
@@ -85,7 +85,7 @@ from bench.models import (
 )
 from bench.profiling import ExpertsOff, compiled_kernels, profile_moe
 from moetune.ir.presets import PRESETS, preset
-from moetune.passes.targets import floor
+from moetune.passes.roofline import floor
 
 # ------------------------------------------------------------------------------------ generation --
 

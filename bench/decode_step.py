@@ -11,7 +11,7 @@ import torch
 from bench.cells import TARGET
 from bench.models import build_preset
 from moetune.ir.presets import preset
-from moetune.passes.targets import floor
+from moetune.passes.roofline import floor
 from moetune.search.timing import Case, CpuTimer, CudaGraphTimer, NotCapturable
 
 

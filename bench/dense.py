@@ -6,7 +6,7 @@ gate/up [E_act, m, D] · [E_act, D, 2F] (the weights read in place, a transposed
 [E_act, m, F] · [E_act, F, D]. No routing, no gather, no combine and no padding to a tile: a lower bound on
 what the grouped GEMM of a real (uneven) routing costs with that library. Timed by the package's timer
 (`moetune.search.timing.CudaGraphTimer`: CUDA graph, 256 MB read before every replay, ≥ 100 replays); the two
-GEMMs are also timed alone. The floor is `moetune.passes.targets.floor` on the h200 target with E_act
+GEMMs are also timed alone. The floor is `moetune.targets.floor` on the h200 target with E_act
 distinct experts.
 
     python -m bench dense --cells mixtral-8x7b:512,mixtral-8x7b:1024 --out DIR
@@ -26,7 +26,7 @@ import torch
 from bench.cells import TARGET, device_stem
 from moetune.ir import MoEBlock, RoutingStats
 from moetune.ir.presets import PRESETS, preset
-from moetune.passes.targets import floor
+from moetune.passes.roofline import floor
 from moetune.search.timing import Case, CudaGraphTimer
 
 CELLS = "mixtral-8x7b:512,mixtral-8x7b:1024,qwen3-30b-a3b:1024,qwen3.5-397b-a17b:1024,deepseek-v3:1024"

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 import moetune
-from moetune.codegen.common import ExpertTensors
+from moetune.codegen.tensors import ExpertTensors
 from moetune.runtime import compiled
 from moetune.testing import VOCAB, build
 

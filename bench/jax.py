@@ -33,7 +33,7 @@ buffer). `recorded_per_call` gives, for each of the three, the recordings per ca
 (`moetune.jax.xla_call.recordings`; only where there were any). The
 PyTorch path is timed by the package's CudaGraphTimer: `time_us` graph replays (device time), `host_us` its
 host-launched median (launch and wait included). `compile_s` is the first call's wall time (trace, lowering
-and compile). Per record: time, the floor (`moetune.passes.targets.floor`, h200, with the distinct experts of
+and compile). Per record: time, the floor (`moetune.targets.floor`, h200, with the distinct experts of
 the timed routings), % of floor and, for the moetune JAX rows, like-for-like ratios: `vs_ragged_dot`
 (host-timed both), `vs_torch_host` (PyTorch host-launched / JAX host-timed) and `vs_torch_graph` (PyTorch graph
 replay / JAX pipelined). Where JAX's CUDA build reaches CUPTI, `device_us` is every row's kernels' own device time

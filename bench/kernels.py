@@ -23,7 +23,7 @@ step included; the router is not. Per cell:
     (`moetune.codegen.torch.tolerance.worst_error` ≤ 1); then timed by the package's timer
     (`moetune.search.timing.CudaGraphTimer`: one graph per routing, a 256 MB read before every replay);
     `time_us` is the median of all replays, `routing_mean_us` the tuner's summary of the same replays;
-  * floor: `moetune.passes.targets.floor` on the h200 target with the distinct experts averaged over the
+  * floor: `moetune.targets.floor` on the h200 target with the distinct experts averaged over the
     32 routings; ceilings (streaming read, device copy, bf16 matmul) are measured first.
 
     python -m bench kernels --out DIR [--shapes a,b] [--tokens 1,2,...] [--budget-s 393] [--space-samples N]
@@ -50,7 +50,7 @@ from bench.cells import N_ROUT, ROOT, SHAPES, TARGET, TOKENS, WEIGHTS, bench_blo
 from bench.kernels_report import render, table
 from moetune.ir import MoEBlock, RoutingStats, Schedule, UnsupportedSchedule
 from moetune.ir.presets import preset
-from moetune.passes.targets import floor
+from moetune.passes.roofline import floor
 from moetune.search.timing import Case, CudaGraphTimer
 
 # ------------------------------------------------------------------------------------------ candidates
@@ -333,8 +333,8 @@ def measure(rec: dict, fn, cases: list[Case], ref: torch.Tensor, timer: CudaGrap
 
 
 def routing_sampler(block: MoEBlock, spec: str):
-    """The tuner's sampler of the routing `spec` (moetune.passes.trace.routing_trace): None for uniform."""
-    from moetune.passes.trace import routing_trace
+    """The tuner's sampler of the routing `spec` (moetune.ir.trace.routing_trace): None for uniform."""
+    from moetune.ir.trace import routing_trace
     from moetune.search.objective import routing_sampler as of_trace
 
     return of_trace(block, routing_trace(spec, block.E, block.k))
@@ -470,7 +470,7 @@ def add_arguments(ap) -> None:
                     help="the presets' bf16 experts, or the same in FP8 (e4m3, fp32 scales per 128×128 block)")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts, comma-separated")
     ap.add_argument("--routing", default="uniform", metavar="SPEC",
-                    help="the timed routings: uniform, zipf:S, hot or trace:FILE (moetune.passes.trace.routing_trace)")
+                    help="the timed routings: uniform, zipf:S, hot or trace:FILE (moetune.ir.trace.routing_trace)")
     ap.add_argument("--budget-s", type=float, default=540.0, help="no new cell starts after this many seconds")
     ap.add_argument("--reps", type=int, default=100, help="timed graph replays per candidate")
     ap.add_argument("--baselines", default="grouped_mm,batched_mm,eager")

@@ -22,7 +22,7 @@ import torch
 
 from bench.cells import device_stem
 from bench.models import preset_config
-from moetune.codegen.common import ExpertTensors
+from moetune.codegen.tensors import ExpertTensors
 from moetune.ir.presets import PRESETS, preset
 from moetune.search.timing import Case, CudaGraphTimer
 

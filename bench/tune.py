@@ -3,7 +3,7 @@
 The tuner (`moetune.search.tune.tune_block`) runs on this machine's backend (triton on a GPU, torch on the
 CPU) over the preset's buckets (`moetune.ir.presets`, the passes' bucketing) within `--budget` in all,
 compile included, and prints one line per bucket and then its table: each bucket's winner, its time, the
-floor (`moetune.passes.targets.floor`), % of floor, the winner against the bucket's default heuristic and
+floor (`moetune.targets.floor`), % of floor, the winner against the bucket's default heuristic and
 against transformers' baseline, the spread of the final timings. The winners go to DIR/<preset>.sqlite, never
 to the shipped cache/; `moetune show --cache DIR/<preset>.sqlite` lists them again.
 

@@ -54,7 +54,7 @@ def _tokens(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..passes.trace import TraceError, routing_trace
+    from ..ir.trace import TraceError, routing_trace
     from .tune import usable_backend
 
     tokens = _tokens(args.tokens)
@@ -92,7 +92,7 @@ def measure(block, backend_name: str, device: str, tokens: list[int], trace, arg
 
     from ..codegen.backend import for_target
     from ..ir import RoutingStats
-    from ..passes.targets import floor
+    from ..passes.roofline import floor
     from ..runtime.default import default_at, pass_target
     from ..runtime.versions import device_identity, target_of
     from ..search.baseline import baseline_fn, default_baseline

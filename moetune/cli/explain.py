@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..passes.targets import DEFAULT_GPU, TARGETS
+from ..targets import DEFAULT_GPU, TARGETS
 from .common import add_source, existing_file, parse_tokens, source_block, source_config
 
 

@@ -72,7 +72,7 @@ def _tokenizer(model_dir: str, n_prompts: int):
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..passes.trace import record
+    from ..ir.trace import record
 
     whole(args.steps, "--steps", 0)
     if args.tiny and args.prompts:

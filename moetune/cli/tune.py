@@ -168,7 +168,7 @@ def usable_backend(name: str | None) -> tuple[str, str]:
 def _target(name: str | None, device: str) -> str:
     if name is None:
         return default_target(device)
-    from ..passes.targets import TARGETS, get_target
+    from ..targets import TARGETS, get_target
 
     try:
         get_target(name)
@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
     block = source_block(args)
     trace = args.trace
     if args.routing:
-        from ..passes.trace import TraceError, routing_trace
+        from ..ir.trace import TraceError, routing_trace
 
         try:
             trace = routing_trace(args.routing, block.E, block.k, seed=args.seed or 0)
@@ -377,7 +377,7 @@ def _tpu_target(name: str | None):
     """The target row of --target `name` when it is a TPU (aliases allowed), else None."""
     if name is None:
         return None
-    from ..passes.targets import TARGETS, get_target
+    from ..targets import TARGETS, get_target
 
     try:
         t = get_target(name)

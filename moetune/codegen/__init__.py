@@ -10,6 +10,6 @@ type, space, default parameters, build, cost, the sources that version the kind)
 Kernels read the model's own parameter tensors in place (`ExpertTensors`): no copy, no repacking.
 """
 
-from .common import ExpertsFn, ExpertTensors
+from .tensors import ExpertsFn, ExpertTensors
 
 __all__ = ["ExpertTensors", "ExpertsFn"]

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Protocol
 
 from ..ir import MoEBlock, Schedule, UnsupportedSchedule
-from .common import ExpertsFn, ParamSpace
+from .space import ParamSpace
+from .tensors import ExpertsFn
 
 _REGISTRY: dict[str, Backend] = {}
 _FOR_TARGET: dict[tuple[str, str], Backend] = {}
@@ -64,7 +65,7 @@ def for_target(name: str, target: str) -> Backend:
     registered backend when it already is that target's, or when `target` is not a described target of the
     kind of the backend's own (a torch backend asked for a GPU's table); else one made for it, once (a
     KernelBackend takes its target: `PallasTpuBackend("tpu-v5e")`)."""
-    from ..passes.targets import ALIASES, TARGETS, get_target
+    from ..targets import ALIASES, TARGETS, get_target
 
     be = get(name)
     own = getattr(be, "target", None)

@@ -37,10 +37,11 @@ from typing import Any
 
 from ..ir import MoEBlock, Schedule, UnsupportedSchedule
 from ..passes.policy import hybrid_threshold, rows_per_active
-from ..passes.targets import Target, get_target
-from .common import ExpertsFn, ParamSpace
+from ..targets import Target, get_target
+from .space import ParamSpace
+from .tensors import ExpertsFn
 
-SHARED_SOURCES = (Path(__file__).resolve().parent / "common.py",)  # ExpertTensors: every kernel's inputs
+SHARED_SOURCES = (Path(__file__).resolve().parent / "tensors.py",)  # ExpertTensors: every kernel's inputs
 QUANT_SOURCES = (Path(__file__).resolve().parent / "quant.py",)  # the block-quantisation rule
 
 
@@ -165,7 +166,7 @@ class KernelBackend:
 
     def sources(self, kind: str, scheme: str = "none") -> tuple[Path, ...]:
         """The files whose code the kind's kernels for `scheme` weights are made of: their declared SOURCES
-        and codegen/common.py (and codegen/quant.py for quantised weights)."""
+        and codegen/tensors.py (and codegen/quant.py for quantised weights)."""
         k = self._for_scheme(kind, scheme)
         if k is None:
             raise UnsupportedSchedule(f"{self.name} backend: no {kind} kernel reads {scheme} weights")

@@ -35,8 +35,8 @@ import threading
 
 import torch
 
-from ..codegen.common import ExpertsFn, ExpertTensors
 from ..codegen.pallas._common import JaxExperts
+from ..codegen.tensors import ExpertsFn, ExpertTensors
 from ..ir import MoEBlock, Schedule, UnsupportedSchedule
 
 FIELDS = JaxExperts._fields

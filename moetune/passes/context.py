@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..targets import Target
 from . import policy as _policy
 from .policy import Policy, Regime
 from .stats import RoutingModel
-from .targets import Target
 
 
 @dataclass(frozen=True, eq=False)

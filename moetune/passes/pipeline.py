@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..ir import IRError, MoEBlock, MoetuneError, ScheduledBlock, verify, verify_scheduled
+from ..ir.trace import Trace
+from ..targets import DEFAULT_GPU, Target, get_target
 from .bucketing import bucketing
 from .context import PassContext
 from .default_schedule import default_schedule
@@ -24,8 +26,6 @@ from .policy import Policy
 from .roofline import roofline
 from .specialise import specialise
 from .stats import RoutingModel, from_trace, uniform
-from .targets import DEFAULT_GPU, Target, get_target
-from .trace import Trace
 
 PASSES: tuple[tuple[str, Callable], ...] = (
     ("bucketing", bucketing),

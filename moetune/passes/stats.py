@@ -243,7 +243,7 @@ class ResampledRouting(RoutingModel):
 
 def from_trace(trace, method: str = "probs", prior: float | None = None, phase: str = "all",
                samples: int = 64, seed: int = 0) -> RoutingModel:
-    """A routing model of a `moetune.passes.trace.Trace`.
+    """A routing model of a `moetune.ir.trace.Trace`.
 
     method "probs": Binomial model with per-layer p_e from the counts; `prior` pseudo-tokens spread
     uniformly (default E/k, one pseudo-count per expert). "resample": `ResampledRouting`.

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..codegen.backend import Backend, for_target, get
-from ..codegen.common import ExpertTensors
+from ..codegen.tensors import ExpertTensors
 from ..ir import MoEBlock, MoetuneError
 from .default import pass_target
 from .dispatch import Dispatcher

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..ir import MoEBlock, Schedule, ScheduledBlock
 from ..passes.pipeline import schedule_block
 from ..passes.policy import representative_tokens
-from ..passes.targets import ALIASES, DEFAULT_GPU, TARGETS
+from ..targets import ALIASES, DEFAULT_GPU, TARGETS
 
 
 def pass_target(target: str) -> str:
@@ -27,7 +27,7 @@ def backend_for(target: str):
     """The backend a compiled model runs on `target` by default: triton on a GPU, torch on a CPU; None
     for a target no backend here runs (the passes then stay backend-neutral)."""
     from ..codegen.backend import get
-    from ..passes.targets import get_target
+    from ..targets import get_target
 
     kind = get_target(pass_target(target)).kind
     return get("triton") if kind == "gpu" else get("torch") if kind == "cpu" else None

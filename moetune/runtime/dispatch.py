@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codegen.backend import Backend, get
-from ..codegen.common import ExpertsFn, ExpertTensors
+from ..codegen.tensors import ExpertsFn, ExpertTensors
 from ..ir import IRError, MoEBlock, MoetuneError, Schedule, UnsupportedSchedule
 from .default import default_buckets, default_for
 

@@ -143,7 +143,7 @@ def target_of(device: str = "cpu") -> str:
     """The dispatch-table target of a device ("cpu", "cuda[:i]"): "cpu", or the GPU's short name ("h200")."""
     if not device.startswith("cuda"):
         return device.split(":")[0]
-    from ..passes.targets import gpu_target
+    from ..targets import gpu_target
 
     return gpu_target(device_identity(device)[0])
 

@@ -14,7 +14,7 @@ import types
 
 import torch
 
-from ..codegen.common import ExpertsFn, ExpertTensors
+from ..codegen.tensors import ExpertsFn, ExpertTensors
 from ..codegen.torch import apply_activation, split_gate_up
 from ..ir import MoEBlock
 

@@ -21,7 +21,7 @@ space.cap_space), the runtime's default first, goes through three stages:
        time = max(bytes / (bandwidth · s), flops / (peak · s)) + Σ_pallas_calls steps per core · grid_step_s
 
    (flops, bytes) from the kind's `cost(block, schedule, T)`; bandwidth, peak (FP8's for FP8 weights where
-   the target has it) and grid_step_s from the target (moetune.passes.targets, the figures its floor uses);
+   the target has it) and grid_step_s from the target (moetune.targets, the figures its floor uses);
    s = 1 where every pallas_call's leading grid axis is parallel (split over the chip's TensorCores), else
    1/cores (one core's share of the chip); steps per core: the grid's product, its leading axis divided by
    the cores where it is parallel (`GridCall.steps_per_core`). What the model leaves out: XLA ops around the
@@ -48,10 +48,11 @@ import torch
 from ..codegen.backend import for_target
 from ..ir import Bucket, ConfigError, MoEBlock, Roofline, Schedule, TunerUnavailable, UnsupportedSchedule
 from ..passes.policy import representative_tokens
-from ..passes.targets import Target, get_target, peak_flops
+from ..passes.roofline import peak_flops
 from ..runtime.entry import DispatchEntry
 from ..runtime.table import DispatchTable
 from ..runtime.versions import Versions
+from ..targets import Target, get_target
 from .objective import CandidateError, Objective, expert_tensors, make_cases, repro
 from .seeds import default_schedules, runtime_default
 from .space import build_space, cap_space, key

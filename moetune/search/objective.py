@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..codegen.backend import Backend
-from ..codegen.common import ExpertsFn, ExpertTensors
 from ..codegen.quant import activation_group, quantize_blocks, quantize_gate_up
+from ..codegen.tensors import ExpertsFn, ExpertTensors
 from ..codegen.torch.reference import experts_reference
 from ..codegen.torch.tolerance import worst_error
 from ..ir import MoEBlock, MoetuneError, Schedule, UnsupportedSchedule
@@ -72,7 +72,7 @@ def trace_sampler(block: MoEBlock, rows: torch.Tensor) -> RoutingSampler:
 
 
 def routing_sampler(block: MoEBlock, trace) -> RoutingSampler | None:
-    """The sampler of a routing trace (moetune.passes.trace.Trace): its tokens' rows over every layer and step;
+    """The sampler of a routing trace (moetune.ir.trace.Trace): its tokens' rows over every layer and step;
     None for no trace (uniform routing, make_cases' own)."""
     if trace is None:
         return None

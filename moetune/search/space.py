@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ..codegen.backend import Backend
-from ..codegen.common import ParamSpace
+from ..codegen.space import ParamSpace
 from ..ir import Bucket, MoEBlock, Schedule, UnsupportedSchedule
 
 _PRIMITIVE = (type(None), bool, int, float, str)

@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from ..codegen.common import ExpertsFn, ExpertTensors
+from ..codegen.tensors import ExpertsFn, ExpertTensors
 from ..ir import Schedule, UnsupportedSchedule
 
 

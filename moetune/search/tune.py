@@ -41,7 +41,7 @@ import torch
 from ..codegen.backend import Backend, for_target
 from ..ir import Bucket, CacheError, ConfigError, IRError, MoEBlock, Schedule, TunerUnavailable, UnsupportedSchedule
 from ..passes.policy import representative_tokens
-from ..passes.targets import floor as target_floor
+from ..passes.roofline import floor as target_floor
 from ..runtime.default import backend_device, machine_backend
 from ..runtime.entry import DispatchEntry
 from ..runtime.table import DispatchTable
@@ -341,8 +341,8 @@ def tune_block(block: MoEBlock, backend: str, target: str, tokens: tuple[int, in
     compile of candidates included; default `options.budget_s` per bucket). With
     `at_tokens`, only the buckets (of the whole range) holding one of those token counts. `display`
     (default on) writes a progress line with an ETA per bucket and overall to stderr."""
+    from ..ir.trace import Trace
     from ..passes.pipeline import schedule_block
-    from ..passes.trace import Trace
 
     t0 = time.monotonic() if started is None else started
     options = options or TuneOptions()

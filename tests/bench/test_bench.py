@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "nvidia-h200-kernels.json"
-SUITES = ("kernels", "decode", "host", "dense", "tune", "jax", "readfloor", "router")
+SUITES = ("kernels", "decode", "host", "dense", "tune", "jax", "readfloor", "router", "cpu")
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ import json
 from moetune import testing as tm
 from moetune.cli import main
 from moetune.ir.presets import PRESETS, preset
-from moetune.passes.trace import synthetic_trace
+from moetune.ir.trace import synthetic_trace
 
 
 def test_presets_lists_every_preset_with_its_shape(capsys):
@@ -118,7 +118,8 @@ def test_explain_states_the_accuracy_of_each_fp8_schedule(capsys):
 
 
 def test_fp8_floor_at_the_fp8_peak():
-    from moetune.passes.targets import floor, get_target
+    from moetune.passes.roofline import floor
+    from moetune.targets import get_target
 
     b, q = preset("qwen3-30b-a3b"), preset("qwen3-30b-a3b-fp8")
     h200 = get_target("h200")

@@ -35,6 +35,12 @@ def test_ir_imports_nothing_from_passes():
         assert not re.search(r"(from|import) (moetune\.passes|\.\.passes)", path.read_text()), path
 
 
+def test_the_targets_table_imports_only_the_ir():
+    text = (PKG / "targets.py").read_text()
+    imports = re.findall(r"^\s*from (\.+\w*|moetune\.\w+)", text, re.M)
+    assert imports and all(m in (".ir", "moetune.ir") for m in imports), imports
+
+
 def test_one_module_per_subcommand():
     from moetune.cli import COMMANDS, build_parser
 

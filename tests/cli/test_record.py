@@ -6,7 +6,7 @@ import pytest
 
 from moetune import testing as tm
 from moetune.cli import main
-from moetune.passes.trace import Trace
+from moetune.ir.trace import Trace
 
 
 @pytest.fixture(scope="module")

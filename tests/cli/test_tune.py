@@ -180,7 +180,7 @@ def test_a_compiled_tiny_model_with_the_tuned_table_gives_the_same_logits(tuned)
 
 
 def test_tune_from_a_skewed_trace(tmp_path, capsys):
-    from moetune.passes.trace import synthetic_trace
+    from moetune.ir.trace import synthetic_trace
 
     block = tiny_block(FAMILY)
     trace = synthetic_trace(block.E, block.k, tokens=512, zipf=1.5).save(tmp_path / "skewed")
@@ -212,7 +212,7 @@ def test_tune_from_a_config_file(tmp_path, capsys):
 
 
 def test_a_foreign_trace_is_an_error_naming_it(tmp_path, capsys):
-    from moetune.passes.trace import synthetic_trace
+    from moetune.ir.trace import synthetic_trace
 
     trace = synthetic_trace(8, 2, tokens=64).save(tmp_path / "other")  # another E and k
     rc = cli_main(["tune", "--tiny", FAMILY, "--tokens", "1-2", "--budget", "2s", "--cache",

@@ -33,8 +33,8 @@ from hypothesis import strategies as st
 from triton_cases import ON_GPU
 
 from moetune.codegen.backend import get
-from moetune.codegen.common import ExpertTensors
 from moetune.codegen.quant import activation_group
+from moetune.codegen.tensors import ExpertTensors
 from moetune.codegen.torch.reference import experts_reference
 from moetune.codegen.torch.tolerance import worst_error
 from moetune.ir import Activation, MoEBlock, Schedule, UnsupportedSchedule, WeightFormat, WeightLayout

@@ -26,7 +26,7 @@ from moetune.codegen.pallas import grouped_gemm as gg  # noqa: E402
 from moetune.codegen.pallas import tiles as gt  # noqa: E402
 from moetune.ir import MoEBlock, Schedule, UnsupportedSchedule, WeightFormat  # noqa: E402
 from moetune.ir.presets import preset  # noqa: E402
-from moetune.passes.targets import get_target  # noqa: E402
+from moetune.targets import get_target  # noqa: E402
 
 FULL = gt.GemmParams(16, 256, 256, 256, 256)  # one column tile, one K step at D = F = 256
 SPLIT = gt.GemmParams(16, 128, 128, 128, 128)  # two column tiles, two K steps: the accumulators and index maps

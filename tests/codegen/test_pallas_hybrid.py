@@ -26,7 +26,7 @@ from moetune.codegen.pallas import tiles as gt  # noqa: E402
 from moetune.ir import Schedule, UnsupportedSchedule  # noqa: E402
 from moetune.ir.presets import preset  # noqa: E402
 from moetune.passes.policy import hybrid_threshold, rows_per_active  # noqa: E402
-from moetune.passes.targets import get_target  # noqa: E402
+from moetune.targets import get_target  # noqa: E402
 
 P = hy.HybridParams(32, 256, 256, 256, 256, 16)
 

@@ -23,8 +23,8 @@ from moetune.codegen.torch import experts_reference  # noqa: E402
 from moetune.codegen.torch.tolerance import worst_error  # noqa: E402
 from moetune.ir import Activation, MoEBlock, Schedule, UnsupportedSchedule, WeightFormat, WeightLayout  # noqa: E402
 from moetune.ir.presets import preset  # noqa: E402
-from moetune.passes.targets import get_target  # noqa: E402
 from moetune.search.objective import expert_tensors  # noqa: E402
+from moetune.targets import get_target  # noqa: E402
 
 CLAMPED = Activation("clamped_swiglu", alpha=1.702, limit=7.0)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -22,7 +22,7 @@ from moetune.codegen.triton import (
 from moetune.codegen.triton import tiles as triton_tiles
 from moetune.ir import UnsupportedSchedule
 from moetune.ir.presets import PRESETS, preset
-from moetune.passes.targets import get_target
+from moetune.targets import get_target
 
 H200 = get_target("h200")
 TOKENS = range(1, 1025)

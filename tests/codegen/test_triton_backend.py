@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 pytest.importorskip("moetune.codegen.triton")
 from triton_cases import DEV, ON_GPU, SCHEDULES, make_problem, within  # noqa: E402
 
-from moetune.codegen.common import ExpertTensors  # noqa: E402
+from moetune.codegen.tensors import ExpertTensors  # noqa: E402
 from moetune.codegen.torch.reference import experts_reference  # noqa: E402
 from moetune.codegen.triton import BACKEND, GemmParams  # noqa: E402
 from moetune.ir import MoEBlock, Schedule, UnsupportedSchedule  # noqa: E402

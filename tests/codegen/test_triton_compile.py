@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
-from moetune.passes.targets import TARGETS  # noqa: E402
+from moetune.targets import TARGETS  # noqa: E402
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]

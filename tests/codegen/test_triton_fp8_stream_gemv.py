@@ -22,16 +22,16 @@ from hypothesis import strategies as st
 pytest.importorskip("moetune.codegen.triton")
 from triton_cases import DEV, ON_GPU, make_ids  # noqa: E402
 
-from moetune.codegen.common import ExpertTensors  # noqa: E402
 from moetune.codegen.quant import E4M3, quantize_blocks, quantize_gate_up  # noqa: E402
+from moetune.codegen.tensors import ExpertTensors  # noqa: E402
 from moetune.codegen.torch.reference import experts_reference  # noqa: E402
 from moetune.codegen.torch.tolerance import worst_error  # noqa: E402
 from moetune.codegen.triton import BACKEND, Fp8GemvParams, GemvParams  # noqa: E402
 from moetune.codegen.triton.stream_gemv_fp8 import KIND  # noqa: E402
 from moetune.ir import Activation, MoEBlock, Schedule, UnsupportedSchedule, WeightFormat  # noqa: E402
 from moetune.ir.presets import preset  # noqa: E402
-from moetune.passes.targets import TARGETS  # noqa: E402
 from moetune.search.objective import expert_tensors  # noqa: E402
+from moetune.targets import TARGETS  # noqa: E402
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from moetune.codegen.backend import get
-from moetune.codegen.common import ExpertTensors
 from moetune.codegen.quant import quantize_blocks, quantize_gate_up
+from moetune.codegen.tensors import ExpertTensors
 from moetune.codegen.torch import GatheredParams, GroupedGemmParams, HybridParams, experts_reference, worst_error
 from moetune.ir import Activation, MoEBlock, Schedule, WeightFormat, WeightLayout
 

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from moetune.codegen.common import ExpertTensors
+from moetune.codegen.tensors import ExpertTensors
 from moetune.codegen.torch.reference import experts_reference
 from moetune.codegen.torch.tolerance import worst_error
 from moetune.codegen.triton import BACKEND, FusedGemvParams, GemmParams, GemvParams, HybridParams

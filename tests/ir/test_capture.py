@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moetune import testing as tm
-from moetune.codegen.common import ExpertTensors
+from moetune.codegen.tensors import ExpertTensors
 from moetune.codegen.torch.reference import experts_reference
 from moetune.ir import Activation, CaptureError, Router, SharedExperts, WeightLayout
 from moetune.ir.capture import ROUTERS, capture, check_router, qualname, router_tensors, router_weights_and_ids

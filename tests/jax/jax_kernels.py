@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moetune.codegen.backend import _REGISTRY, register
-from moetune.codegen.common import ParamSpace
 from moetune.codegen.contract import KernelBackend, KernelKind
 from moetune.codegen.pallas._common import bridged
+from moetune.codegen.space import ParamSpace
 from moetune.ir import SCHEDULE_KINDS, UnsupportedSchedule
 from moetune.jax.dispatch import reference_fn
 

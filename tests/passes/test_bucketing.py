@@ -8,10 +8,10 @@ from hypothesis import strategies as st
 from pass_shapes import GPU_SHAPES, gpu_block
 
 from moetune.ir import MoEBlock, ScheduledBlock, verify_scheduled
+from moetune.ir.trace import synthetic_trace
 from moetune.passes.bucketing import bucketing, grid
 from moetune.passes.pipeline import context
 from moetune.passes.policy import representative_tokens as representative
-from moetune.passes.trace import synthetic_trace
 
 
 def sf(T, p, r):

@@ -4,9 +4,9 @@ import pytest
 from pass_shapes import GPU_SHAPES, gpu_block
 
 from moetune.ir import MoEBlock, ScheduledBlock, verify, verify_scheduled
+from moetune.ir.trace import synthetic_trace
 from moetune.passes.pipeline import PASSES, PassError, context, describe, run_pipeline, schedule_block
 from moetune.passes.policy import Policy
-from moetune.passes.trace import synthetic_trace
 
 
 @pytest.mark.parametrize("name", list(GPU_SHAPES))

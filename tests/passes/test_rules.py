@@ -7,13 +7,13 @@ import pytest
 from pass_shapes import GPU_SHAPES, gpu_block
 
 from moetune.ir import Bucket, CandidateSpace, MoEBlock, Refusal, ScheduledBlock, verify_scheduled
+from moetune.ir.trace import synthetic_trace
 from moetune.passes.bucketing import bucketing
 from moetune.passes.pipeline import context, schedule_block
 from moetune.passes.policy import Policy
 from moetune.passes.rules import RULES, grouped_gemm, hybrid, stream_gemv
 from moetune.passes.specialise import specialise
-from moetune.passes.targets import get_target
-from moetune.passes.trace import synthetic_trace
+from moetune.targets import get_target
 
 
 def kinds(b):

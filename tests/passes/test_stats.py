@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from moetune.ir import IRError, RoutingStats
+from moetune.ir.trace import synthetic_trace
 from moetune.passes.stats import BinomialRouting, ResampledRouting, from_trace, uniform, uniform_distinct
-from moetune.passes.trace import synthetic_trace
 
 
 def simulate_uniform(E, k, T, reps, seed=0):

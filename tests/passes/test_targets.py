@@ -7,9 +7,9 @@ from pass_shapes import gpu_block
 
 from moetune.ir import Bucket, IRError, MoEBlock, ScheduledBlock
 from moetune.passes.pipeline import context
-from moetune.passes.roofline import roofline
+from moetune.passes.roofline import floor, roofline
 from moetune.passes.stats import uniform
-from moetune.passes.targets import TARGETS, floor, get_target, gpu_target
+from moetune.targets import TARGETS, get_target, gpu_target
 
 # Reference floors, µs at the datasheet rates, averaged over random uniform routings (so a few % from the
 # expectation `floor` takes where the number of distinct experts varies most)
@@ -56,7 +56,7 @@ def test_target_table():
     assert h.measured_bandwidth < h.bandwidth and h.measured_flops < h.peak_flops
     assert {"h200", "tpu-v5e", "tpu-v6e", "tpu-v7", "cpu"} <= set(TARGETS)
     assert get_target("ironwood") is TARGETS["tpu-v7"]
-    assert "measure_cpu" in get_target("cpu").source and get_target("cpu").measured_bandwidth
+    assert "bench cpu" in get_target("cpu").source and get_target("cpu").measured_bandwidth
     for t in TARGETS.values():
         assert t.source and t.ridge > 1
     assert {"h100", "a100", "b200"} <= set(TARGETS)

@@ -7,8 +7,8 @@ import zipfile
 import numpy as np
 import pytest
 
+from moetune.ir.trace import Trace, TraceError, record, routing_trace, synthetic_trace
 from moetune.passes.stats import from_trace
-from moetune.passes.trace import Trace, TraceError, record, routing_trace, synthetic_trace
 
 
 def test_round_trip(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moetune
-from moetune.codegen.common import ExpertTensors
+from moetune.codegen.tensors import ExpertTensors
 from moetune.codegen.torch import experts_reference, tolerances
 from moetune.ir import MoetuneError
 from moetune.runtime import PLANS, plans

@@ -57,7 +57,7 @@ def test_route_by_bisect_and_edges():
 
 
 def _tensors(b, seed=0):
-    from moetune.codegen.common import ExpertTensors
+    from moetune.codegen.tensors import ExpertTensors
 
     g = torch.Generator().manual_seed(seed)
     return ExpertTensors(
@@ -167,7 +167,7 @@ def test_default_the_backend_cannot_build_runs_torch_with_one_warning():
 def strided_weights(b: MoEBlock, gen: torch.Generator):
     """Expert weights that are views with a padded expert stride (no [E·rows, cols] matrix): the
     pointer kernels read them, a TMA descriptor cannot."""
-    from moetune.codegen.common import ExpertTensors
+    from moetune.codegen.tensors import ExpertTensors
 
     gu = (torch.randn(b.E, 2 * b.F + 8, b.D, generator=gen) * b.D**-0.5)[:, : 2 * b.F]
     dn = (torch.randn(b.E, b.D + 8, b.F, generator=gen) * b.F**-0.5)[:, : b.D]

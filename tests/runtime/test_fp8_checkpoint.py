@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import moetune
-from moetune.codegen.common import ExpertTensors
 from moetune.codegen.quant import dequantize_blocks
+from moetune.codegen.tensors import ExpertTensors
 from moetune.codegen.torch import experts_reference, worst_error
 from moetune.ir import WeightFormat
 from moetune.ir.capture import capture

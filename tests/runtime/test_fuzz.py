@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from test_table import BLOCK, HERE, entry
 
 from moetune.ir import CacheError
-from moetune.passes.trace import Trace, TraceError, synthetic_trace
+from moetune.ir.trace import Trace, TraceError, synthetic_trace
 from moetune.runtime.schema import COLUMNS, TABLE
 from moetune.runtime.table import DispatchTable, load_entries
 

@@ -10,8 +10,9 @@ import pytest
 from moetune.codegen.pallas.lowering import GridCall
 from moetune.ir import MoEBlock, WeightFormat
 from moetune.ir.presets import preset
-from moetune.passes.targets import floor, get_target
+from moetune.passes.roofline import floor
 from moetune.search.estimate import VERIFY_WEIGHT_BYTES, estimate_s, grid_steps, verify_block, verify_tokens
+from moetune.targets import get_target
 
 BF16 = MoEBlock(E=8, k=2, D=256, F=256, weight_dtype="bfloat16")
 FP8 = BF16.with_weight_format(WeightFormat.fp8_block())

@@ -106,7 +106,7 @@ def test_the_default_heuristics_are_tried_first(tmp_path):
 def test_a_study_resumed_over_another_space_is_refused_naming_its_file(tmp_path):
     """A journal sampled over another search space (an older moetune's kernels) cannot be resumed: the
     error names the file and the parameter; the same space resumes."""
-    from moetune.codegen.common import ParamSpace
+    from moetune.codegen.space import ParamSpace
 
     j = str(tmp_path / "j.log")
     run(tb.toy("toy-resume"), storage=j)

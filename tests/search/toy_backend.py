@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from moetune.codegen.backend import register
-from moetune.codegen.common import ParamSpace
+from moetune.codegen.space import ParamSpace
 from moetune.codegen.torch import experts_reference
 from moetune.ir import Bucket, CandidateSpace, MoEBlock, Roofline, Schedule, UnsupportedSchedule
 from moetune.passes.policy import representative_tokens

@@ -15,7 +15,7 @@ What they share:
     _common.py     JaxExperts, the torch bridge, the interpret switch
     reference.py   the float32 reference in JAX
 
-The backend's target is a TPU description (moetune.passes.targets: tpu-v5e, tpu-v6e, tpu-v7): its VMEM per
+The backend's target is a TPU description (moetune.targets: tpu-v5e, tpu-v6e, tpu-v7): its VMEM per
 core bounds every space and its bandwidth and peaks give the floors the default tiles are costed against.
 It is available where JAX sees a TPU, or anywhere with MOETUNE_PALLAS_INTERPRET set (TPU interpret mode).
 """

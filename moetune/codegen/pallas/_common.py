@@ -1,6 +1,6 @@
 """What the Pallas kernel files share: the JAX-side expert tensors, the torch bridge and the interpret switch.
 
-    JaxExperts          the expert tensors as JAX arrays, in the layouts of moetune.codegen.common.ExpertTensors
+    JaxExperts          the expert tensors as JAX arrays, in the layouts of moetune.codegen.tensors.ExpertTensors
                         (standard: gate_up [E, 2F, D], down [E, D, F]; block scales [E, 2F/r, D/c], [E, D/r, F/c])
     JaxExpertsFn        fn(x [T, D], ids [T, k] int32, weights [T, k], w: JaxExperts) -> [T, D] in x.dtype;
                         jittable; T is static (the array's shape), so a bucket is picked at trace time
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from ...ir import MoEBlock
-from ..common import ExpertsFn, ExpertTensors
+from ..tensors import ExpertsFn, ExpertTensors
 
 INTERPRET_ENV = "MOETUNE_PALLAS_INTERPRET"
 _FOR_TPU = contextvars.ContextVar("moetune_pallas_for_tpu", default=False)

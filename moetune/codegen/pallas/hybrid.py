@@ -27,9 +27,9 @@ from functools import partial
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
 from ...passes.policy import hybrid_threshold, rows_per_active
 from ...passes.stats import uniform
-from ...passes.targets import Target
-from ..common import ParamSpace
+from ...targets import Target
 from ..contract import KernelKind, sources
+from ..space import ParamSpace
 from . import grouped_gemm as gg
 from . import tiles as gt
 from ._common import JaxExperts, bridged, interpret

@@ -82,9 +82,9 @@ from typing import Literal
 
 from ...ir import DTYPE_BYTES, MoEBlock, Schedule, UnsupportedSchedule
 from ...passes.stats import uniform_distinct
-from ...passes.targets import Target
-from ..common import ParamSpace
+from ...targets import Target
 from ..contract import KernelKind, sources
+from ..space import ParamSpace
 from ._common import JaxExperts, bridged, interpret
 from .reference import gated
 

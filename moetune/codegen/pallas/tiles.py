@@ -21,8 +21,8 @@ from typing import NamedTuple
 from ...ir import DTYPE_BYTES, MoEBlock, Schedule, UnsupportedSchedule
 from ...passes.policy import rows_per_active
 from ...passes.stats import uniform_distinct
-from ...passes.targets import Target
-from ..common import ParamSpace
+from ...targets import Target
+from ..space import ParamSpace
 
 LANE = 128  # TPU vector lanes: the last dimension of every block
 ROW_TILE = 16  # rows per sublane tile of a 16-bit operand (f32: 8), the step of tile_m

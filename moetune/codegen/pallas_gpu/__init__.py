@@ -16,14 +16,14 @@ weights, so the contract's format rule refuses it on fp8_block blocks.
 What they share:
     _common.py       interpret switch, compiler parameters, refusals, weight tiles, the in-kernel activation
 
-The target is a GPU's description (moetune.passes.targets; DEFAULT_GPU for the registered backend,
+The target is a GPU's description (moetune.targets; DEFAULT_GPU for the registered backend,
 `codegen.backend.for_target` for another): its shared memory per block bounds the GEMM tiles. Available where
 JAX sees a CUDA device, or anywhere with MOETUNE_PALLAS_GPU_INTERPRET set.
 """
 
 from __future__ import annotations
 
-from ...passes.targets import DEFAULT_GPU
+from ...targets import DEFAULT_GPU
 from ..backend import register
 from ..contract import KernelBackend
 from . import grouped_gemm, grouped_gemm_fp8, hybrid, stream_gemv, stream_gemv_fp8

@@ -33,10 +33,10 @@ from typing import Any
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
 from ...passes.stats import uniform_distinct
-from ...passes.targets import Target
-from ..common import ParamSpace
+from ...targets import Target
 from ..contract import KernelKind, sources
 from ..pallas._common import bridged
+from ..space import ParamSpace
 from ..tiles import make
 from . import routing
 from ._common import (

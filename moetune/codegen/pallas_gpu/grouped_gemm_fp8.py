@@ -18,10 +18,10 @@ from functools import partial
 from typing import Any
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
-from ...passes.targets import Target
-from ..common import ParamSpace
+from ...targets import Target
 from ..contract import KernelKind, sources
 from ..pallas._common import bridged
+from ..space import ParamSpace
 from ..tiles import make
 from . import grouped_gemm as gg
 from ._common import MIN_BK, MIN_TILE, check_divides, fp8_refusal

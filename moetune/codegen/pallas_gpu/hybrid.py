@@ -20,10 +20,10 @@ from typing import Any
 
 from ...ir import MoEBlock, Schedule
 from ...passes.stats import uniform_distinct
-from ...passes.targets import Target
-from ..common import ParamSpace
+from ...targets import Target
 from ..contract import KernelKind, sources
 from ..pallas._common import bridged
+from ..space import ParamSpace
 from ..tiles import make
 from . import grouped_gemm as gg
 from . import stream_gemv as sg

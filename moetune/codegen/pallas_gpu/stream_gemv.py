@@ -29,10 +29,10 @@ from functools import partial
 from typing import Any
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
-from ...passes.targets import Target
-from ..common import ParamSpace
+from ...targets import Target
 from ..contract import KernelKind, sources
 from ..pallas._common import bridged
+from ..space import ParamSpace
 from ..tiles import make
 from ._common import (
     REG_ELEMS,

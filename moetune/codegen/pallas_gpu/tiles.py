@@ -14,7 +14,7 @@ from math import gcd
 from typing import Any
 
 from ...ir import MoEBlock
-from ...passes.targets import Target
+from ...targets import Target
 from ..tiles import rung
 from ._common import MIN_BK, REG_ELEMS, pow2_divisor
 

@@ -22,8 +22,9 @@ from typing import Literal, NamedTuple
 import torch
 
 from ...ir import DTYPE_BYTES, MoEBlock, UnsupportedSchedule
-from ..common import ExpertTensors, ParamSpace
 from ..quant import dequantize_blocks
+from ..space import ParamSpace
+from ..tensors import ExpertTensors
 from .reference import apply_activation, split_gate_up
 
 Combine = Literal["unsort_sum", "index_add"]

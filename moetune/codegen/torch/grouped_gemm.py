@@ -35,9 +35,10 @@ import torch
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
 from ...passes.stats import uniform_distinct
-from ...passes.targets import Target
-from ..common import ExpertsFn, ExpertTensors, ParamSpace
+from ...targets import Target
 from ..contract import KernelKind, sources
+from ..space import ParamSpace
+from ..tensors import ExpertsFn, ExpertTensors
 from ._common import (
     COMBINES,
     FORMATS,

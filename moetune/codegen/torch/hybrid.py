@@ -23,9 +23,10 @@ from typing import Literal
 import torch
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
-from ...passes.targets import Target
-from ..common import ExpertsFn, ExpertTensors, ParamSpace
+from ...targets import Target
 from ..contract import KernelKind, sources
+from ..space import ParamSpace
+from ..tensors import ExpertsFn, ExpertTensors
 from ._common import (
     FORMATS,
     activation_bytes,

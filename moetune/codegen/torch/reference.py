@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from ...ir import Activation, MoEBlock
-from ..common import ExpertTensors
 from ..quant import dequantize_blocks, fake_quantize_rows
+from ..tensors import ExpertTensors
 
 
 def apply_activation(act: Activation, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
-from ...passes.targets import Target
-from ..common import ExpertsFn, ExpertTensors, ParamSpace
+from ...targets import Target
 from ..contract import KernelKind, sources
+from ..space import ParamSpace
+from ..tensors import ExpertsFn, ExpertTensors
 from ._common import (
     FORMATS,
     activate,

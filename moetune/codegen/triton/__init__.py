@@ -20,7 +20,7 @@ What they share:
     layout.py        host side: strides, launch arguments, constexprs, the target's limits
     launch.py        launching a compiled kernel without Triton's per-call dispatch
 
-The backend's target is a GPU's description (moetune.passes.targets): its shared memory per block bounds
+The backend's target is a GPU's description (moetune.targets): its shared memory per block bounds
 every space and every build. The registered backend describes DEFAULT_GPU; a compiled model and the tuner use
 `codegen.backend.for_target("triton", <the GPU's target>)`.
 """
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 
-from ...passes.targets import DEFAULT_GPU
+from ...targets import DEFAULT_GPU
 from ..backend import register
 from ..contract import KernelBackend
 from . import fused_gemv, grouped_gemm, grouped_gemm_fp8, hybrid, hybrid_fp8, stream_gemv, stream_gemv_fp8

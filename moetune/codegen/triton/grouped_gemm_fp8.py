@@ -67,10 +67,11 @@ import torch
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
 from ...passes.stats import uniform_distinct
-from ...passes.targets import Target
-from ..common import ExpertTensors, ParamSpace
+from ...targets import Target
 from ..contract import KernelKind, sources
 from ..quant import act_group
+from ..space import ParamSpace
+from ..tensors import ExpertTensors
 from ..tiles import make
 from . import combine as _combine
 from . import routing

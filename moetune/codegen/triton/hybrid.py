@@ -21,9 +21,10 @@ import triton.language as tl
 
 from ...ir import DTYPE_BYTES, MoEBlock, Schedule, UnsupportedSchedule
 from ...passes.stats import uniform_distinct
-from ...passes.targets import Target
-from ..common import ExpertTensors, ParamSpace
+from ...targets import Target
 from ..contract import KernelKind, sources
+from ..space import ParamSpace
+from ..tensors import ExpertTensors
 from ..tiles import make
 from . import combine as _combine
 from . import routing

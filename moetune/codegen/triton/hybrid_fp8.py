@@ -23,9 +23,10 @@ import triton
 import triton.language as tl
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
-from ...passes.targets import Target
-from ..common import ExpertTensors, ParamSpace
+from ...targets import Target
 from ..contract import KernelKind, sources
+from ..space import ParamSpace
+from ..tensors import ExpertTensors
 from ..tiles import make
 from . import combine as _combine
 from . import routing

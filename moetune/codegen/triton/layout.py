@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from ...ir import MoEBlock, UnsupportedSchedule
-from ...passes.targets import Target
-from ..common import ExpertTensors
+from ...targets import Target
+from ..tensors import ExpertTensors
 
 ACT_CODES = {"swiglu": 0, "clamped_swiglu": 1}
 

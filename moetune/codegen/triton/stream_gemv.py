@@ -27,9 +27,10 @@ import triton.language as tl
 
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
 from ...passes.stats import uniform_distinct
-from ...passes.targets import Target
-from ..common import ExpertTensors, ParamSpace
+from ...targets import Target
 from ..contract import KernelKind, sources
+from ..space import ParamSpace
+from ..tensors import ExpertTensors
 from ..tiles import make
 from . import combine as _combine
 from . import routing

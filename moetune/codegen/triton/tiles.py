@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...ir import MoEBlock
-from ...passes.targets import Target
+from ...targets import Target
 from ..tiles import rung
 from .layout import next_pow2, tma_refusal
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..ir.errors import MoetuneError
+from .errors import MoetuneError
 
 FORMAT = "moetune-trace"
 VERSION = 1
@@ -169,7 +169,7 @@ def _check(t: Trace, where: str) -> None:
 def experts_modules(model) -> list[tuple[str, object]]:
     """(path, experts module) of each hooked MoE layer, in model order."""
     try:
-        from ..ir.capture import capture, is_hooked
+        from .capture import capture, is_hooked
     except ImportError:  # a build without capture: transformers' hook attributes alone
         capture = None
     if capture is not None:  # hooked experts modules, captured or not (routing ids are valid either way)

@@ -1,10 +1,10 @@
-"""Measure this machine's CPU ceilings once, for the `cpu` row of the target table.
+"""cpu: this machine's CPU ceilings (stream add bandwidth, fp32 matmul rate), for the `cpu` row of the target table.
 
-    python -m moetune.passes.measure_cpu
+    python -m bench cpu
 
 Stream bandwidth: numpy `np.add(a, b, out=c)` over 3 × 256 MiB float32 arrays (STREAM "add":
 2 reads + 1 write per element, 12 bytes counted), best of 10. Matmul: `torch.mm` fp32 2048³
-with torch's default thread count, best of 5. The figures go into `targets.py` by hand, with the
+with torch's default thread count, best of 5. The figures go into `moetune/targets.py` by hand, with the
 date; they are the roofs the CPU floors are quoted against.
 """
 
@@ -44,13 +44,14 @@ def matmul_rate(n: int = 2048, reps: int = 5) -> tuple[float, int]:
     return 2 * n**3 / best, torch.get_num_threads()
 
 
-def main() -> None:
+def add_arguments(ap) -> None:
+    pass
+
+
+def run(args) -> int:
     bw = stream_add_bandwidth()
     fl, threads = matmul_rate()
     print(f"date {time.strftime('%Y-%m-%d', time.gmtime())}  cpus {os.cpu_count()}")
     print(f"stream add bandwidth {bw / 1e9:.2f} GB/s")
     print(f"fp32 matmul 2048^3   {fl / 1e9:.1f} GFLOP/s ({threads} threads)")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,34 +1,18 @@
-"""The target description table and the roofline floor of an MoE expert block.
+"""The target description table: one row per hardware target, what its floors are quoted at and what its kernels
+are bounded by.
 
-One row per hardware target. `bandwidth` and `peak_flops` are the figures floors are quoted at
-(the datasheet where there is one); `measured_*` are the ceilings measured on the machine
-(bench/README.md says how), kept beside them and never mixed in. `vector_flops` is the
-non-matrix-unit rate (fp32 CUDA cores on a GPU): the limit of a streaming GEMV, which does its
-multiply-adds there.
-
-Floor of one call of the routed experts at T tokens (the router and the shared experts are not part
-of it: they run outside transformers' experts hook, which covers the routed experts alone):
-
-    bytes = distinct_experts · weight_bytes_per_expert         (every selected expert read once, scales too)
-          + 2 · T·D · bytes_per_activation                     (x in, y out)
-          + T·k · (8 + bytes_per_routing_weight)               (int64 ids, routing weights)
-    flops = 2 · 3 · T·k · D·F
-    time  = max(bytes / bandwidth, flops / peak)      peak: fp8_flops for FP8 weights where the target has
-                                                      FP8 matrix units, else peak_flops
-
-`distinct_experts` is the routing statistics model's expectation at T (uniform routing unless a
-measured `RoutingStats` is given). `floor(block, target, tokens, stats=None)` is the one function
-the passes, the search and the benchmarks use.
+`bandwidth` and `peak_flops` are the figures floors are quoted at (the datasheet where there is one);
+`measured_*` are the ceilings measured on the machine (bench/README.md says how), kept beside them and never mixed
+in. `vector_flops` is the non-matrix-unit rate (fp32 CUDA cores on a GPU): the limit of a streaming GEMV, which
+does its multiply-adds there. The floor of a block on a target is `moetune.passes.roofline.floor`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import DTYPE_BYTES, IRError, MoEBlock, Roofline, RoutingStats
-from .stats import uniform
+from .ir import DTYPE_BYTES, IRError
 
-ROUTING_ID_BYTES = 8  # transformers hands the experts int64 top-k ids
 # The fixed cost of one step of a Pallas TPU grid (the pipeline's bookkeeping and DMA issue between two
 # kernel bodies), assumed for every TPU generation: the figure Pallas TPU kernel authors size their blocks
 # by; not measured here.
@@ -109,11 +93,11 @@ TARGETS: dict[str, Target] = {
                source="Google Cloud TPU7x (Ironwood) docs: 2307 TFLOP/s bf16 (4614 fp8), 7.37 TB/s "
                       "HBM, 192 GiB, per chip of two TensorCores; VMEM per core from jax's pallas tpu_info; "
                       "grid step cost assumed (GRID_STEP_S); not measured"),
-        # No datasheet figures: the floor uses the measured ones (python -m moetune.passes.measure_cpu,
+        # No datasheet figures: the floor uses the measured ones (python -m bench cpu,
         # the best of three runs).
         Target("cpu", "cpu", bandwidth=9.28e9, peak_flops=244.5e9, measured_bandwidth=9.28e9,
                measured_flops=244.5e9,
-               source="measured by moetune.passes.measure_cpu "
+               source="measured by python -m bench cpu "
                       "(numpy stream add, torch fp32 mm); no datasheet"),
     )
 }
@@ -142,34 +126,3 @@ def get_target(target: str | Target) -> Target:
     if name not in TARGETS:
         raise IRError("target", "name", target, f"known: {', '.join(TARGETS)}")
     return TARGETS[name]
-
-
-def floor(block: MoEBlock, target: str | Target, tokens: int, stats: RoutingStats | None = None) -> Roofline:
-    """The roofline floor of `block`'s routed experts at `tokens` tokens on `target`.
-
-    `stats`: the expected expert-batch shape at `tokens` (its `distinct_experts` is used); uniform
-    routing when None.
-    """
-    t = get_target(target)
-    if not isinstance(tokens, int) or tokens < 1:
-        raise IRError("floor", "tokens", tokens, "need an int ≥ 1")
-    if stats is None:
-        stats = uniform(block.E, block.k).stats(tokens)
-    elif stats.tokens != tokens:
-        raise IRError("floor", "stats.tokens", stats.tokens,
-                      f"stats are for another token count than {tokens}")
-    act = DTYPE_BYTES[block.weight_format.compute_dtype]
-    nbytes = (stats.distinct_experts * block.weight_bytes_per_expert
-              + 2 * tokens * block.D * act
-              + tokens * block.k * (ROUTING_ID_BYTES + DTYPE_BYTES[block.routing_weight_dtype]))
-    flops = 2.0 * 3 * tokens * block.k * block.D * block.F
-    return Roofline(target=t.name, tokens=tokens, bytes=float(nbytes), flops=flops,
-                    bandwidth=t.bandwidth, peak_flops=peak_flops(block, t))
-
-
-def peak_flops(block: MoEBlock, target: str | Target) -> float:
-    """The matrix-unit rate a floor of `block` is quoted at: FP8's for FP8 weights where the target has it."""
-    t = get_target(target)
-    if block.weight_format.dtype.startswith("float8") and t.fp8_flops:
-        return t.fp8_flops
-    return t.peak_flops
