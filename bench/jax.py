@@ -310,7 +310,7 @@ def cell(shape: str, T: int, w, rw, args, timers) -> list[dict]:
     import torch
 
     from moetune.codegen.backend import get
-    from moetune.codegen.pallas._common import jax_experts, to_jax
+    from moetune.codegen.pallas_tpu._common import jax_experts, to_jax
     from moetune.search.objective import make_cases, reference
 
     from .cells import bench_block
@@ -386,7 +386,7 @@ def run(args) -> int:
     import jax
     import torch
 
-    from moetune.codegen.pallas._common import jax_experts
+    from moetune.codegen.pallas_tpu._common import jax_experts
     from moetune.search.objective import expert_tensors
     from moetune.search.timing import CudaGraphTimer, JaxTimer
 

@@ -388,7 +388,7 @@ def _tpu_target(name: str | None):
 
 def _tpu_here() -> bool:
     try:
-        from ..codegen.pallas._common import on_tpu
+        from ..codegen.pallas_tpu._common import on_tpu
 
         return on_tpu()
     except ImportError:

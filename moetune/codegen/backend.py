@@ -30,7 +30,7 @@ from .tensors import ExpertsFn
 _REGISTRY: dict[str, Backend] = {}
 _FOR_TARGET: dict[tuple[str, str], Backend] = {}
 _MODULES = {"torch": "moetune.codegen.torch", "triton": "moetune.codegen.triton",
-            "pallas_tpu": "moetune.codegen.pallas", "pallas_gpu": "moetune.codegen.pallas_gpu"}
+            "pallas_tpu": "moetune.codegen.pallas_tpu", "pallas_gpu": "moetune.codegen.pallas_gpu"}
 
 
 class Backend(Protocol):

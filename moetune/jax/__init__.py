@@ -20,7 +20,7 @@ experts (moetune.jax.experts)
     caller runs a fixed kernel per T and nothing is looked up when the program runs.
 
 backends (moetune.jax.dispatch)
-    "reference"   the float32 JAX reference (moetune.codegen.pallas.reference) cast to x's dtype; runs
+    "reference"   the float32 JAX reference (moetune.codegen.pallas_tpu.reference) cast to x's dtype; runs
                   anywhere, no schedule, reads no table
     "pallas_tpu"  the Pallas TPU kernels (`KernelKind.build_jax` of the schedule's kind) on a TPU; elsewhere in
                   TPU interpret mode when MOETUNE_PALLAS_INTERPRET is set, else refused with the reason

@@ -204,7 +204,7 @@ def _probe(g: Graph, nodes: list[Node], inputs: tuple[int, ...], out: int, scale
 
 
 def _gated(act: Activation, gate, up):
-    """The block's activation of gate and up (moetune.codegen.pallas.reference.gated), in float64 numpy."""
+    """The block's activation of gate and up (moetune.codegen.pallas_tpu.reference.gated), in float64 numpy."""
     import numpy as np
 
     gate, up = np.asarray(gate, np.float64), np.asarray(up, np.float64)

@@ -3,7 +3,7 @@
     be = jax_backend(None)                        # "reference" | a registered backend with JAX kernels
     r = route(block, T, table=…, backend=…)       # Route(lo, hi, schedule, source, fn), fn a JaxExpertsFn
 
-A JAX backend is "reference" (the float32 JAX reference, moetune.codegen.pallas.reference, cast to x's
+A JAX backend is "reference" (the float32 JAX reference, moetune.codegen.pallas_tpu.reference, cast to x's
 dtype; it runs no schedule), a registered backend whose kernel kinds have a `build_jax` ("pallas_tpu";
 "pallas_gpu" where that backend is installed), or any other registered backend, whose torch kernels run at
 an XLA FFI call (moetune.jax.xla_call: "triton", "torch"). With no name: the first of DEFAULT_ORDER whose
@@ -40,7 +40,7 @@ DEFAULT_ORDER = (("tpu", "pallas_tpu"), ("gpu", "pallas_gpu"))  # JAX platform �
 
 def reference_fn(block: MoEBlock):
     """The JaxExpertsFn of the float32 JAX reference, its result in x's dtype."""
-    from ..codegen.pallas.reference import experts_reference
+    from ..codegen.pallas_tpu.reference import experts_reference
 
     def run(x, ids, weights, w):
         return experts_reference(block, x, ids, weights, w).astype(x.dtype)

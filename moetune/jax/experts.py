@@ -16,7 +16,7 @@ names them, which is how a caller sees that moetune's schedule is in a program a
 
 from __future__ import annotations
 
-from ..codegen.pallas._common import JaxExperts
+from ..codegen.pallas_tpu._common import JaxExperts
 from ..ir import DTYPES, IRError, MoEBlock, MoetuneError, UnsupportedSchedule
 from ..ir.presets import preset
 from ..runtime.dispatch import DispatchWarning

@@ -35,7 +35,7 @@ import threading
 
 import torch
 
-from ..codegen.pallas._common import JaxExperts
+from ..codegen.pallas_tpu._common import JaxExperts
 from ..codegen.tensors import ExpertsFn, ExpertTensors
 from ..ir import MoEBlock, Schedule, UnsupportedSchedule
 

@@ -14,7 +14,7 @@ space.cap_space), the runtime's default first, goes through three stages:
    kernel parameter is the block's own; only the expert count, and so the rows per expert, differ).
 2. lowered: the same schedule built again on the block's real shape, traced with jax.ShapeDtypeStruct
    arguments at the bucket's token counts (first, representative, last) and lowered for TPU, interpret
-   off (`codegen.pallas.lowering`): Mosaic checks the TPU's tiling rules there, which interpret mode does
+   off (`codegen.pallas_tpu.lowering`): Mosaic checks the TPU's tiling rules there, which interpret mode does
    not. A candidate Mosaic refuses is out.
 3. estimated, at the representative count (the cost model):
 
@@ -147,8 +147,8 @@ def verify_tokens(bucket: Bucket) -> int:
 @contextlib.contextmanager
 def interpreting() -> Iterator[None]:
     """MOETUNE_PALLAS_INTERPRET set for the run where no TPU is visible and it is not set already (TPU
-    interpret mode: codegen.pallas._common.interpret); as it was afterwards."""
-    from ..codegen.pallas._common import INTERPRET_ENV, interpret_requested, on_tpu
+    interpret mode: codegen.pallas_tpu._common.interpret); as it was afterwards."""
+    from ..codegen.pallas_tpu._common import INTERPRET_ENV, interpret_requested, on_tpu
 
     if interpret_requested() is not None or on_tpu():
         yield
@@ -206,7 +206,7 @@ def estimate_block(block: MoEBlock, target: str, tokens: tuple[int, int] = (1, 1
             buckets = [b for b in buckets if any(b.lo <= x <= b.hi for x in at_tokens)]
         vblock, _ = verify_block(block)
         w = expert_tensors(vblock, seed=options.seed)
-        from ..codegen.pallas._common import on_tpu
+        from ..codegen.pallas_tpu._common import on_tpu
 
         versions = Versions.current(BACKEND, "tpu" if on_tpu() else "cpu") if table is not None else None
         results = []
@@ -283,7 +283,7 @@ def _say(reasons: list[str], line: str) -> None:
 def _candidate(block: MoEBlock, be, target: str, s: Schedule, objective: Objective, counts: list[int], rep: int,
                options: EstimateOptions) -> Candidate:
     """Verify `s`, lower it at every count of `counts`, estimate it at `rep`."""
-    from ..codegen.pallas.lowering import LoweringRefused, TraceFailed, lower, reset_interpret
+    from ..codegen.pallas_tpu.lowering import LoweringRefused, TraceFailed, lower, reset_interpret
 
     checked = objective.verify(s)
     if checked.status != "verified":

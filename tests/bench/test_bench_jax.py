@@ -13,8 +13,8 @@ pytest.importorskip("jax")
 from test_bench import bench  # noqa: E402
 
 from bench import jax as J  # noqa: E402
-from moetune.codegen.pallas._common import jax_experts, to_jax  # noqa: E402
 from moetune.codegen.pallas_gpu._common import INTERPRET_ENV  # noqa: E402
+from moetune.codegen.pallas_tpu._common import jax_experts, to_jax  # noqa: E402
 from moetune.codegen.torch import experts_reference, worst_error  # noqa: E402
 from moetune.ir import MoEBlock  # noqa: E402
 from moetune.search.objective import expert_tensors  # noqa: E402

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from moetune.cli import main
-from moetune.codegen.pallas._common import INTERPRET_ENV, on_tpu
+from moetune.codegen.pallas_tpu._common import INTERPRET_ENV, on_tpu
 from moetune.ir.config import block_from_config
 
 pytestmark = pytest.mark.skipif(on_tpu(), reason="these check the behaviour on a machine without a TPU")

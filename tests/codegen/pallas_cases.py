@@ -62,7 +62,7 @@ def abstract_inputs(block: MoEBlock, T: int):
     import jax
     import jax.numpy as jnp
 
-    from moetune.codegen.pallas._common import JaxExperts
+    from moetune.codegen.pallas_tpu._common import JaxExperts
 
     lay, fmt = block.layout, block.weight_format
     dt, wt = jnp.dtype(fmt.compute_dtype), jnp.dtype(block.weight_dtype)

@@ -285,7 +285,7 @@ def lowered(block: MoEBlock, schedule: Schedule, T: int) -> str:
     import jax
     import jax.numpy as jnp
 
-    from moetune.codegen.pallas._common import JaxExperts
+    from moetune.codegen.pallas_tpu._common import JaxExperts
 
     lay, fmt = block.layout, block.weight_format
     dt = jnp.dtype(fmt.compute_dtype)

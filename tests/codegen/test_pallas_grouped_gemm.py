@@ -22,8 +22,8 @@ from pallas_cases import (  # noqa: E402
     lower_for_tpu,
 )
 
-from moetune.codegen.pallas import grouped_gemm as gg  # noqa: E402
-from moetune.codegen.pallas import tiles as gt  # noqa: E402
+from moetune.codegen.pallas_tpu import grouped_gemm as gg  # noqa: E402
+from moetune.codegen.pallas_tpu import tiles as gt  # noqa: E402
 from moetune.ir import MoEBlock, Schedule, UnsupportedSchedule, WeightFormat  # noqa: E402
 from moetune.ir.presets import preset  # noqa: E402
 from moetune.targets import get_target  # noqa: E402

@@ -21,8 +21,8 @@ from pallas_cases import (  # noqa: E402
     lower_for_tpu,
 )
 
-from moetune.codegen.pallas import hybrid as hy  # noqa: E402
-from moetune.codegen.pallas import tiles as gt  # noqa: E402
+from moetune.codegen.pallas_tpu import hybrid as hy  # noqa: E402
+from moetune.codegen.pallas_tpu import tiles as gt  # noqa: E402
 from moetune.ir import Schedule, UnsupportedSchedule  # noqa: E402
 from moetune.ir.presets import preset  # noqa: E402
 from moetune.passes.policy import hybrid_threshold, rows_per_active  # noqa: E402

@@ -14,8 +14,8 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from moetune.codegen.backend import for_target  # noqa: E402
-from moetune.codegen.pallas import _common  # noqa: E402
-from moetune.codegen.pallas.lowering import (  # noqa: E402
+from moetune.codegen.pallas_tpu import _common  # noqa: E402
+from moetune.codegen.pallas_tpu.lowering import (  # noqa: E402
     GridCall,
     LoweringRefused,
     TraceFailed,

@@ -1,4 +1,4 @@
-"""The JAX float32 reference (moetune.codegen.pallas.reference) equals the torch one on every layout,
+"""The JAX float32 reference (moetune.codegen.pallas_tpu.reference) equals the torch one on every layout,
 activation and weight format, sentinel ids included."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 jax = pytest.importorskip("jax")
 
-from moetune.codegen.pallas._common import jax_experts, to_jax  # noqa: E402
-from moetune.codegen.pallas.reference import experts_reference as jax_reference  # noqa: E402
+from moetune.codegen.pallas_tpu._common import jax_experts, to_jax  # noqa: E402
+from moetune.codegen.pallas_tpu.reference import experts_reference as jax_reference  # noqa: E402
 from moetune.codegen.torch import experts_reference  # noqa: E402
 from moetune.ir import Activation, MoEBlock, WeightFormat, WeightLayout  # noqa: E402
 from moetune.search.objective import expert_tensors  # noqa: E402

@@ -1,4 +1,4 @@
-"""The Pallas TPU stream_gemv kernels (moetune.codegen.pallas.stream_gemv, stream_gemv_fp8): against the
+"""The Pallas TPU stream_gemv kernels (moetune.codegen.pallas_tpu.stream_gemv, stream_gemv_fp8): against the
 float32 torch reference in TPU interpret mode with race detection, every layout, activation, weight
 application, dtype and weight format, the routing corner cases and sentinel ids; lowered for TPU at the
 presets' real shapes on every TPU target; their spaces within VMEM and holding their defaults."""
@@ -16,9 +16,9 @@ os.environ["MOETUNE_PALLAS_INTERPRET"] = "races"  # TPU interpret mode, DMA race
 import jax.numpy as jnp  # noqa: E402
 
 from moetune.codegen.backend import get  # noqa: E402
-from moetune.codegen.pallas import stream_gemv as sg  # noqa: E402
-from moetune.codegen.pallas import stream_gemv_fp8 as sg8  # noqa: E402
-from moetune.codegen.pallas._common import JaxExperts, jax_experts  # noqa: E402
+from moetune.codegen.pallas_tpu import stream_gemv as sg  # noqa: E402
+from moetune.codegen.pallas_tpu import stream_gemv_fp8 as sg8  # noqa: E402
+from moetune.codegen.pallas_tpu._common import JaxExperts, jax_experts  # noqa: E402
 from moetune.codegen.torch import experts_reference  # noqa: E402
 from moetune.codegen.torch.tolerance import worst_error  # noqa: E402
 from moetune.ir import Activation, MoEBlock, Schedule, UnsupportedSchedule, WeightFormat, WeightLayout  # noqa: E402

@@ -150,7 +150,7 @@ def _jitted(block, backend: str):
 @pytest.mark.parametrize(("route", "fmt"), JAX, ids=["/".join(c) for c in JAX])
 def test_jax_routes_match_the_reference(route, fmt, interpreted, property_counts):
     import moetune.jax as mj
-    from moetune.codegen.pallas._common import to_jax
+    from moetune.codegen.pallas_tpu._common import to_jax
 
     cell = f"{route}/route/{fmt}"
     counts = property_counts.setdefault(cell, {})

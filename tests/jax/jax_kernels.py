@@ -11,7 +11,7 @@ from pathlib import Path
 
 from moetune.codegen.backend import _REGISTRY, register
 from moetune.codegen.contract import KernelBackend, KernelKind
-from moetune.codegen.pallas._common import bridged
+from moetune.codegen.pallas_tpu._common import bridged
 from moetune.codegen.space import ParamSpace
 from moetune.ir import SCHEDULE_KINDS, UnsupportedSchedule
 from moetune.jax.dispatch import reference_fn

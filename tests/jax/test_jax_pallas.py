@@ -10,7 +10,7 @@ import torch
 jax = pytest.importorskip("jax")
 
 import moetune.jax as mj  # noqa: E402
-from moetune.codegen.pallas._common import to_jax  # noqa: E402
+from moetune.codegen.pallas_tpu._common import to_jax  # noqa: E402
 from moetune.codegen.torch import experts_reference  # noqa: E402
 from moetune.codegen.torch.tolerance import worst_error  # noqa: E402
 from moetune.ir import MoEBlock  # noqa: E402

@@ -16,7 +16,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import moetune.jax as mj  # noqa: E402
-from moetune.codegen.pallas._common import to_jax  # noqa: E402
+from moetune.codegen.pallas_tpu._common import to_jax  # noqa: E402
 from moetune.codegen.quant import activation_group  # noqa: E402
 from moetune.codegen.torch import experts_reference  # noqa: E402
 from moetune.codegen.torch.tolerance import worst_error  # noqa: E402

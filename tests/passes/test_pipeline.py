@@ -77,7 +77,7 @@ def test_a_backend_without_the_preferred_kind_gets_no_hybrid_whose_threshold_is_
     """In the one-row buckets the rules propose only stream_gemv; a backend with no such kernel gets its
     default from the kinds it offers, and a hybrid there would carry a threshold no expert reaches."""
     pytest.importorskip("jax")
-    from moetune.codegen.pallas import PallasTpuBackend, grouped_gemm, hybrid
+    from moetune.codegen.pallas_tpu import PallasTpuBackend, grouped_gemm, hybrid
 
     class NoGemv(PallasTpuBackend):
         KINDS = (grouped_gemm.KIND, hybrid.KIND)

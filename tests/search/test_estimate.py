@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from moetune.codegen.pallas.lowering import GridCall
+from moetune.codegen.pallas_tpu.lowering import GridCall
 from moetune.ir import MoEBlock, WeightFormat
 from moetune.ir.presets import preset
 from moetune.passes.roofline import floor
@@ -81,7 +81,7 @@ def test_the_verification_count_is_small_and_inside_small_buckets():
 
 @pytest.mark.parametrize("before", [None, "0"])
 def test_interpret_mode_is_set_for_the_run_and_restored(before, monkeypatch):
-    from moetune.codegen.pallas._common import INTERPRET_ENV, interpret_requested
+    from moetune.codegen.pallas_tpu._common import INTERPRET_ENV, interpret_requested
     from moetune.search.estimate import interpreting
 
     if before is None:

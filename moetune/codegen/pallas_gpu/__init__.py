@@ -4,7 +4,7 @@ jax releases this package supports), run by XLA as Triton custom calls; Pallas' 
 
 Kernel files, one per schedule kind, each with its kernel, parameters, space, default, cost and a
 `build_jax` (the per-kind contract, moetune.codegen.contract); `build` is the torch-facing wrapper of
-`build_jax` (moetune.codegen.pallas._common.bridged), so the search checks and times the function JAX runs:
+`build_jax` (moetune.codegen.pallas_tpu._common.bridged), so the search checks and times the function JAX runs:
     stream_gemv.py   one program per (pair, output tile), token-mode down with no atomics (stream_gemv)
     stream_gemv_fp8.py  the same on FP8 block-quantised weights, dequantised in registers (stream_gemv, fp8_block)
     grouped_gemm.py  expert-sorted rows in BM-row tiles, `pl.dot` (grouped_gemm)

@@ -23,7 +23,7 @@ kernels refuse, weight-tile loads in both layouts and the activation inside a ke
     activate              h = act(gate, up) in f32, per the block's activation
     trailing_refs         (bias, scale, output) refs after a kernel's weight ref
 
-The expert tensors are JaxExperts (moetune.codegen.pallas._common) in the layouts of ExpertTensors:
+The expert tensors are JaxExperts (moetune.codegen.pallas_tpu._common) in the layouts of ExpertTensors:
 standard gate_up [E, 2F, D], down [E, D, F]; transposed gate_up [E, D, 2F], down [E, F, D]. Gate rows are
 0..F-1 of the 2F axis and up rows F..2F-1, or (interleaved) the even and the odd ones. Tiles are read in
 place, with dynamic slices (`pl.ds`) or index arrays (a gather of several experts' tiles, `expert_tiles`);

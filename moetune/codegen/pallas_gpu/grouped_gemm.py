@@ -35,7 +35,7 @@ from ...ir import MoEBlock, Schedule, UnsupportedSchedule
 from ...passes.stats import uniform_distinct
 from ...targets import Target
 from ..contract import KernelKind, sources
-from ..pallas._common import bridged
+from ..pallas_tpu._common import bridged
 from ..space import ParamSpace
 from ..tiles import make
 from . import routing

@@ -22,7 +22,7 @@ from ...ir import MoEBlock, Schedule
 from ...passes.stats import uniform_distinct
 from ...targets import Target
 from ..contract import KernelKind, sources
-from ..pallas._common import bridged
+from ..pallas_tpu._common import bridged
 from ..space import ParamSpace
 from ..tiles import make
 from . import grouped_gemm as gg

@@ -31,7 +31,7 @@ from typing import Any
 from ...ir import MoEBlock, Schedule, UnsupportedSchedule
 from ...targets import Target
 from ..contract import KernelKind, sources
-from ..pallas._common import bridged
+from ..pallas_tpu._common import bridged
 from ..space import ParamSpace
 from ..tiles import make
 from ._common import (
